@@ -1,0 +1,25 @@
+"""vllm_omni: multi-stage inference on vLLM (LLM and diffusion stages) with LoRA on every stage.
+
+``import vllm_omni`` stays cheap: ``Omni`` and ``AsyncOmni`` are imported on first use.
+"""
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+__all__ = ["AsyncOmni", "Omni"]
+
+if TYPE_CHECKING:
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+    from vllm_omni.entrypoints.omni import Omni
+
+
+def __getattr__(name: str):
+    if name == "Omni":
+        from vllm_omni.entrypoints.omni import Omni
+
+        return Omni
+    if name == "AsyncOmni":
+        from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+        return AsyncOmni
+    raise AttributeError(f"module 'vllm_omni' has no attribute {name!r}")

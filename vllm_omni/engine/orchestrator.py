@@ -1,0 +1,174 @@
+"""Runs requests through the stages of a pipeline in order.
+
+Each stage runtime exposes ``submit(prompt, params, lora_request=None) -> Future``. The
+orchestrator submits a request to the entry stage with the caller's adapter, and, when
+a stage finishes, builds the next stage's input from its sources' outputs (the
+``input_processor`` of the stage spec) and submits it **without** the adapter: a
+request's adapter reaches the entry stage only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.engine.llm_stage import LLMStageEngine, LoRANotEnabledError, StageEngineError
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _stage_text(output: Any, stage_label: str) -> str:
+    text = getattr(output, "outputs", None) and output.outputs[0].text
+    if not text:
+        raise StageEngineError(f"{stage_label} produced no text for the next stage to consume")
+    return text
+
+
+def make_stage_runtime(stage) -> Any:
+    """Start the runtime of one stage (a vLLM engine or the diffusion engine)."""
+    if stage.is_llm:
+        return LLMStageEngine(stage)
+    from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
+
+    return DiffusionStageEngine(stage)
+
+
+class Orchestrator:
+    """Owns one runtime per stage and chains requests through them.
+
+    Raises:
+        StageEngineError: a stage failed to start (stages already started are shut down).
+    """
+
+    def __init__(self, config: VllmOmniConfig):
+        self.config = config
+        self.runtimes: list[Any] = []
+        self._ids = itertools.count()
+        try:
+            for stage in config.stages:
+                logger.info("starting %s with model %s", stage.label, stage.model)
+                self.runtimes.append(make_stage_runtime(stage))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(
+        self,
+        prompt: Any,
+        stage_params: Sequence[Any],
+        lora_request: Any = None,
+        on_output: Callable[[OmniRequestOutput], None] | None = None,
+        **entry_kwargs: Any,
+    ) -> Future:
+        """Run one request through every stage.
+
+        Args:
+            prompt: the entry stage's prompt (text, token ids or a vLLM prompt dict).
+            stage_params: one sampling-params object per stage.
+            lora_request: adapter for the entry stage only.
+            on_output: called (from an engine thread) with each final-output stage's result.
+            entry_kwargs: extra per-request arguments of the entry stage runtime.
+
+        Returns:
+            A future of the list of final-output :class:`OmniRequestOutput` in stage order.
+
+        Raises (synchronously): errors of the entry stage's ``submit`` (e.g. invalid adapter).
+        """
+        request_id = f"omni-{next(self._ids)}"
+        done: Future = Future()
+        finals: list[OmniRequestOutput] = []
+        raw: dict[int, Any] = {}
+        prompts: dict[int, Any] = {0: prompt}
+        lock = threading.Lock()
+
+        def run_stage(stage_id: int, future: Future) -> None:
+            try:
+                result = future.result()
+                stage = self.config.stages[stage_id]
+                with lock:
+                    raw[stage_id] = result
+                if stage.final_output:
+                    out = self._to_output(request_id, stage, prompts[stage_id], result, raw)
+                    finals.append(out)
+                    if on_output is not None:
+                        on_output(out)
+                nxt = stage_id + 1
+                if nxt == len(self.runtimes):
+                    done.set_result(finals)
+                    return
+                prompts[nxt] = self._next_input(nxt, prompt, raw)
+                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt])
+                fut.add_done_callback(lambda f: run_stage(nxt, f))
+            except BaseException as exc:  # propagate any stage failure to the caller
+                if not done.done():
+                    done.set_exception(exc)
+
+        first = self.runtimes[0].submit(prompt, stage_params[0], lora_request=lora_request, **entry_kwargs)
+        first.add_done_callback(lambda f: run_stage(0, f))
+        return done
+
+    def _next_input(self, stage_id: int, user_prompt: Any, raw: dict[int, Any]) -> Any:
+        spec = self.config.pipeline.stages[stage_id]
+        stage = self.config.stages[stage_id]
+        sources = stage.engine_input_source or [stage_id - 1]
+        if spec.input_processor == "prompt":
+            return user_prompt
+        if spec.input_processor == "previous_text":
+            src = self.config.stages[sources[0]]
+            return _stage_text(raw[sources[0]], src.label)
+        raise StageEngineError(
+            f"{stage.label}: input processor {spec.input_processor!r} is not implemented in this build"
+        )
+
+    @staticmethod
+    def _to_output(
+        request_id: str, stage, prompt: Any, result: Any, raw: dict[int, Any]
+    ) -> OmniRequestOutput:
+        if stage.is_llm:
+            return OmniRequestOutput(
+                request_id, stage.stage_id, "text", prompt, request_output=result, stage_outputs=raw
+            )
+        images = getattr(result, "images", None) or []
+        return OmniRequestOutput(
+            request_id, stage.stage_id, "image", prompt, images=list(images), stage_outputs=raw
+        )
+
+    # ---------------------------------------------------------------- LoRA management
+    def lora_call(self, method: str, *args: Any) -> dict[int, Any]:
+        """Call a LoRA management method on every stage that supports LoRA.
+
+        Returns:
+            ``{stage_id: result}`` for the stages that implement it.
+
+        Raises:
+            LoRANotEnabledError: no stage of the pipeline has LoRA enabled (message lists them).
+        """
+        results: dict[int, Any] = {}
+        skipped: list[str] = []
+        for stage, runtime in zip(self.config.stages, self.runtimes):
+            try:
+                results[stage.stage_id] = getattr(runtime, method)(*args)
+            except LoRANotEnabledError:
+                skipped.append(stage.label)
+        if skipped:
+            logger.info("%s: skipped stages without LoRA: %s", method, ", ".join(skipped))
+        if not results:
+            raise LoRANotEnabledError(
+                f"{method}: no stage of pipeline {self.config.pipeline.name!r} has LoRA enabled "
+                f"({', '.join(skipped)}); enable it with enable_lora (LLM stages) or the diffusion LoRA options"
+            )
+        return results
+
+    def shutdown(self) -> None:
+        for runtime in self.runtimes:
+            try:
+                runtime.shutdown()
+            except Exception:  # best effort: keep shutting the others down
+                logger.exception("error while shutting down a stage")
+        self.runtimes = []

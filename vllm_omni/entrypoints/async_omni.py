@@ -1,0 +1,76 @@
+"""``AsyncOmni``: the asyncio entry point (used by the HTTP server)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllm_omni.entrypoints.omni_base import OmniBase
+from vllm_omni.lora.request import LoRARequest
+from vllm_omni.outputs import OmniRequestOutput
+
+
+class AsyncOmni(OmniBase):
+    """Serve a pipeline from asyncio code; many requests may be in flight at once.
+
+    Construction starts the stage engines (blocking, as vLLM's ``AsyncLLM.from_engine_args``).
+    See :class:`~vllm_omni.entrypoints.omni_base.OmniBase` for the arguments.
+    """
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+        **entry_kwargs: Any,
+    ) -> AsyncIterator[OmniRequestOutput]:
+        """Run one prompt through the pipeline, yielding each final-output stage's result.
+
+        ``lora_request`` is attached to the entry stage's request only.
+
+        Raises:
+            LoRANotEnabledError / InvalidAdapterError: before anything runs, when the adapter
+            cannot be served by the entry stage; StageEngineError on a stage failure.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        params = self._stage_params(sampling_params)
+
+        def on_output(out: OmniRequestOutput) -> None:
+            if request_id is not None:
+                out.request_id = request_id
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        done = self._orchestrator.submit(
+            prompt, params, lora_request=lora_request, on_output=on_output, **entry_kwargs
+        )
+        finished = asyncio.wrap_future(done)
+        n_final = sum(1 for s in self.config.stages if s.final_output)
+        for _ in range(n_final):
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+                continue
+            getter.cancel()
+            finished.result()  # raises the stage failure, if any
+            while not queue.empty():
+                yield queue.get_nowait()
+            return
+        await finished
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter on every stage that has LoRA enabled (validated first)."""
+        return await asyncio.to_thread(self._add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await asyncio.to_thread(self._remove_lora, lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return await asyncio.to_thread(self._list_loras)
+
+    async def pin_lora(self, lora_int_id: int) -> bool:
+        return await asyncio.to_thread(self._pin_lora, lora_int_id)

@@ -1,0 +1,125 @@
+"""Construction and argument handling shared by ``Omni`` and ``AsyncOmni``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm import SamplingParams
+
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.overrides import load_deploy_config
+from vllm_omni.config.pipeline_registry import (
+    pipeline_for_model,
+    read_model_dir_config,
+    resolve_pipeline_config,
+)
+from vllm_omni.engine.orchestrator import Orchestrator
+
+
+def build_omni_config(
+    model: str | None,
+    pipeline: str | None = None,
+    deploy_config: Any = None,
+    **kwargs: Any,
+) -> VllmOmniConfig:
+    """Resolve the pipeline and every option into a :class:`VllmOmniConfig`.
+
+    The pipeline is, in order: ``pipeline=`` (a registered name), the deploy config's
+    ``pipeline:``, or the single-stage default derived from ``model``'s directory.
+    """
+    deploy = load_deploy_config(deploy_config)
+    name = pipeline or (deploy.pipeline if deploy is not None else None)
+    model = model or (deploy.model if deploy is not None else None)
+    if name is None:
+        if model is None:
+            raise ValueError("pass model=<path> (or a deploy config naming a pipeline and its models)")
+        resolved = pipeline_for_model(model)
+    else:
+        hf_config = None
+        if model is not None and os.path.isdir(model):
+            kind, cfg = read_model_dir_config(model)
+            hf_config = cfg if kind == "llm" else None
+        resolved = resolve_pipeline_config(name, hf_config)
+    return VllmOmniConfig.from_pipeline_config(
+        resolved, cli_overrides=kwargs, deploy_config=deploy, model=model
+    )
+
+
+class OmniBase:
+    """Builds the config and the stage runtimes; both entry points share it.
+
+    Args:
+        model: model directory (or hub id) of the pipeline.
+        pipeline: registered pipeline name; default: derived from ``model``.
+        deploy_config: deploy YAML path / dict with a ``stages:`` list.
+        **kwargs: options: global engine/diffusion options, ``stage_overrides``
+            (dict or JSON keyed by stage id) and ``stage_N_<option>`` keys.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, pipeline: str | None = None, deploy_config: Any = None, **kwargs
+    ):
+        self.config = build_omni_config(model, pipeline, deploy_config, **kwargs)
+        self._orchestrator = Orchestrator(self.config)
+
+    @property
+    def stage_configs(self):
+        return self.config.stages
+
+    def _stage_params(self, sampling_params: Any) -> list[Any]:
+        """One params object per stage.
+
+        ``sampling_params`` may be ``None`` (defaults everywhere), one object (applied to
+        every stage of its kind: ``SamplingParams`` for LLM stages,
+        ``OmniDiffusionSamplingParams`` for diffusion stages), or a list with one entry per
+        stage (``None`` entries take the default).
+
+        Raises:
+            ValueError: a per-stage list of the wrong length, or an entry of the wrong type.
+        """
+        stages = self.config.stages
+        per_stage = isinstance(sampling_params, list | tuple)
+        if per_stage and len(sampling_params) != len(stages):
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries but pipeline "
+                f"{self.config.pipeline.name!r} has {len(stages)} stages; pass one per stage or a single object"
+            )
+        out = []
+        for i, stage in enumerate(stages):
+            params = sampling_params[i] if per_stage else sampling_params
+            if stage.is_llm:
+                kind = SamplingParams
+            else:
+                from vllm_omni.inputs.data import OmniDiffusionSamplingParams as kind
+            if isinstance(params, kind):
+                out.append(params)
+            elif params is None or not per_stage:
+                out.append(kind())
+            else:
+                raise ValueError(
+                    f"sampling_params[{i}] for {stage.label} must be {kind.__name__}, got {type(params).__name__}"
+                )
+        return out
+
+    # ---------------------------------------------------------------- LoRA management
+    def _add_lora(self, lora_request) -> bool:
+        return all(self._orchestrator.lora_call("add_lora", lora_request).values())
+
+    def _remove_lora(self, lora_int_id: int) -> bool:
+        return any(self._orchestrator.lora_call("remove_lora", lora_int_id).values())
+
+    def _list_loras(self) -> set[int]:
+        out: set[int] = set()
+        for ids in self._orchestrator.lora_call("list_loras").values():
+            out |= set(ids)
+        return out
+
+    def _pin_lora(self, lora_int_id: int) -> bool:
+        return all(self._orchestrator.lora_call("pin_lora", lora_int_id).values())
+
+    def shutdown(self) -> None:
+        """Stop every stage engine."""
+        orch = getattr(self, "_orchestrator", None)
+        if orch is not None:
+            orch.shutdown()

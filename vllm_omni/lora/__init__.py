@@ -1,0 +1,1 @@
+"""Shared LoRA request type and helpers for every stage kind."""

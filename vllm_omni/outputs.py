@@ -1,0 +1,43 @@
+"""Request outputs of a pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class OmniRequestOutput:
+    """The output of one stage of one request, as returned to the caller.
+
+    Attributes:
+        request_id: id of the pipeline request (shared by all its stages).
+        stage_id: the stage that produced this output.
+        final_output_type: ``"text"`` (LLM stage) or ``"image"`` (diffusion stage).
+        prompt: the prompt this stage received.
+        request_output: the stage's vLLM ``RequestOutput`` (LLM stages), else ``None``.
+        images: PIL images (diffusion stages), else empty.
+        stage_outputs: every stage's raw output for this request, by stage id.
+    """
+
+    request_id: str
+    stage_id: int
+    final_output_type: str
+    prompt: Any = None
+    request_output: Any = None
+    images: list = field(default_factory=list)
+    stage_outputs: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def text(self) -> str | None:
+        """Generated text of the first completion (LLM stages)."""
+        if self.request_output is None or not self.request_output.outputs:
+            return None
+        return self.request_output.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """Generated token ids of the first completion (LLM stages)."""
+        if self.request_output is None or not self.request_output.outputs:
+            return None
+        return list(self.request_output.outputs[0].token_ids)
