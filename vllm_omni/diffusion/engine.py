@@ -1,0 +1,188 @@
+"""Diffusion engine: runs a text-to-image pipeline on one or several tensor-parallel ranks.
+
+>>> engine = DiffusionEngine(OmniDiffusionConfig(model="/path/to/z-image"))
+>>> [out] = engine.generate(["a cat"], OmniDiffusionSamplingParams(height=512, width=512, seed=0))
+>>> out.images[0].save("cat.png")
+>>> engine.shutdown()
+
+``tensor_parallel_size == 1`` keeps the pipeline in this process (``engine.pipeline``);
+larger sizes spawn one worker process per rank (``torch.multiprocessing`` ``spawn``,
+gloo on CPU / NCCL on CUDA) and everything that must touch the pipelines — LoRA loading
+included — goes through :meth:`DiffusionEngine.collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+__all__ = ["DiffusionEngine", "DiffusionOutput"]
+
+
+class DiffusionEngine:
+    """Owns the diffusion workers of one stage.
+
+    Args:
+        od_config: validated engine settings; the pipeline is chosen by
+            ``od_config.use_in_tree`` (in-tree when ``_class_name`` has one and the backend
+            allows it, else ``diffusers.DiffusionPipeline``).
+
+    Raises:
+        RuntimeError: a worker failed to start (the worker's traceback is attached).
+    """
+
+    def __init__(self, od_config: OmniDiffusionConfig):
+        self.od_config = od_config
+        self._local: DiffusionWorker | None = None
+        self._procs: list = []
+        self._conns: list = []
+        self._tmpdir: str | None = None
+        self._closed = False
+        world = od_config.tensor_parallel_size
+        if world == 1:
+            self._local = DiffusionWorker(od_config)
+            return
+        init_method = od_config.distributed_init_method
+        if init_method is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="vllm_omni_diffusion_")
+            init_method = f"file://{os.path.join(self._tmpdir, 'pg')}"
+        ctx = mp.get_context("spawn")
+        try:
+            for rank in range(world):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(od_config, rank, world, init_method, child),
+                    name=f"vllm-omni-diffusion-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            for rank, conn in enumerate(self._conns):
+                status, payload = self._recv(rank, conn)
+                if status != "ready":
+                    raise RuntimeError(f"diffusion worker {rank} failed to start") from payload
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ access
+    @property
+    def pipeline(self):
+        """The in-process pipeline (``tensor_parallel_size == 1`` only).
+
+        Raises:
+            RuntimeError: with several ranks the pipelines live in worker processes; use
+                :meth:`collective_rpc`.
+        """
+        if self._local is None:
+            raise RuntimeError(
+                "engine.pipeline is only available with tensor_parallel_size=1; "
+                "use engine.collective_rpc(...) to reach the per-rank pipelines"
+            )
+        return self._local.pipeline
+
+    @property
+    def worker(self) -> DiffusionWorker:
+        """The in-process worker (``tensor_parallel_size == 1`` only); raises ``RuntimeError`` otherwise."""
+        if self._local is None:
+            raise RuntimeError("engine.worker is only available with tensor_parallel_size=1")
+        return self._local
+
+    # ------------------------------------------------------------------ calls
+    def _recv(self, rank: int, conn):
+        try:
+            return conn.recv()
+        except EOFError as exc:
+            code = self._procs[rank].exitcode if rank < len(self._procs) else None
+            raise RuntimeError(f"diffusion worker {rank} exited unexpectedly (exit code {code})") from exc
+
+    def collective_rpc(self, method: str | Callable, *args, **kwargs) -> list[Any]:
+        """Run ``method`` on every rank's :class:`DiffusionWorker` and return the per-rank results.
+
+        ``method`` is a worker or pipeline method name, or a (module-level, picklable)
+        callable invoked as ``method(worker, *args, **kwargs)``. Arguments and results
+        cross process boundaries by pickling when ``tensor_parallel_size > 1``.
+
+        Returns:
+            ``[result_rank0, result_rank1, ...]``.
+
+        Raises:
+            The first worker exception (re-raised here, worker traceback in its notes),
+            ``RuntimeError`` when a worker process died or the engine is shut down.
+        """
+        if self._closed:
+            raise RuntimeError("DiffusionEngine is shut down")
+        if self._local is not None:
+            return [self._local.execute_method(method, *args, **kwargs)]
+        for conn in self._conns:
+            conn.send((method, args, kwargs))
+        replies = [self._recv(rank, conn) for rank, conn in enumerate(self._conns)]
+        for status, payload in replies:
+            if status == "error":
+                raise payload
+        return [payload for _, payload in replies]
+
+    def generate(
+        self, prompts: list[str] | str, sampling_params: OmniDiffusionSamplingParams | None = None
+    ) -> list[DiffusionOutput]:
+        """Generate images for ``prompts`` (one batch through the denoiser).
+
+        Args:
+            prompts: texts; a single string is treated as one prompt.
+            sampling_params: per-request settings (defaults: ``OmniDiffusionSamplingParams()``).
+
+        Returns:
+            One :class:`DiffusionOutput` per prompt, in order: ``images`` (PIL, ``W x H``) and,
+            in-tree, float32 ``latents`` ``(num_images_per_prompt, C, H/8, W/8)``.
+
+        Raises:
+            ValueError: invalid sizes for the model (multiples of the VAE factor x patch size).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        sampling_params = sampling_params or OmniDiffusionSamplingParams()
+        return self.collective_rpc("generate", list(prompts), sampling_params)[0]
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Stop worker processes (idempotent). The in-process pipeline is released."""
+        if self._closed:
+            return
+        self._closed = True
+        self._local = None
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> DiffusionEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.shutdown()

@@ -1,0 +1,1 @@
+"""In-tree diffusion denoisers built on vLLM tensor-parallel layers."""

@@ -1,0 +1,35 @@
+"""Diffusion pipelines: in-tree ones (tensor-parallel denoisers) and the diffusers fallback."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+#: ``model_index.json`` ``_class_name`` -> ``"module:Class"`` of the in-tree pipeline.
+IN_TREE_PIPELINES: dict[str, str] = {
+    "ZImagePipeline": "vllm_omni.diffusion.pipelines.z_image:ZImagePipeline",
+}
+
+FALLBACK_PIPELINE = "vllm_omni.diffusion.pipelines.diffusers_fallback:DiffusersFallbackPipeline"
+
+
+def _resolve(target: str):
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_pipeline(od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
+    """Instantiate the pipeline ``od_config`` selects (see ``OmniDiffusionConfig.use_in_tree``).
+
+    The in-tree pipelines need ``init_diffusion_parallel_state`` to have run in this process.
+    """
+    target = IN_TREE_PIPELINES[od_config.class_name] if od_config.use_in_tree else FALLBACK_PIPELINE
+    return _resolve(target)(od_config, device=device)
+
+
+__all__ = ["FALLBACK_PIPELINE", "IN_TREE_PIPELINES", "build_pipeline"]

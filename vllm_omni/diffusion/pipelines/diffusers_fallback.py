@@ -1,0 +1,111 @@
+"""Generic fallback: any diffusers text-to-image pipeline (SD3, Flux, ...) run as-is.
+
+No tensor parallelism; the denoiser is whatever diffusers loads (``transformer`` or
+``unet``), exposed as :attr:`DiffusersFallbackPipeline.transformer` for patching.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from diffusers import DiffusionPipeline
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+
+class DiffusersFallbackPipeline:
+    """Wraps ``DiffusionPipeline.from_pretrained(od_config.model)``.
+
+    Components stored as ``[null, null]`` in ``model_index.json`` (e.g. SD3 without T5)
+    are passed as ``None``. Sampling parameters map to the diffusers call arguments of
+    the same name; those the pipeline does not accept are left out when unset.
+    """
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
+        self.od_config = od_config
+        self.device = torch.device(device or od_config.resolved_device())
+        absent = {name: None for name, spec in od_config.components.items() if spec is None}
+        self.pipe = DiffusionPipeline.from_pretrained(
+            od_config.model, torch_dtype=od_config.torch_dtype(), **absent
+        )
+        self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=not od_config.enable_progress_bar)
+        self._accepted = set(inspect.signature(self.pipe.__call__).parameters)
+
+    @property
+    def transformer(self) -> torch.nn.Module | None:
+        """The denoiser module (``pipe.transformer`` or ``pipe.unet``)."""
+        return getattr(self.pipe, "transformer", None) or getattr(self.pipe, "unet", None)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(getattr(self.pipe, "vae_scale_factor", 8))
+
+    def _kwargs(self, sp: OmniDiffusionSamplingParams) -> dict:
+        wanted = {
+            "height": sp.height,
+            "width": sp.width,
+            "num_inference_steps": sp.num_inference_steps,
+            "guidance_scale": sp.guidance_scale,
+            "negative_prompt": sp.negative_prompt,
+            "num_images_per_prompt": sp.num_images_per_prompt,
+            "output_type": sp.output_type,
+            **sp.extra_args,
+        }
+        kwargs = {}
+        for key, value in wanted.items():
+            if value is None:
+                continue
+            if key not in self._accepted:
+                raise ValueError(f"{type(self.pipe).__name__} does not accept {key!r}; leave it unset")
+            kwargs[key] = value
+        if "max_sequence_length" in self._accepted and sp.max_sequence_length != 512:
+            kwargs["max_sequence_length"] = sp.max_sequence_length
+        return kwargs
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[DiffusionOutput]:
+        """Run the diffusers pipeline on all prompts in one call; one :class:`DiffusionOutput` per prompt.
+
+        With ``seed`` set each prompt gets its own generator seeded identically (so a
+        prompt's result does not depend on its batch). ``latents`` is filled only for
+        ``output_type="latent"`` (``(n, C, h, w)``, float32 CPU).
+
+        Raises:
+            ValueError: height/width not multiples of ``vae_scale_factor * 2`` or an argument
+                the pipeline does not take.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        factor = self.vae_scale_factor * 2
+        for name in ("height", "width"):
+            value = getattr(sp, name)
+            if value is not None and value % factor:
+                raise ValueError(f"{name} must be a multiple of {factor} for this model, got {value}")
+        n = sp.num_images_per_prompt
+        kwargs = self._kwargs(sp)
+        if sp.generator is not None:
+            kwargs["generator"] = sp.generator
+        else:
+            # One generator per image; each prompt's n images come from its own seeded stream.
+            gens = []
+            for g in sp.make_generators(len(prompts)):
+                gens.extend([g] * n)
+            kwargs["generator"] = gens
+        images = self.pipe(prompt=list(prompts), **kwargs).images
+        results = []
+        for i, prompt in enumerate(prompts):
+            chunk = images[i * n : (i + 1) * n]
+            res = DiffusionOutput(prompt=prompt)
+            if sp.output_type == "latent":
+                res.latents = chunk.float().cpu()
+            elif sp.output_type == "pil":
+                res.images = list(chunk)
+            else:
+                res.array = chunk
+            results.append(res)
+        return results

@@ -1,0 +1,210 @@
+"""Text-to-image Z-Image pipeline around the in-tree tensor-parallel denoiser.
+
+Components come from one diffusers-format directory (``model_index.json``): the
+tokenizer and text encoder through ``transformers``, ``AutoencoderKL`` and the flow-match
+scheduler through ``diffusers``, and the denoiser from
+:class:`~vllm_omni.diffusion.models.z_image.ZImageTransformer2DModel`. The sampling
+procedure reproduces diffusers' ``ZImagePipeline``:
+
+1. each prompt is wrapped in the tokenizer's chat template (user turn, generation
+   prompt, ``enable_thinking=True``), tokenised to ``max_sequence_length`` and encoded;
+   the second-to-last hidden state at non-padding positions is the caption.
+2. CFG runs when ``guidance_scale > 0`` with ``pred = pos + g * (pos - neg)`` (negative
+   prompt defaults to ``""``), both branches in one denoiser batch.
+3. sigmas ``linspace(1, 1/steps, steps)`` are resolution-shifted by the scheduler (``mu``
+   from the image token count); the denoiser sees ``t = (1000 - timestep) / 1000`` and
+   its output is negated before the Euler step.
+4. latents are decoded as ``vae.decode(latents / scaling_factor + shift_factor)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils.torch_utils import randn_tensor
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+DEFAULT_SIZE = 1024
+DEFAULT_GUIDANCE = 5.0
+
+
+def _load_component(root: Path, name: str, spec: tuple[str, str], **kwargs):
+    library, cls_name = spec
+    cls = getattr(importlib.import_module(library), cls_name)
+    return cls.from_pretrained(str(root / name), **kwargs)
+
+
+def image_shift_mu(image_seq_len: int, scheduler_config) -> float:
+    """Linear interpolation of the time-shift ``mu`` between base and max image token counts."""
+    base_len = scheduler_config.get("base_image_seq_len", 256)
+    max_len = scheduler_config.get("max_image_seq_len", 4096)
+    base_shift = scheduler_config.get("base_shift", 0.5)
+    max_shift = scheduler_config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + (base_shift - slope * base_len)
+
+
+class ZImagePipeline:
+    """Z-Image text-to-image on the in-tree denoiser (one instance per TP rank).
+
+    Attributes:
+        transformer: the :class:`ZImageTransformer2DModel` (patch point for LoRA).
+        text_encoder, tokenizer, vae, scheduler: the reused library components.
+        vae_scale_factor: spatial down-sampling of the VAE (8 for 4 blocks); image sizes
+            must be multiples of ``2 * vae_scale_factor``.
+
+    Must be constructed after ``init_diffusion_parallel_state`` in the same process.
+    """
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
+        root = Path(od_config.model)
+        comps = od_config.components
+        self.od_config = od_config
+        self.device = torch.device(device or od_config.resolved_device())
+        self.dtype = od_config.torch_dtype()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        self.text_encoder = _load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
+        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        self.vae = AutoencoderKL.from_pretrained(str(root / "vae"), torch_dtype=self.dtype)
+        self.vae.to(self.device).eval().requires_grad_(False)
+        self.scheduler = _load_component(root, "scheduler", comps["scheduler"])
+        self.transformer = ZImageTransformer2DModel.from_pretrained(
+            root / "transformer",
+            dtype=self.dtype,
+            device=self.device,
+            keep_base_weights=od_config.keep_base_weights,
+        )
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+
+    # ------------------------------------------------------------------ prompts
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
+        """Caption features per prompt: ``(L_i, hidden)`` in the text encoder dtype, padding removed."""
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=True,
+            )
+            for p in prompts
+        ]
+        enc = self.tokenizer(
+            texts, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
+        )
+        ids = enc.input_ids.to(self.device)
+        mask = enc.attention_mask.to(self.device).bool()
+        hidden = self.text_encoder(
+            input_ids=ids, attention_mask=mask, output_hidden_states=True
+        ).hidden_states[-2]
+        return [hidden[i][mask[i]] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------ checks
+    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
+        """``(height, width)`` after defaults; raises ``ValueError`` unless multiples of ``2 * vae_scale_factor``."""
+        factor = self.vae_scale_factor * 2
+        height = sp.height or DEFAULT_SIZE
+        width = sp.width or DEFAULT_SIZE
+        for name, value in (("height", height), ("width", width)):
+            if value % factor:
+                raise ValueError(f"{name} must be a multiple of {factor} for this model, got {value}")
+        return height, width
+
+    def _negative_prompts(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[str]:
+        neg = sp.negative_prompt
+        if neg is None:
+            return [""] * len(prompts)
+        if isinstance(neg, str):
+            return [neg] * len(prompts)
+        if len(neg) != len(prompts):
+            raise ValueError(
+                f"negative_prompt has {len(neg)} entries for {len(prompts)} prompts; pass one per prompt"
+            )
+        return list(neg)
+
+    def _initial_latents(self, prompts: list[str], sp: OmniDiffusionSamplingParams, height: int, width: int):
+        n = sp.num_images_per_prompt
+        lat_h = 2 * (height // (self.vae_scale_factor * 2))
+        lat_w = 2 * (width // (self.vae_scale_factor * 2))
+        shape = (len(prompts) * n, self.transformer.in_channels, lat_h, lat_w)
+        if sp.generator is not None:
+            return randn_tensor(shape, generator=sp.generator, device=self.device, dtype=torch.float32)
+        gens = sp.make_generators(len(prompts))
+        per_prompt = [
+            randn_tensor((n, *shape[1:]), generator=g, device=self.device, dtype=torch.float32) for g in gens
+        ]
+        return torch.cat(per_prompt, dim=0)
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[DiffusionOutput]:
+        """Generate ``sp.num_images_per_prompt`` images for each prompt (one denoiser batch).
+
+        Returns one :class:`DiffusionOutput` per prompt, in order, with float32 CPU
+        ``latents`` ``(n, 16, H/8, W/8)`` and, unless ``output_type="latent"``, decoded images.
+
+        Raises:
+            ValueError: bad sizes (see :meth:`resolve_size`) or negative prompt count.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        height, width = self.resolve_size(sp)
+        guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
+        cfg = guidance > 0
+        n = sp.num_images_per_prompt
+        pos = self.encode_prompts(list(prompts), sp.max_sequence_length)
+        neg = self.encode_prompts(self._negative_prompts(prompts, sp), sp.max_sequence_length) if cfg else []
+        pos = [p for p in pos for _ in range(n)]
+        neg = [p for p in neg for _ in range(n)]
+        latents = self._initial_latents(prompts, sp, height, width)
+        batch = latents.shape[0]
+
+        scheduler = type(self.scheduler).from_config(self.scheduler.config)
+        steps = sp.num_inference_steps
+        mu = image_shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), scheduler.config)
+        sigmas = torch.linspace(1.0, 1.0 / steps, steps).tolist()
+        scheduler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
+        scheduler.set_begin_index(0)
+        captions = pos + neg
+        show = self.od_config.enable_progress_bar and sys.stderr.isatty()
+        for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
+            t_model = (1000 - t.expand(batch)) / 1000
+            x = latents.to(self.transformer.dtype)
+            if cfg:
+                x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
+            out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
+            out = torch.stack([o.float() for o in out]).squeeze(2)
+            pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
+            latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
+
+        results = [
+            DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())
+            for i, p in enumerate(prompts)
+        ]
+        if sp.output_type == "latent":
+            return results
+        decoded = self.vae.decode(
+            (latents.to(self.vae.dtype) / self.vae.config.scaling_factor) + self.vae.config.shift_factor,
+            return_dict=False,
+        )[0]
+        images = self.image_processor.postprocess(decoded, output_type=sp.output_type)
+        for i, res in enumerate(results):
+            chunk = images[i * n : (i + 1) * n]
+            if sp.output_type == "pil":
+                res.images = list(chunk)
+            else:
+                res.array = chunk
+        return results

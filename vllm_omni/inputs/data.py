@@ -1,0 +1,89 @@
+"""Typed request parameters for diffusion stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+OUTPUT_TYPES = ("pil", "latent", "np", "pt")
+
+
+@dataclass
+class OmniDiffusionSamplingParams:
+    """Per-request settings of a text-to-image diffusion stage.
+
+    Attributes:
+        height, width: output size in pixels; ``None`` takes the pipeline default
+            (1024 for Z-Image). Must be positive and a multiple of the pipeline's spatial
+            factor (16 for Z-Image / SD3-style 8x VAEs with 2x2 patches); the pipeline checks the factor.
+        num_inference_steps: denoising steps, ``>= 1``.
+        guidance_scale: classifier-free guidance weight, ``>= 0``; ``None`` takes the
+            pipeline default. For Z-Image CFG runs when it is ``> 0``.
+        negative_prompt: text (or one text per prompt) for the unconditional branch.
+        seed: seeds a fresh ``torch.Generator`` per prompt, so a prompt gets the same
+            noise alone or in a batch. Ignored when ``generator`` is given.
+        generator: explicit generator(s), diffusers semantics (one draws the whole batch).
+        num_images_per_prompt: images per prompt, ``>= 1``.
+        output_type: ``"pil"`` (PIL images), ``"latent"`` (no decode), ``"np"`` or ``"pt"``.
+        max_sequence_length: caption token limit of the text encoder.
+        lora_requests: ``vllm_omni.lora.request.LoRARequest`` objects to activate for
+            this request (consumed by the diffusion LoRA manager).
+        lora_scales: one scale per entry of ``lora_requests`` (empty = 1.0 each).
+        extra_args: pipeline-specific keyword arguments passed through unchanged.
+
+    Raises:
+        ValueError: (on construction) for a non-positive size or step count, negative
+            guidance, ``num_images_per_prompt < 1``, an unknown ``output_type`` or
+            mismatched LoRA list lengths; the message names the field and allowed values.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 50
+    guidance_scale: float | None = None
+    negative_prompt: str | list[str] | None = None
+    seed: int | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
+    num_images_per_prompt: int = 1
+    output_type: str = "pil"
+    max_sequence_length: int = 512
+    lora_requests: list[Any] = field(default_factory=list)
+    lora_scales: list[float] = field(default_factory=list)
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer (multiple of 16), got {value!r}")
+        if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be an integer >= 1, got {self.num_inference_steps!r}")
+        if self.guidance_scale is not None and self.guidance_scale < 0:
+            raise ValueError(
+                f"guidance_scale must be >= 0 (0 disables guidance), got {self.guidance_scale!r}"
+            )
+        if not isinstance(self.num_images_per_prompt, int) or self.num_images_per_prompt < 1:
+            raise ValueError(
+                f"num_images_per_prompt must be an integer >= 1, got {self.num_images_per_prompt!r}"
+            )
+        if self.output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
+        if self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length!r}")
+        if self.lora_scales and len(self.lora_scales) != len(self.lora_requests):
+            raise ValueError(
+                f"lora_scales must be empty or have one entry per lora_requests entry "
+                f"({len(self.lora_requests)}), got {len(self.lora_scales)}"
+            )
+
+    def make_generators(
+        self, n_prompts: int, device: str | torch.device = "cpu"
+    ) -> list[torch.Generator | None]:
+        """One generator per prompt: seeded copies of ``seed`` (or a random seed when both it and
+        ``generator`` are ``None``). With ``generator`` set this returns ``[]``; use it directly."""
+        if self.generator is not None:
+            return []
+        seed = self.seed if self.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        return [torch.Generator(device=device).manual_seed(seed) for _ in range(n_prompts)]
