@@ -125,3 +125,32 @@ def test_engine_exposes_denoiser_and_rpc(z_image_engine):
     assert z_image_engine.collective_rpc(getattr, "rank") == [0]
     [info] = z_image_engine.collective_rpc("describe")
     assert info["pipeline"] == "ZImagePipeline" and info["world_size"] == 1
+
+
+class _FakeTTY:
+    def __init__(self):
+        self.chunks: list[str] = []
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.chunks.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_progress_bar_only_when_enabled_and_tty(z_image_engine, monkeypatch, enabled):
+    import sys
+
+    fake = _FakeTTY()
+    monkeypatch.setattr(sys, "stderr", fake)
+    monkeypatch.setattr(z_image_engine.pipeline.od_config, "enable_progress_bar", enabled)
+    sp = OmniDiffusionSamplingParams(
+        num_inference_steps=2, guidance_scale=0.0, seed=0, output_type="latent", **SIZE
+    )
+    z_image_engine.generate(["a"], sp)
+    text = "".join(fake.chunks)
+    assert ("2/2" in text) is enabled

@@ -18,6 +18,14 @@ IN_TREE_PIPELINES: dict[str, str] = {
 FALLBACK_PIPELINE = "vllm_omni.diffusion.pipelines.diffusers_fallback:DiffusersFallbackPipeline"
 
 
+def diffusers_dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``{"dtype": dtype}`` on diffusers releases that renamed ``torch_dtype``, else ``{"torch_dtype": dtype}``."""
+    from diffusers.utils import deprecation_utils
+
+    renamed = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
+    return {"dtype": dtype} if renamed else {"torch_dtype": dtype}
+
+
 def _resolve(target: str):
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
@@ -32,4 +40,4 @@ def build_pipeline(od_config: OmniDiffusionConfig, device: str | torch.device | 
     return _resolve(target)(od_config, device=device)
 
 
-__all__ = ["FALLBACK_PIPELINE", "IN_TREE_PIPELINES", "build_pipeline"]
+__all__ = ["FALLBACK_PIPELINE", "IN_TREE_PIPELINES", "build_pipeline", "diffusers_dtype_kwargs"]

@@ -12,6 +12,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 
@@ -28,7 +29,7 @@ class DiffusersFallbackPipeline:
         self.device = torch.device(device or od_config.resolved_device())
         absent = {name: None for name, spec in od_config.components.items() if spec is None}
         self.pipe = DiffusionPipeline.from_pretrained(
-            od_config.model, torch_dtype=od_config.torch_dtype(), **absent
+            od_config.model, **diffusers_dtype_kwargs(od_config.torch_dtype()), **absent
         )
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=not od_config.enable_progress_bar)

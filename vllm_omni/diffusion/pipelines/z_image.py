@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 DEFAULT_SIZE = 1024
@@ -75,7 +76,7 @@ class ZImagePipeline:
         self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
         self.text_encoder = _load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
-        self.vae = AutoencoderKL.from_pretrained(str(root / "vae"), torch_dtype=self.dtype)
+        self.vae = AutoencoderKL.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
         self.vae.to(self.device).eval().requires_grad_(False)
         self.scheduler = _load_component(root, "scheduler", comps["scheduler"])
         self.transformer = ZImageTransformer2DModel.from_pretrained(

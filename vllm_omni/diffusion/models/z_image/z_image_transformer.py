@@ -273,10 +273,22 @@ def _grid_ids(size: tuple[int, int, int], start: tuple[int, int, int], device) -
 class ZImageTransformer2DModel(nn.Module):
     """Z-Image denoiser (diffusers ``ZImageTransformer2DModel`` checkpoint layout) on vLLM linear layers.
 
-    Construct inside an initialised diffusion parallel state
-    (:func:`vllm_omni.diffusion.distributed.parallel_state.init_diffusion_parallel_state`)
-    and a current vLLM config; :meth:`from_pretrained` does both checks for you only in
-    the sense that it builds under ``current_vllm_config_for_layers()``.
+    Construct after :func:`~vllm_omni.diffusion.distributed.parallel_state.init_diffusion_parallel_state`
+    has run in this process and under ``current_vllm_config_for_layers()`` (vLLM layers read
+    the TP group and a current vLLM config); :meth:`from_pretrained` enters the config
+    context itself. Constructor arguments are the diffusers ``config.json`` fields
+    (``n_kv_heads`` is accepted and, as in diffusers, unused: attention is full multi-head)
+    plus ``dtype`` for all parameters.
+
+    Patchable linear layers (module paths; ``{blk}`` is ``layers.i``, ``noise_refiner.i`` or
+    ``context_refiner.i``): ``{blk}.attention.to_qkv`` (QKVParallelLinear, packs
+    to_q/to_k/to_v), ``{blk}.attention.to_out.0`` (RowParallelLinear),
+    ``{blk}.feed_forward.w13`` (MergedColumnParallelLinear, packs w1/w3),
+    ``{blk}.feed_forward.w2`` (RowParallelLinear), ``{layers|noise_refiner}.i.adaLN_modulation.0``,
+    ``all_x_embedder.2-1``, ``cap_embedder.1``, ``t_embedder.mlp.0``, ``t_embedder.mlp.2``,
+    ``all_final_layer.2-1.linear``, ``all_final_layer.2-1.adaLN_modulation.1`` (ReplicatedLinear).
+    Base weights live in each layer's ``weight`` parameter (this rank's shard,
+    ``[out_per_rank, in_per_rank]``) as long as ``keep_base_weights=True`` (default).
     """
 
     #: ``(packed_param, checkpoint_sub_module, shard_id)``. Single source of truth for
