@@ -1,0 +1,28 @@
+"""LoRA for diffusion denoisers: request-time multi-LoRA (PEFT backend) and start-up fusing (distill).
+
+Public entry points:
+
+* :class:`DiffusionLoRAManager` (``manager.py``): patches the denoiser's linear layers, caches
+  adapters, activates per-sample adapter sets and scales;
+* :func:`fuse_lora_into_model` / :func:`fuse_lora_files_into_pipeline` (``fuse.py``): distill backend;
+* :func:`load_lora_adapter` (``loading.py``): PEFT directory or single-file reader.
+"""
+
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError, LoRAModuleWeights
+from vllm_omni.diffusion.lora.cache import LoRACacheError
+from vllm_omni.diffusion.lora.fuse import fuse_lora_files_into_pipeline, fuse_lora_into_model
+from vllm_omni.diffusion.lora.loading import load_lora_adapter, register_lora_format
+from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager, find_denoisers
+
+__all__ = [
+    "DiffusionLoRAManager",
+    "LoRAAdapterWeights",
+    "LoRACacheError",
+    "LoRAFormatError",
+    "LoRAModuleWeights",
+    "find_denoisers",
+    "fuse_lora_files_into_pipeline",
+    "fuse_lora_into_model",
+    "load_lora_adapter",
+    "register_lora_format",
+]

@@ -1,0 +1,137 @@
+"""Format-neutral, host-side representation of a LoRA adapter.
+
+Every on-disk format (the PEFT directory in :mod:`.peft_format`, single ``.safetensors`` files in
+:mod:`.safetensors_format`, and any format added later) is parsed into :class:`LoRAAdapterWeights`:
+a mapping from a module name in the denoiser to that module's ``lora_A`` / ``lora_B`` matrices and
+its adapter scaling ``s``. Binding to concrete layers (packed slices, tensor-parallel shards) is done
+afterwards by :mod:`.targets`, so a new format only has to produce this object.
+
+Math (the project's LoRA terms, after Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
+Models", and Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA"):
+
+    y = W x + s * B (A x),   s = lora_alpha / r        (rsLoRA: s = lora_alpha / sqrt(r))
+
+with ``A`` of shape ``[r, d_in]`` and ``B`` of shape ``[d_out, r]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+#: Leading key components that name a wrapper rather than a module of the denoiser. They are tried
+#: in order when a key does not resolve as written (see :func:`candidate_module_keys`).
+DEFAULT_STRIP_PREFIXES: tuple[str, ...] = ("base_model.model.", "transformer.", "diffusion_model.")
+
+
+class LoRAFormatError(ValueError):
+    """An adapter file or directory is malformed or uses a feature this runtime does not support."""
+
+
+def lora_scaling(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """Adapter scaling ``s``: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` for rsLoRA.
+
+    Raises:
+        LoRAFormatError: when ``rank`` is not positive or the result is not finite.
+    """
+    if rank <= 0:
+        raise LoRAFormatError(f"LoRA rank must be positive, got {rank}")
+    value = float(lora_alpha) / (math.sqrt(rank) if use_rslora else rank)
+    if not math.isfinite(value):
+        raise LoRAFormatError(f"LoRA scaling is not finite (lora_alpha={lora_alpha}, r={rank})")
+    return value
+
+
+@dataclass
+class LoRAModuleWeights:
+    """LoRA matrices of one module, on the host.
+
+    Attributes:
+        lora_a: ``A``, shape ``[r, d_in]``, float32, CPU.
+        lora_b: ``B``, shape ``[d_out, r]``, float32, CPU.
+        scaling: ``s`` (already including the rsLoRA / alpha-pattern rules of the source format).
+    """
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        """The rank ``r`` (rows of ``A``)."""
+        return int(self.lora_a.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.lora_a.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.lora_b.shape[0])
+
+    def scaled_b(self) -> torch.Tensor:
+        """``s * B`` in float32 (the form the runtime keeps, so the forward needs no extra multiply)."""
+        return self.lora_b.float() * self.scaling
+
+
+@dataclass
+class LoRAAdapterWeights:
+    """All modules of one adapter, keyed by module name as found in the file (prefixes not yet resolved).
+
+    Attributes:
+        modules: module key -> :class:`LoRAModuleWeights`.
+        source: file or directory the adapter came from (used in error messages).
+    """
+
+    modules: dict[str, LoRAModuleWeights] = field(default_factory=dict)
+    source: str = "<state dict>"
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    def nbytes(self) -> int:
+        return sum(m.lora_a.numel() * 4 + m.lora_b.numel() * 4 for m in self.modules.values())
+
+
+def candidate_module_keys(key: str, strip_prefixes: Iterable[str] = DEFAULT_STRIP_PREFIXES) -> list[str]:
+    """Names to try, in order, when resolving an adapter's module key against a model.
+
+    The key is tried as written first, then with each known wrapper prefix removed from its start
+    (repeatedly, so ``base_model.model.transformer.blocks.0`` also yields ``blocks.0``). Trying the
+    literal key first keeps models that really have a child called ``transformer`` working.
+    """
+    out = [key]
+    current = key
+    changed = True
+    prefixes = tuple(strip_prefixes)
+    while changed:
+        changed = False
+        for prefix in prefixes:
+            if current.startswith(prefix) and len(current) > len(prefix):
+                current = current[len(prefix) :]
+                if current not in out:
+                    out.append(current)
+                changed = True
+                break
+    return out
+
+
+def check_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, source: str) -> None:
+    """Validate the shapes of one ``(A, B)`` pair.
+
+    Raises:
+        LoRAFormatError: when either matrix is not 2-D (conv LoRA) or their ranks disagree.
+    """
+    if lora_a.ndim != 2 or lora_b.ndim != 2:
+        raise LoRAFormatError(
+            f"{source}: module {module!r} has lora_A {tuple(lora_a.shape)} / lora_B {tuple(lora_b.shape)}; "
+            "only 2-D (linear) LoRA weights are supported"
+        )
+    if lora_a.shape[0] != lora_b.shape[1]:
+        raise LoRAFormatError(
+            f"{source}: module {module!r} has lora_A rank {lora_a.shape[0]} but lora_B rank {lora_b.shape[1]}"
+        )

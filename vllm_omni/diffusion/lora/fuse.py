@@ -1,0 +1,138 @@
+"""Distill backend: fuse LoRA weights into the base weights once, at start-up.
+
+    W <- W + lambda * s * B A          (peft's ``merge``: ``W + scaling * B @ A``)
+
+computed in float32 and written back in the weight's dtype, into the matching rows of packed layers
+(``to_q`` -> the q rows of ``to_qkv``) and only this rank's shard under tensor parallelism.
+
+Must run after the checkpoint is loaded and *before* ``quant_method.process_weights_after_loading``
+(on CPU that call repacks the weight for the GEMM kernel and leaves ``layer.weight`` empty); a layer
+whose weight no longer has its plain ``[out_local, in_local]`` shape is refused. Quantised layers are
+refused too. Every layer is checked before the first one is modified, so an error changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
+from vllm_omni.diffusion.lora.loading import load_lora_adapter
+from vllm_omni.diffusion.lora.manager import DEFAULT_DENOISER_ATTRS, _mapping_from_models, find_denoisers
+from vllm_omni.diffusion.lora.safetensors_format import adapter_from_state_dict
+from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+
+AdapterSource = str | os.PathLike[str] | Mapping[str, torch.Tensor] | LoRAAdapterWeights
+
+
+def _as_adapter(source: AdapterSource, metadata: Mapping[str, str] | None) -> LoRAAdapterWeights:
+    if isinstance(source, LoRAAdapterWeights):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return load_lora_adapter(source)
+    if isinstance(source, Mapping):
+        return adapter_from_state_dict(source, metadata=metadata)
+    raise TypeError(f"cannot read a LoRA adapter from {type(source).__name__}")
+
+
+def _plain_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    quant = getattr(module, "quant_method", None)
+    if quant is not None and type(quant).__name__ != "UnquantizedLinearMethod":
+        raise RuntimeError(f"cannot fuse LoRA into {name!r}: quantised layer ({type(quant).__name__})")
+    weight = getattr(module, "weight", None)
+    if weight is None or tuple(weight.shape) != shape:
+        got = None if weight is None else tuple(weight.shape)
+        raise RuntimeError(
+            f"cannot fuse LoRA into {name!r}: weight has shape {got}, expected {shape}; fuse after loading the "
+            "checkpoint and before quant_method.process_weights_after_loading (which repacks the weight)"
+        )
+    return weight
+
+
+def fuse_lora_into_model(
+    model: object,
+    adapter: AdapterSource,
+    scale: float = 1.0,
+    *,
+    stacked_params_mapping: StackedParamsMapping | None = None,
+    metadata: Mapping[str, str] | None = None,
+    denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS,
+) -> list[str]:
+    """Add ``scale * s * B @ A`` of every adapter module into the model's weights.
+
+    Args:
+        model: a denoiser module or a pipeline (see :func:`.manager.find_denoisers`).
+        adapter: a ``.safetensors`` file, a PEFT directory, a state dict (diffusers / PEFT keys,
+            optional ``.alpha`` tensors, ``metadata`` as in the file header) or parsed weights.
+        scale: the user's ``lambda``.
+        stacked_params_mapping: packed-layer mapping (defaults to the model's own attribute).
+
+    Returns:
+        Qualified names of the layers that were modified.
+
+    Raises:
+        ValueError: non-finite ``scale``.
+        LoRAFormatError: unreadable adapter, unmatched module names, shape mismatch.
+        RuntimeError: a target weight was already processed / repacked, or is quantised.
+    """
+    if isinstance(scale, bool) or not math.isfinite(float(scale)):
+        raise ValueError(f"LoRA fuse scale must be finite, got {scale!r}")
+    denoisers = find_denoisers(model, denoiser_attrs)
+    mapping = _mapping_from_models(denoisers) if stacked_params_mapping is None else stacked_params_mapping
+    index = TargetIndex(denoisers, mapping)
+    bound = bind_adapter(_as_adapter(adapter, metadata), index)
+
+    plan: list[tuple[str, torch.Tensor, list[tuple[slice, torch.Tensor]]]] = []
+    for name, weights in bound.items():
+        target = index.targets[name]
+        g = target.geometry
+        weight = _plain_weight(target.module, name, (g.out_local, g.in_local))
+        updates: list[tuple[slice, torch.Tensor]] = []
+        for sl, pair in zip(g.slices, weights.slices, strict=True):
+            if pair is None:
+                continue
+            lora_a, scaled_b = pair
+            start, length = sl.rows_within_slice()
+            a_local = lora_a[:, g.in_start : g.in_start + g.in_local].double()
+            delta = (scaled_b[start : start + length].double() @ a_local) * float(scale)
+            updates.append((slice(sl.local_offset, sl.local_offset + length), delta))
+        plan.append((name, weight, updates))
+
+    with torch.no_grad():
+        for _, weight, updates in plan:
+            for rows, delta in updates:
+                part = weight.data[rows]
+                weight.data[rows] = (part.double() + delta.to(part.device)).to(weight.dtype)
+    return [name for name, _, _ in plan]
+
+
+def fuse_lora_files_into_pipeline(
+    pipeline: object,
+    adapters: Sequence[AdapterSource],
+    scales: Sequence[float] | None = None,
+    *,
+    denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS,
+) -> dict[str, list[str]]:
+    """Fuse the i-th adapter into the i-th denoiser (e.g. Wan2.2: high-noise file -> ``transformer``,
+    low-noise file -> ``transformer_2``).
+
+    Returns:
+        denoiser attribute -> fused layer names.
+
+    Raises:
+        ValueError: more adapters than denoisers, or ``scales`` of another length.
+    """
+    denoisers = find_denoisers(pipeline, denoiser_attrs)
+    if len(adapters) > len(denoisers):
+        raise ValueError(f"{len(adapters)} LoRA files for {len(denoisers)} denoiser(s) {list(denoisers)}")
+    scales = [1.0] * len(adapters) if scales is None else list(scales)
+    if len(scales) != len(adapters):
+        raise ValueError(f"{len(adapters)} LoRA files but {len(scales)} scales")
+    result: dict[str, list[str]] = {}
+    for (attr, module), source, value in zip(denoisers.items(), adapters, scales, strict=False):
+        result[attr] = fuse_lora_into_model(module, source, value)
+    return result

@@ -1,0 +1,390 @@
+"""LoRA wrappers for vLLM linear layers and ``torch.nn.Linear``.
+
+A wrapper replaces a linear module in the denoiser, keeps the original as ``base_layer`` and adds
+the LoRA update of every active device slot:
+
+    y[n] = base(x)[n] + sum_j  lambda[n, j] * (s_j B_j) (A_j x[n])
+
+where ``n`` is the sample (leading dimension of ``x``), ``j`` a device slot, ``lambda`` the
+per-request scale matrix ``[batch, max_loras]`` held in the shared :class:`LoRABatchState`, and the
+adapter scaling ``s_j`` (``lora_alpha / r``) is folded into ``B`` when a slot is written.
+
+Device buffers (allocated on the first slot write, so untargeted layers cost nothing):
+
+* ``lora_a``: ``[n_slices, max_loras, max_rank, in_local]``: one ``A`` per output slice, because a
+  packed layer (``to_qkv``, ``w13``) may receive separate adapters for each sub-layer;
+* ``lora_b``: ``[max_loras, out_local, max_rank]``: ``s * B``, rows laid out like the local output.
+
+Sharding follows :mod:`.geometry`. Row-parallel layers add their partial delta *before* the layer's
+all-reduce, so the sum over ranks is exactly ``B (A x)``; column-parallel layers add before the
+optional all-gather.
+
+Exactness rules: a slot whose scale column is all zero is skipped; in a mixed batch only the rows
+with a non-zero scale are touched (``index_add_``), so a sample whose adapters all have scale 0 gets
+bit-for-bit the base output; scale ``-lambda`` gives exactly ``-1`` times the ``+lambda`` delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+from vllm_omni.diffusion.lora.geometry import LayerGeometry, layer_geometry
+
+
+@dataclass(frozen=True)
+class SlotActivation:
+    """How one device slot applies to the current batch.
+
+    Attributes:
+        slot: device slot index.
+        rows: int64 device tensor of the sample indices with a non-zero scale, or ``None`` for all.
+        scale: the common scale of those samples when they share one, else ``None``.
+        row_scales: float32 device tensor ``[len(rows)]`` (or ``[batch]``) of per-sample scales when
+            they differ, else ``None``.
+    """
+
+    slot: int
+    rows: torch.Tensor | None
+    scale: float | None
+    row_scales: torch.Tensor | None
+
+
+class LoRABatchState:
+    """Activation shared by every wrapper of one manager (set by the manager, read in forward)."""
+
+    def __init__(self) -> None:
+        self.batch_size: int = 0
+        self.slots: tuple[SlotActivation, ...] = ()
+
+    def set(self, batch_size: int, slots: tuple[SlotActivation, ...]) -> None:
+        self.batch_size = batch_size
+        self.slots = slots
+
+    def clear(self) -> None:
+        self.batch_size = 0
+        self.slots = ()
+
+
+@dataclass(frozen=True)
+class LayerLoRAWeights:
+    """One adapter's weights for one (possibly packed) layer, unsharded, on the host.
+
+    Attributes:
+        slices: per output slice of the layer, ``(A [r, d_in], s*B [slice_rows, r])`` float32, or
+            ``None`` when the adapter leaves that slice untouched (it then stays exactly zero).
+        shared_a: every present slice uses the same ``A`` (the adapter targeted the packed layer by
+            its own name); the forward then computes ``A x`` once.
+    """
+
+    slices: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+    shared_a: bool = False
+
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in filter(None, self.slices)
+        )
+
+
+def _default_device_dtype(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
+    dtype = getattr(layer, "params_dtype", None)
+    device = torch.device("cpu")
+    for p in layer.parameters(recurse=False):
+        device = p.device
+        if dtype is None and p.is_floating_point():
+            dtype = p.dtype
+        break
+    return device, dtype or torch.get_default_dtype()
+
+
+class BaseLayerWithLoRA(nn.Module):
+    """Common buffer handling and delta computation; subclasses define ``forward``.
+
+    Attributes not found on the wrapper are looked up on ``base_layer``, so model code that reads
+    e.g. ``self.to_qkv.output_sizes`` or ``self.proj.weight`` keeps working after patching.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        state: LoRABatchState,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.geometry: LayerGeometry = layer_geometry(base_layer)
+        self.lora_state = state
+        self.max_loras = int(max_loras)
+        self.max_rank = int(max_rank)
+        default_device, default_dtype = _default_device_dtype(base_layer)
+        self.lora_device = torch.device(device) if device is not None else default_device
+        self.lora_dtype = dtype or default_dtype
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
+        self._ranks: list[tuple[int, ...] | None] = [None] * self.max_loras
+        self._shared_a: list[bool] = [False] * self.max_loras
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("base_layer", "_modules", "_parameters", "_buffers"):
+                raise
+            return getattr(super().__getattr__("base_layer"), name)
+
+    # ----------------------------------------------------------------- slots
+    def _ensure_buffers(self) -> None:
+        if self.lora_a is not None:
+            return
+        g = self.geometry
+        self.lora_a = torch.zeros(
+            len(g.slices),
+            self.max_loras,
+            self.max_rank,
+            g.in_local,
+            device=self.lora_device,
+            dtype=self.lora_dtype,
+        )
+        self.lora_b = torch.zeros(
+            self.max_loras, g.out_local, self.max_rank, device=self.lora_device, dtype=self.lora_dtype
+        )
+
+    def slot_ranks(self, slot: int) -> tuple[int, ...] | None:
+        """Per-slice ranks written into ``slot`` (``None`` when the slot leaves this layer alone)."""
+        return self._ranks[slot]
+
+    def set_slot(self, slot: int, weights: LayerLoRAWeights | None) -> None:
+        """Write one adapter's weights into device slot ``slot`` (``None`` clears it).
+
+        The unsharded host tensors are cut to this rank's rows / columns (see :mod:`.geometry`) and
+        cast to the buffer dtype. Slices the adapter does not target are zero.
+
+        Raises:
+            ValueError: wrong number of slices, a rank above ``max_rank``, or mismatched shapes.
+        """
+        if weights is None:
+            self.clear_slot(slot)
+            return
+        g = self.geometry
+        if len(weights.slices) != len(g.slices):
+            raise ValueError(f"expected {len(g.slices)} output slices, got {len(weights.slices)}")
+        for sl, pair in zip(g.slices, weights.slices, strict=True):
+            if pair is None:
+                continue
+            lora_a, lora_b = pair
+            if lora_a.shape[0] > self.max_rank:
+                raise ValueError(f"LoRA rank {lora_a.shape[0]} exceeds max_rank {self.max_rank}")
+            if lora_a.shape[1] != g.in_features or lora_b.shape[0] != sl.global_size:
+                raise ValueError(
+                    f"LoRA shapes A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a slice of "
+                    f"{sl.global_size} rows x {g.in_features} inputs"
+                )
+        self._ensure_buffers()
+        self.lora_a[:, slot].zero_()
+        self.lora_b[slot].zero_()
+        ranks: list[int] = []
+        for index, (sl, pair) in enumerate(zip(g.slices, weights.slices, strict=True)):
+            if pair is None:
+                ranks.append(0)
+                continue
+            lora_a, lora_b = pair
+            rank = int(lora_a.shape[0])
+            if index == 0 or not weights.shared_a:
+                self.lora_a[index, slot, :rank].copy_(lora_a[:, g.in_start : g.in_start + g.in_local])
+            start, length = sl.rows_within_slice()
+            self.lora_b[slot, sl.local_offset : sl.local_offset + length, :rank].copy_(
+                lora_b[start : start + length]
+            )
+            ranks.append(rank)
+        self._shared_a[slot] = bool(weights.shared_a)
+        self._ranks[slot] = tuple(ranks)
+
+    def clear_slot(self, slot: int) -> None:
+        """Forget ``slot`` on this layer (its buffers are zeroed if allocated)."""
+        self._ranks[slot] = None
+        self._shared_a[slot] = False
+        if self.lora_a is not None:
+            self.lora_a[:, slot].zero_()
+            self.lora_b[slot].zero_()
+
+    # --------------------------------------------------------------- forward
+    def has_active_lora(self) -> bool:
+        if self.lora_a is None:
+            return False
+        return any(self._ranks[act.slot] is not None for act in self.lora_state.slots)
+
+    def _scaled(self, h: torch.Tensor, act: SlotActivation, rows: int) -> torch.Tensor:
+        if act.row_scales is None:
+            if act.scale is None or act.scale == 1.0:
+                return h
+            return h * act.scale
+        r = h.shape[-1]
+        scaled = h.view(rows, -1, r).float() * act.row_scales.view(rows, 1, 1)
+        return scaled.view(-1, r).to(h.dtype)
+
+    @staticmethod
+    def _accumulate(
+        y: torch.Tensor, delta: torch.Tensor, offset: int, size: int, rows: torch.Tensor | None
+    ) -> None:
+        target = y if (offset == 0 and size == y.shape[-1]) else y.narrow(-1, offset, size)
+        delta = delta.to(y.dtype)
+        if rows is None:
+            target.add_(delta)
+        else:
+            target.index_add_(0, rows, delta)
+
+    def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add the active slots' deltas to ``y`` in place and return it.
+
+        Args:
+            x: layer input on this rank, ``[..., in_local]``; its leading dimension is the sample
+                dimension whenever the batch mixes scales.
+            y: layer output on this rank before any collective, ``[..., out_local]``.
+
+        Raises:
+            RuntimeError: the batch mixes adapter sets / scales but ``x.shape[0]`` is not the batch
+                size set by the manager (the layer cannot tell which rows belong to which request).
+        """
+        state = self.lora_state
+        if not state.slots or self.lora_a is None:
+            return y
+        g = self.geometry
+        for act in state.slots:
+            ranks = self._ranks[act.slot]
+            if ranks is None:
+                continue
+            if (act.rows is not None or act.row_scales is not None) and x.shape[0] != state.batch_size:
+                raise RuntimeError(
+                    f"LoRA batch mixes adapter scales across {state.batch_size} samples but this layer got "
+                    f"input with leading dimension {x.shape[0]}; pass one entry per sample of the forward batch"
+                )
+            xs = x if act.rows is None else x.index_select(0, act.rows)
+            n_rows = xs.shape[0]
+            lead = xs.shape[:-1]
+            x2 = xs.reshape(-1, xs.shape[-1])
+            if x2.dtype != self.lora_a.dtype:
+                x2 = x2.to(self.lora_a.dtype)
+            if self._shared_a[act.slot]:
+                rank = max(ranks)
+                h = self._scaled(x2 @ self.lora_a[0, act.slot, :rank].t(), act, n_rows)
+                delta = h @ self.lora_b[act.slot, :, :rank].t()
+                self._accumulate(y, delta.view(*lead, -1), 0, g.out_local, act.rows)
+                continue
+            for index, sl in enumerate(g.slices):
+                rank = ranks[index]
+                if rank == 0:
+                    continue
+                h = self._scaled(x2 @ self.lora_a[index, act.slot, :rank].t(), act, n_rows)
+                delta = (
+                    h @ self.lora_b[act.slot, sl.local_offset : sl.local_offset + sl.local_size, :rank].t()
+                )
+                self._accumulate(y, delta.view(*lead, -1), sl.local_offset, sl.local_size, act.rows)
+        return y
+
+    def extra_repr(self) -> str:
+        g = self.geometry
+        return f"max_loras={self.max_loras}, max_rank={self.max_rank}, slices={len(g.slices)}, kind={g.kind}"
+
+
+class LinearWithLoRA(BaseLayerWithLoRA):
+    """``torch.nn.Linear`` (the diffusers fallback path). Returns a tensor, like the base layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.has_active_lora():
+            return self.base_layer(x)
+        base = self.base_layer
+        return self.apply_lora(x, F.linear(x, base.weight, base.bias))
+
+
+class ReplicatedLinearWithLoRA(BaseLayerWithLoRA):
+    """vLLM ``ReplicatedLinear`` (e.g. adaLN modulation); full ``A`` and ``B`` on every rank."""
+
+    def forward(self, x: torch.Tensor):
+        base = self.base_layer
+        if not self.has_active_lora():
+            return base(x)
+        bias = base.bias if not base.skip_bias_add else None
+        out = self.apply_lora(x, base.quant_method.apply(base, x, bias))
+        if not base.return_bias:
+            return out
+        return out, (base.bias if base.skip_bias_add else None)
+
+
+class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
+    """vLLM ``ColumnParallelLinear``: ``B`` sharded by output rows; delta added before the all-gather."""
+
+    def forward(self, x: torch.Tensor):
+        base = self.base_layer
+        if not self.has_active_lora():
+            return base(x)
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        bias = base.bias if not base.skip_bias_add else None
+        out = self.apply_lora(x, base.quant_method.apply(base, x, bias))
+        if base.gather_output and base.tp_size > 1:
+            out = tensor_model_parallel_all_gather(out)
+        if not base.return_bias:
+            return out
+        return out, (base.bias if base.skip_bias_add else None)
+
+
+class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
+    """vLLM ``MergedColumnParallelLinear`` (e.g. ``w13``): one output slice per ``output_sizes`` entry."""
+
+
+class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
+    """vLLM ``QKVParallelLinear`` (``to_qkv``): q / k / v output slices, GQA sizes and KV replicas honoured."""
+
+
+class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
+    """vLLM ``RowParallelLinear``: ``A`` sharded by input columns; partial delta added before the all-reduce."""
+
+    def forward(self, x: torch.Tensor):
+        base = self.base_layer
+        if not self.has_active_lora():
+            return base(x)
+        from vllm.distributed import split_tensor_along_last_dim, tensor_model_parallel_all_reduce
+
+        if base.input_is_parallel:
+            x_local = x
+        else:
+            x_local = split_tensor_along_last_dim(x, num_partitions=base.tp_size)[base.tp_rank].contiguous()
+        bias = None if (base.tp_rank > 0 or base.skip_bias_add) else base.bias
+        out = self.apply_lora(x_local, base.quant_method.apply(base, x_local, bias))
+        if base.reduce_results and base.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        if not base.return_bias:
+            return out
+        return out, (base.bias if base.skip_bias_add else None)
+
+
+def wrapper_class_for(module: nn.Module) -> type[BaseLayerWithLoRA] | None:
+    """The wrapper class for ``module``, or ``None`` when it is not a supported linear layer."""
+    if isinstance(module, BaseLayerWithLoRA):
+        return None
+    if isinstance(module, QKVParallelLinear):
+        return QKVParallelLinearWithLoRA
+    if isinstance(module, MergedColumnParallelLinear):
+        return MergedColumnParallelLinearWithLoRA
+    if isinstance(module, ColumnParallelLinear):
+        return ColumnParallelLinearWithLoRA
+    if isinstance(module, RowParallelLinear):
+        return RowParallelLinearWithLoRA
+    if isinstance(module, ReplicatedLinear):
+        return ReplicatedLinearWithLoRA
+    if isinstance(module, nn.Linear):
+        return LinearWithLoRA
+    return None

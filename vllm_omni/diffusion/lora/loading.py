@@ -1,0 +1,56 @@
+"""Choose an adapter reader by path: a PEFT directory or a single ``.safetensors`` file.
+
+New formats register a reader with :func:`register_lora_format`; the first reader whose predicate
+accepts the path wins, so a more specific format (e.g. kohya files recognised by their keys) can be
+registered ahead of the generic single-file reader with ``first=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError
+from vllm_omni.diffusion.lora.peft_format import ADAPTER_CONFIG_NAME, load_peft_adapter
+from vllm_omni.diffusion.lora.safetensors_format import load_lora_safetensors
+
+LoRAReader = Callable[[str], LoRAAdapterWeights]
+_READERS: list[tuple[str, Callable[[str], bool], LoRAReader]] = [
+    (
+        "peft",
+        lambda p: os.path.isdir(p) and os.path.isfile(os.path.join(p, ADAPTER_CONFIG_NAME)),
+        load_peft_adapter,
+    ),
+    ("safetensors", lambda p: os.path.isfile(p) and p.endswith(".safetensors"), load_lora_safetensors),
+]
+
+
+def register_lora_format(
+    name: str, accepts: Callable[[str], bool], reader: LoRAReader, *, first: bool = False
+) -> None:
+    """Add a reader: ``accepts(path)`` says whether it handles ``path``; ``reader(path)`` parses it."""
+    entry = (name, accepts, reader)
+    if first:
+        _READERS.insert(0, entry)
+    else:
+        _READERS.append(entry)
+
+
+def load_lora_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
+    """Read the adapter at ``path`` with the first registered reader that accepts it.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        LoRAFormatError: no reader accepts it, or the reader rejects its content.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"LoRA adapter not found: {path!r}")
+    for _, accepts, reader in _READERS:
+        if accepts(path):
+            return reader(path)
+    known = ", ".join(name for name, _, _ in _READERS)
+    raise LoRAFormatError(
+        f"{path!r} is neither a PEFT adapter directory ({ADAPTER_CONFIG_NAME} + adapter_model.safetensors) nor a "
+        f"supported single-file LoRA (known formats: {known})"
+    )

@@ -1,0 +1,469 @@
+"""``DiffusionLoRAManager``: request-time LoRA for diffusion denoisers (the PEFT backend).
+
+Lifecycle:
+
+1. Construction walks ``named_modules()`` of the denoiser(s) and replaces every supported linear
+   layer (vLLM ``ReplicatedLinear`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` /
+   ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and ``torch.nn.Linear``) by a wrapper from
+   :mod:`.layers`. Packed layers are described by the model's ``stacked_params_mapping``.
+2. :meth:`DiffusionLoRAManager.add_lora` reads an adapter into the host LRU cache (``max_cpu_loras``
+   entries, float32 CPU tensors, already bound to layers and checked against them).
+3. :meth:`DiffusionLoRAManager.set_active_adapters` (or the :meth:`activate` context manager) copies
+   the batch's adapters into the ``max_loras`` device slots (reusing slots that already hold them)
+   and publishes the per-sample scale matrix ``[batch, max_loras]`` that every wrapper reads.
+
+Rules: pinned adapters are never evicted; adapters held by in-flight requests (:meth:`activate`,
+:meth:`acquire_loras`) or by the current activation are neither evicted nor removable; a failed load
+leaves the cache and slots as they were; argument errors are raised before any work.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, LoRACacheError, SlotTable
+from vllm_omni.diffusion.lora.layers import (
+    BaseLayerWithLoRA,
+    LoRABatchState,
+    SlotActivation,
+    wrapper_class_for,
+)
+from vllm_omni.diffusion.lora.loading import load_lora_adapter
+from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+from vllm_omni.lora.request import LoRARequest
+
+DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
+
+
+def find_denoisers(model_or_pipeline: object, denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS) -> dict:
+    """The denoiser modules of a model or pipeline, ``{name: module}``, first one primary.
+
+    A module that declares ``stacked_params_mapping`` is a denoiser itself; otherwise the attributes
+    named in ``denoiser_attrs`` that hold modules are used; otherwise a bare ``nn.Module`` is taken
+    as the denoiser.
+
+    Raises:
+        TypeError: nothing usable was found.
+    """
+    if isinstance(model_or_pipeline, nn.Module) and hasattr(model_or_pipeline, "stacked_params_mapping"):
+        return {"": model_or_pipeline}
+    found = {
+        attr: getattr(model_or_pipeline, attr)
+        for attr in denoiser_attrs
+        if isinstance(getattr(model_or_pipeline, attr, None), nn.Module)
+    }
+    if found:
+        return found
+    if isinstance(model_or_pipeline, nn.Module):
+        return {"": model_or_pipeline}
+    raise TypeError(
+        f"{type(model_or_pipeline).__name__} is neither an nn.Module nor a pipeline with one of {list(denoiser_attrs)}"
+    )
+
+
+def _mapping_from_models(denoisers: Mapping[str, nn.Module]) -> list[tuple[str, str, str | int]]:
+    mapping: list[tuple[str, str, str | int]] = []
+    for module in denoisers.values():
+        for entry in getattr(module, "stacked_params_mapping", None) or ():
+            if tuple(entry) not in mapping:
+                mapping.append(tuple(entry))
+    return mapping
+
+
+def _check_request(request: object) -> tuple[int, str]:
+    lora_id = getattr(request, "lora_int_id", None)
+    path = getattr(request, "lora_path", None)
+    if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
+        raise ValueError(f"lora_int_id must be a positive int, got {lora_id!r}")
+    if not path:
+        raise ValueError(f"LoRA {lora_id} has no lora_path")
+    return lora_id, str(path)
+
+
+class DiffusionLoRAManager:
+    """Multi-LoRA runtime for one diffusion stage worker.
+
+    Args:
+        model_or_pipeline: a denoiser ``nn.Module`` or a pipeline exposing ``transformer`` (and
+            optionally ``transformer_2``); see :func:`find_denoisers`.
+        max_loras: device slots; also the most adapters one batch (and one request) may use.
+        max_rank: largest LoRA rank accepted; buffers are sized for it.
+        max_cpu_loras: host LRU capacity (defaults to ``max_loras``; must be ``>= max_loras``).
+        device, dtype: where / how the A and B buffers live (default: each base layer's own).
+        stacked_params_mapping: ``(packed_name, sub_name, shard_id)`` tuples; defaults to the union
+            of the denoisers' ``stacked_params_mapping`` attributes.
+        target_modules: optional layer-name suffixes to patch (default: every supported linear).
+        denoiser_attrs: pipeline attributes searched for denoisers.
+        adapter_loader: ``path -> LoRAAdapterWeights`` (default :func:`.loading.load_lora_adapter`).
+
+    Raises:
+        ValueError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
+    """
+
+    def __init__(
+        self,
+        model_or_pipeline: object,
+        *,
+        max_loras: int = 1,
+        max_rank: int = 64,
+        max_cpu_loras: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        stacked_params_mapping: StackedParamsMapping | None = None,
+        target_modules: Sequence[str] | None = None,
+        denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS,
+        adapter_loader: Callable[[str], object] | None = None,
+    ) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
+        max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self.max_loras = int(max_loras)
+        self.max_rank = int(max_rank)
+        self.max_cpu_loras = int(max_cpu_loras)
+        self.denoisers = find_denoisers(model_or_pipeline, denoiser_attrs)
+        if stacked_params_mapping is None:
+            stacked_params_mapping = _mapping_from_models(self.denoisers)
+        self.stacked_params_mapping = list(stacked_params_mapping)
+        self._index = TargetIndex(self.denoisers, self.stacked_params_mapping, target_modules)
+        self._state = LoRABatchState()
+        self._loader = adapter_loader or load_lora_adapter
+        self._cache = AdapterCache(self.max_cpu_loras)
+        self._slots = SlotTable(self.max_loras)
+        self._lock = threading.RLock()
+        self._active_ids: tuple[int, ...] = ()
+        self._active_key: tuple | None = None
+        self.scale_matrix: torch.Tensor | None = None
+        self.slot_writes = 0
+        self.wrappers: dict[str, BaseLayerWithLoRA] = {}
+        for name, target in self._index.targets.items():
+            current = getattr(target.parent, target.attr)
+            if isinstance(current, BaseLayerWithLoRA):
+                raise ValueError(f"layer {name!r} is already wrapped by another LoRA manager")
+            wrapper_cls = wrapper_class_for(target.module)
+            assert wrapper_cls is not None
+            wrapper = wrapper_cls(target.module, self._state, self.max_loras, self.max_rank, device, dtype)
+            setattr(target.parent, target.attr, wrapper)
+            self.wrappers[name] = wrapper
+
+    # ------------------------------------------------------------------ cache
+    def list_loras(self) -> list[int]:
+        """Ids in the host cache, least recently used first."""
+        with self._lock:
+            return self._cache.ids()
+
+    def slot_assignment(self) -> dict[int, int]:
+        """Adapter id -> device slot for adapters currently resident on the device."""
+        with self._lock:
+            return self._slots.mapping()
+
+    def cache_entry(self, lora_int_id: int) -> CacheEntry | None:
+        """The host cache entry (pinned flag, refcount, path), or ``None``."""
+        return self._cache.get(lora_int_id)
+
+    def _load_entry(self, request: LoRARequest) -> CacheEntry:
+        lora_id, path = _check_request(request)
+        adapter = self._loader(path)
+        bound = bind_adapter(adapter, self._index, self.max_rank)
+        return CacheEntry(lora_id, path, bound, name=getattr(request, "lora_name", "") or "")
+
+    def _free_slot(self, lora_int_id: int) -> None:
+        slot = self._slots.release(lora_int_id)
+        if slot is not None:
+            for wrapper in self.wrappers.values():
+                if wrapper.slot_ranks(slot) is not None:
+                    wrapper.clear_slot(slot)
+
+    def _ensure_cached(
+        self, requests: Sequence[LoRARequest], protected: set[int], *, keep_active: bool = True
+    ) -> None:
+        """Load the uncached requests as one transaction (victims planned first, committed last).
+
+        ``protected`` ids are never chosen as victims; nor is the current activation unless
+        ``keep_active`` is false (a new activation is replacing it).
+        """
+        missing: dict[int, LoRARequest] = {}
+        for request in requests:
+            lora_id, path = _check_request(request)
+            entry = self._cache.get(lora_id)
+            if entry is not None:
+                if entry.lora_path != path:
+                    raise ValueError(
+                        f"LoRA id {lora_id} is cached for {entry.lora_path!r}, not {path!r}; use a distinct lora_int_id"
+                    )
+                continue
+            missing.setdefault(lora_id, request)
+        if missing:
+            keep = protected | set(missing) | (set(self._active_ids) if keep_active else set())
+            victims = self._cache.plan_eviction(len(missing), keep)
+            loaded = [self._load_entry(request) for request in missing.values()]
+            for evicted in self._cache.commit(victims, loaded):
+                self._free_slot(evicted.lora_int_id)
+        for request in requests:
+            self._cache.touch(request.lora_int_id)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the host cache.
+
+        Returns:
+            ``True`` when it was loaded, ``False`` when the id was already cached (it becomes most
+            recently used).
+
+        Raises:
+            ValueError: bad id / path, or the id is cached for another path.
+            LoRACacheError: the cache is full of pinned / in-use adapters (nothing is read).
+            FileNotFoundError, LoRAFormatError: the adapter cannot be read or does not fit the model
+                (cache and slots unchanged).
+        """
+        lora_id, _ = _check_request(lora_request)
+        with self._lock:
+            present = lora_id in self._cache
+            self._ensure_cached([lora_request], set())
+            return not present
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host cache and its device slot.
+
+        Returns:
+            ``False`` when it was not cached.
+
+        Raises:
+            LoRACacheError: it is held by an in-flight request or the current activation.
+        """
+        with self._lock:
+            if lora_int_id not in self._cache:
+                return False
+            if lora_int_id in self._active_ids:
+                raise LoRACacheError(
+                    f"LoRA {lora_int_id} is part of the current activation; call deactivate() before removing it"
+                )
+            self._cache.remove(lora_int_id)
+            self._free_slot(lora_int_id)
+            return True
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Never evict this adapter from the host cache (it is preferred for keeping a device slot).
+
+        Raises:
+            ValueError: the adapter is not cached.
+        """
+        with self._lock:
+            entry = self._cache.get(lora_int_id)
+            if entry is None:
+                raise ValueError(f"cannot pin LoRA {lora_int_id}: it is not loaded (call add_lora first)")
+            entry.pinned = True
+            return True
+
+    def unpin_lora(self, lora_int_id: int) -> bool:
+        """Make a pinned adapter evictable again; ``False`` when it is not cached."""
+        with self._lock:
+            entry = self._cache.get(lora_int_id)
+            if entry is None:
+                return False
+            entry.pinned = False
+            return True
+
+    def acquire_loras(self, lora_requests: Sequence[LoRARequest]) -> list[int]:
+        """Load (if needed) and hold adapters for an in-flight request; pair with :meth:`release_loras`.
+
+        Held adapters are neither evicted nor removable until released. Returns the held ids.
+        """
+        with self._lock:
+            ids = list(dict.fromkeys(_check_request(r)[0] for r in lora_requests))
+            self._ensure_cached(list(lora_requests), set(ids))
+            self._cache.acquire(ids)
+            return ids
+
+    def release_loras(self, lora_int_ids: Sequence[int]) -> None:
+        """Release adapters held by :meth:`acquire_loras` (one reference per id)."""
+        with self._lock:
+            self._cache.release(lora_int_ids)
+
+    # ------------------------------------------------------------ activation
+    def _validate(self, requests_per_sample: Sequence, scales_per_sample: Sequence) -> tuple[list, list]:
+        if isinstance(requests_per_sample, (str, bytes)) or not isinstance(requests_per_sample, Sequence):
+            raise ValueError("requests_per_sample must be a list")
+        if not isinstance(scales_per_sample, Sequence):
+            raise ValueError("scales_per_sample must be a list")
+        if len(requests_per_sample) != len(scales_per_sample):
+            raise ValueError(
+                f"got {len(requests_per_sample)} request entries but {len(scales_per_sample)} scale entries"
+            )
+        reqs: list[list[LoRARequest]] = []
+        scales: list[list[float]] = []
+        paths: dict[int, str] = {}
+        for n, (sample_reqs, sample_scales) in enumerate(
+            zip(requests_per_sample, scales_per_sample, strict=True)
+        ):
+            sample_reqs, sample_scales = list(sample_reqs), list(sample_scales)
+            if len(sample_reqs) != len(sample_scales):
+                raise ValueError(f"sample {n}: {len(sample_reqs)} adapters but {len(sample_scales)} scales")
+            if len(sample_reqs) > self.max_loras:
+                raise ValueError(f"sample {n}: {len(sample_reqs)} adapters exceed max_loras={self.max_loras}")
+            seen: set[int] = set()
+            values: list[float] = []
+            for request, scale in zip(sample_reqs, sample_scales, strict=True):
+                lora_id, path = _check_request(request)
+                if lora_id in seen:
+                    raise ValueError(f"sample {n}: LoRA {lora_id} appears twice in one request")
+                seen.add(lora_id)
+                if paths.setdefault(lora_id, path) != path:
+                    raise ValueError(
+                        f"LoRA id {lora_id} is used for two paths: {paths[lora_id]!r} and {path!r}"
+                    )
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+                    raise ValueError(
+                        f"sample {n}: LoRA {lora_id} scale must be a finite number, got {scale!r}"
+                    )
+                values.append(float(scale))
+            reqs.append(sample_reqs)
+            scales.append(values)
+        if len(paths) > self.max_loras:
+            raise ValueError(f"the batch uses {len(paths)} distinct adapters; max_loras={self.max_loras}")
+        return reqs, scales
+
+    def set_active_adapters(
+        self,
+        requests_per_sample: Sequence[Sequence[LoRARequest]] | Sequence[LoRARequest],
+        scales_per_sample: Sequence[Sequence[float]] | Sequence[float],
+    ) -> None:
+        """Activate adapters for the next forward passes.
+
+        Args:
+            requests_per_sample: one list of ``LoRARequest`` per sample of the forward batch (the
+                leading dimension of the denoiser's inputs, including CFG copies), or a flat list of
+                ``LoRARequest`` meaning one request that applies to every sample.
+            scales_per_sample: the per-adapter scales ``lambda``, same nesting. ``0`` keeps the
+                adapter resident (it still counts toward ``max_loras``) but adds exactly nothing.
+
+        Raises:
+            ValueError: (before any work) unequal lengths, more than ``max_loras`` adapters in a
+                sample or in the batch, an adapter twice in one sample, a non-finite scale, a bad
+                request, or one id with two paths.
+            LoRACacheError, FileNotFoundError, LoRAFormatError: loading failed (nothing changed).
+        """
+        self._activate(requests_per_sample, scales_per_sample)
+
+    def _activate(self, requests_per_sample, scales_per_sample) -> list[int]:
+        broadcast = len(requests_per_sample) > 0 and all(
+            isinstance(r, LoRARequest) for r in requests_per_sample
+        )
+        if broadcast:
+            requests_per_sample, scales_per_sample = [list(requests_per_sample)], [list(scales_per_sample)]
+        reqs, scales = self._validate(requests_per_sample, scales_per_sample)
+        batch_ids = list(dict.fromkeys(r.lora_int_id for sample in reqs for r in sample))
+        with self._lock:
+            key = (broadcast, tuple(tuple(r.lora_int_id for r in s) for s in reqs), tuple(map(tuple, scales)))
+            if key == self._active_key and all(self._slots.slot_of(i) is not None for i in batch_ids):
+                return batch_ids
+            first = {}
+            for sample in reqs:
+                for r in sample:
+                    first.setdefault(r.lora_int_id, r)
+            try:
+                self._ensure_cached(list(first.values()), set(batch_ids), keep_active=False)
+                self._fill_slots(batch_ids)
+                self._publish(reqs, scales, broadcast)
+            except BaseException:
+                # The previous activation may reference slots that were just reused: never leave
+                # a half-switched state behind.
+                self.deactivate()
+                raise
+            self._active_ids = tuple(batch_ids)
+            self._active_key = key
+            return batch_ids
+
+    def _fill_slots(self, batch_ids: list[int]) -> None:
+        pinned = [i for i in self._cache.ids() if self._cache.get(i).pinned]
+        plan = self._slots.plan(batch_ids, prefer_keep=pinned)
+        for lora_id, (slot, previous) in plan.items():
+            payload = self._cache.get(lora_id).payload
+            if previous is not None:
+                self._slots.release(previous)
+            try:
+                for name, wrapper in self.wrappers.items():
+                    weights = payload.get(name)
+                    if weights is not None:
+                        wrapper.set_slot(slot, weights)
+                    elif wrapper.slot_ranks(slot) is not None:
+                        wrapper.clear_slot(slot)
+            except Exception:
+                for wrapper in self.wrappers.values():
+                    wrapper.clear_slot(slot)
+                raise
+            self._slots.assign(lora_id, slot)
+            self.slot_writes += 1
+        for lora_id in batch_ids:
+            self._slots.touch(lora_id)
+
+    def _publish(self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool) -> None:
+        batch = len(reqs)
+        matrix = torch.zeros(batch, self.max_loras, dtype=torch.float32)
+        for n, (sample, values) in enumerate(zip(reqs, scales, strict=True)):
+            for request, value in zip(sample, values, strict=True):
+                matrix[n, self._slots.slot_of(request.lora_int_id)] = value
+        device = next(iter(self.wrappers.values())).lora_device if self.wrappers else torch.device("cpu")
+        acts: list[SlotActivation] = []
+        for slot in range(self.max_loras):
+            column = matrix[:, slot]
+            nonzero = torch.nonzero(column).flatten()
+            if nonzero.numel() == 0:
+                continue
+            values = column[nonzero]
+            uniform = bool((values == values[0]).all())
+            rows = None if (broadcast or nonzero.numel() == batch) else nonzero.to(device)
+            if uniform:
+                acts.append(SlotActivation(slot, rows, float(values[0]), None))
+            else:
+                acts.append(SlotActivation(slot, rows, None, values.to(device)))
+        self.scale_matrix = matrix
+        self._state.set(0 if broadcast else batch, tuple(acts))
+
+    def deactivate(self) -> None:
+        """No adapter applies to the next forward passes (slots stay resident for cheap reuse)."""
+        with self._lock:
+            self._state.clear()
+            self._active_ids = ()
+            self._active_key = None
+            self.scale_matrix = None
+
+    @contextmanager
+    def activate(
+        self,
+        requests_per_sample: Sequence[Sequence[LoRARequest]] | Sequence[LoRARequest],
+        scales_per_sample: Sequence[Sequence[float]] | Sequence[float],
+    ) -> Iterator[None]:
+        """Activate for the duration of a request (all its denoising steps) and hold its adapters.
+
+        While inside, the adapters cannot be evicted or removed, so every step of the request runs
+        with the same weights; on exit they are released and the manager is deactivated.
+        """
+        with self._lock:
+            ids = self._activate(requests_per_sample, scales_per_sample)
+            self._cache.acquire(ids)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._cache.release(ids)
+                self.deactivate()
+
+    @property
+    def active_lora_ids(self) -> tuple[int, ...]:
+        return self._active_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"DiffusionLoRAManager(layers={len(self.wrappers)}, max_loras={self.max_loras}, "
+            f"max_rank={self.max_rank}, max_cpu_loras={self.max_cpu_loras}, cached={self._cache.ids()})"
+        )
+
+
+__all__ = ["DEFAULT_DENOISER_ATTRS", "DiffusionLoRAManager", "LoRACacheError", "find_denoisers"]

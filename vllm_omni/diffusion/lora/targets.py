@@ -1,0 +1,199 @@
+"""Which layers of a denoiser an adapter binds to, and how.
+
+:class:`TargetIndex` lists the supported linear layers of one or more denoisers under *qualified
+names* (the module name inside the first denoiser; ``"<attr>.<name>"`` for further denoisers such as
+``transformer_2``) and, from the model's ``stacked_params_mapping``, the names of the sub-layers that
+were packed into each of them (``to_q`` -> slice ``q`` of ``to_qkv``).
+
+:func:`bind_adapter` turns a format-neutral :class:`~.adapter.LoRAAdapterWeights` into per-layer
+:class:`~.layers.LayerLoRAWeights` (unsharded, ``s`` folded into ``B``), and refuses adapters that do
+not fit: unmatched module names, ranks above ``max_rank``, wrong shapes, or a packed layer targeted
+both whole and per sub-layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from vllm_omni.diffusion.lora.adapter import (
+    DEFAULT_STRIP_PREFIXES,
+    LoRAAdapterWeights,
+    LoRAFormatError,
+    LoRAModuleWeights,
+    candidate_module_keys,
+)
+from vllm_omni.diffusion.lora.geometry import LayerGeometry, is_supported_linear, layer_geometry
+from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA, LayerLoRAWeights
+
+StackedParamsMapping = Sequence[tuple[str, str, str | int]]
+
+
+@dataclass
+class LoRATarget:
+    """A patchable linear layer.
+
+    Attributes:
+        name: qualified name.
+        module: the base layer (unwrapped).
+        geometry: its :class:`~.geometry.LayerGeometry` on this rank.
+        parent: module holding it, and ``attr``: its attribute name there (used to swap in a wrapper).
+    """
+
+    name: str
+    module: nn.Module
+    geometry: LayerGeometry
+    parent: nn.Module
+    attr: str
+
+
+def _replace_suffix(name: str, suffix: str, replacement: str) -> str | None:
+    if name == suffix:
+        return replacement
+    if name.endswith("." + suffix):
+        return name[: -len(suffix)] + replacement
+    return None
+
+
+class TargetIndex:
+    """Supported linear layers of the denoiser(s), plus packed sub-layer names.
+
+    Args:
+        denoisers: ``{attr: module}`` in priority order; the first one's names are unprefixed.
+        stacked_params_mapping: ``(packed_name, sub_name, shard_id)`` tuples declared by the model.
+        target_modules: optional name suffixes; only layers whose qualified name ends with one of
+            them (on a dot boundary) are indexed. ``None`` indexes every supported linear layer.
+        strip_prefixes: key prefixes tried away when resolving adapter keys.
+
+    Raises:
+        ValueError: a mapping entry's shard id does not exist on the packed layer it names.
+    """
+
+    def __init__(
+        self,
+        denoisers: Mapping[str, nn.Module],
+        stacked_params_mapping: StackedParamsMapping | None = None,
+        target_modules: Iterable[str] | None = None,
+        strip_prefixes: Sequence[str] = DEFAULT_STRIP_PREFIXES,
+    ) -> None:
+        self.targets: dict[str, LoRATarget] = {}
+        self.packed: dict[str, tuple[str, int]] = {}
+        self.strip_prefixes = tuple(strip_prefixes)
+        suffixes = tuple(target_modules) if target_modules is not None else None
+        for position, (attr, denoiser) in enumerate(denoisers.items()):
+            prefix = "" if position == 0 else f"{attr}."
+            for name, module in list(denoiser.named_modules()):
+                if not name:
+                    continue
+                base = module.base_layer if isinstance(module, BaseLayerWithLoRA) else module
+                if not is_supported_linear(base) or ".base_layer" in f".{name}":
+                    continue
+                qualified = prefix + name
+                if suffixes is not None and not any(_replace_suffix(qualified, s, s) for s in suffixes):
+                    continue
+                parent_name, _, child = name.rpartition(".")
+                parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
+                self.targets[qualified] = LoRATarget(qualified, base, layer_geometry(base), parent, child)
+        for packed_name, sub_name, shard_id in stacked_params_mapping or ():
+            for qualified, target in self.targets.items():
+                if _replace_suffix(qualified, packed_name, packed_name) is None:
+                    continue
+                sub_qualified = _replace_suffix(qualified, packed_name, sub_name)
+                if sub_qualified is None or sub_qualified in self.targets:
+                    continue
+                if shard_id not in target.geometry.shard_ids:
+                    raise ValueError(
+                        f"stacked_params_mapping entry ({packed_name!r}, {sub_name!r}, {shard_id!r}): layer "
+                        f"{qualified!r} ({type(target.module).__name__}) has no shard {shard_id!r}; "
+                        f"known shards: {sorted(target.geometry.shard_ids, key=str)}"
+                    )
+                self.packed[sub_qualified] = (qualified, target.geometry.shard_ids[shard_id])
+
+    def resolve(self, key: str) -> tuple[str, int | None] | None:
+        """Map an adapter module key to ``(target name, slice index or None for the whole layer)``."""
+        for candidate in candidate_module_keys(key, self.strip_prefixes):
+            if candidate in self.targets:
+                return candidate, None
+            if candidate in self.packed:
+                return self.packed[candidate]
+        return None
+
+
+def bind_adapter(
+    adapter: LoRAAdapterWeights, index: TargetIndex, max_rank: int | None = None
+) -> dict[str, LayerLoRAWeights]:
+    """Bind an adapter's modules to the indexed layers.
+
+    Returns:
+        target name -> :class:`~.layers.LayerLoRAWeights` with ``s * B`` folded in (float32, CPU).
+        A sub-layer adapter fills only its slice; the other slices of the packed layer stay ``None``
+        (exactly zero). An adapter keyed by the packed layer's own name fills every slice from the
+        row-split ``B`` with one shared ``A``.
+
+    Raises:
+        LoRAFormatError: names of modules that bind to nothing; a rank above ``max_rank`` (module,
+            its rank and the limit); shape mismatches; a packed layer targeted both whole and per
+            slice, or one slice targeted twice.
+    """
+    source = adapter.source
+    resolved: dict[str, tuple[str, int | None, LoRAModuleWeights]] = {}
+    unmatched: list[str] = []
+    for key, weights in adapter.modules.items():
+        hit = index.resolve(key)
+        if hit is None:
+            unmatched.append(key)
+        else:
+            resolved[key] = (hit[0], hit[1], weights)
+    if unmatched:
+        what = (
+            "none of its modules" if not resolved else f"{len(unmatched)} of {len(adapter.modules)} modules"
+        )
+        raise LoRAFormatError(
+            f"{source}: {what} match a LoRA-capable layer of the model; unmatched: {sorted(unmatched)}"
+        )
+    too_big = [(k, w.rank) for k, (_, _, w) in resolved.items() if max_rank is not None and w.rank > max_rank]
+    if too_big:
+        listing = ", ".join(f"{k} (rank {r})" for k, r in sorted(too_big))
+        raise LoRAFormatError(f"{source}: LoRA rank above the configured max_rank {max_rank}: {listing}")
+
+    per_target: dict[str, dict[int | None, tuple[str, LoRAModuleWeights]]] = {}
+    for key, (target, slice_index, weights) in resolved.items():
+        entries = per_target.setdefault(target, {})
+        if slice_index in entries or (slice_index is None and entries) or (None in entries):
+            others = [k for k, _ in entries.values()]
+            raise LoRAFormatError(f"{source}: {key!r} and {others} target the same part of layer {target!r}")
+        entries[slice_index] = (key, weights)
+
+    bound: dict[str, LayerLoRAWeights] = {}
+    for target, entries in per_target.items():
+        geometry = index.targets[target].geometry
+        slices: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(geometry.slices)
+        if None in entries:
+            key, weights = entries[None]
+            _check_shape(key, weights, geometry.in_features, geometry.out_features, source)
+            scaled_b = weights.scaled_b()
+            for i, sl in enumerate(geometry.slices):
+                part = scaled_b[sl.global_offset : sl.global_offset + sl.global_size].contiguous()
+                slices[i] = (weights.lora_a, part)
+            bound[target] = LayerLoRAWeights(tuple(slices), shared_a=len(slices) > 1)
+            continue
+        for slice_index, (key, weights) in entries.items():
+            assert slice_index is not None
+            sl = geometry.slices[slice_index]
+            _check_shape(key, weights, geometry.in_features, sl.global_size, source)
+            slices[slice_index] = (weights.lora_a, weights.scaled_b())
+        bound[target] = LayerLoRAWeights(tuple(slices), shared_a=False)
+    return bound
+
+
+def _check_shape(
+    key: str, weights: LoRAModuleWeights, in_features: int, out_features: int, source: str
+) -> None:
+    if weights.in_features != in_features or weights.out_features != out_features:
+        raise LoRAFormatError(
+            f"{source}: module {key!r} has lora_A {tuple(weights.lora_a.shape)} / lora_B "
+            f"{tuple(weights.lora_b.shape)} but the layer expects inputs {in_features} and outputs {out_features}"
+        )
