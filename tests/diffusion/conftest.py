@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `tools/` lives in the checkout, not in the package
+    sys.path.insert(0, str(REPO_ROOT))
 
 
 def _assets_root() -> Path:

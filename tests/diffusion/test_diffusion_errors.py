@@ -51,6 +51,9 @@ def test_config_defaults(tiny_z_image_dir):
         ({"device": "tpu"}, r"device must be 'cpu', 'cuda' or None"),
         ({"lora_backend": "lycoris"}, r"lora_backend must be one of \['peft', 'distill'\]"),
         ({"max_loras": 0}, r"max_loras must be >= 1"),
+        ({"lora_path": 3}, r"lora_path must be None, a path string or a list of path strings"),
+        ({"lora_path": ["a", None]}, r"lora_path must be None"),
+        ({"lora_scale": "x"}, r"lora_scale must be a number"),
         ({"max_loras": 2, "max_cpu_loras": 1}, r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),
     ],
 )
@@ -83,6 +86,10 @@ def test_config_path_errors(tmp_path, tiny_z_image_dir, tiny_sd3_dir):
     (odd / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="unknown pipeline class 'MadeUpPipeline'"):
         OmniDiffusionConfig(model=str(odd), pipeline_backend="in_tree")
+    with pytest.raises(
+        ValueError, match="unknown pipeline class 'MadeUpPipeline': neither an in-tree pipeline"
+    ):
+        OmniDiffusionConfig(model=str(odd))
 
 
 @pytest.mark.parametrize(("height", "width", "field"), [(40, 32, "height"), (32, 24, "width")])

@@ -73,7 +73,7 @@ class OmniDiffusionConfig:
     lora_backend: str = "peft"
     max_loras: int = 1
     max_cpu_loras: int | None = None
-    model_index: dict[str, Any] = field(default_factory=dict, repr=False)
+    model_index: dict[str, Any] = field(default_factory=dict, repr=False, init=False)
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -97,6 +97,14 @@ class OmniDiffusionConfig:
                 f"unknown pipeline class {self.class_name!r} for pipeline_backend='in_tree'; "
                 f"in-tree pipelines: {list(in_tree)}"
             )
+        if not self.use_in_tree:
+            import diffusers
+
+            if not hasattr(diffusers, self.class_name):
+                raise ValueError(
+                    f"unknown pipeline class {self.class_name!r}: neither an in-tree pipeline {list(in_tree)} "
+                    f"nor a diffusers pipeline class"
+                )
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
@@ -111,6 +119,13 @@ class OmniDiffusionConfig:
             raise ValueError(f"dtype must be a torch.dtype or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
+        paths = [self.lora_path] if isinstance(self.lora_path, str) else self.lora_path
+        if paths is not None and (not isinstance(paths, list) or not all(isinstance(p, str) for p in paths)):
+            raise ValueError(
+                f"lora_path must be None, a path string or a list of path strings, got {self.lora_path!r}"
+            )
+        if isinstance(self.lora_scale, bool) or not isinstance(self.lora_scale, int | float):
+            raise ValueError(f"lora_scale must be a number, got {self.lora_scale!r}")
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {self.lora_backend!r}")
         if self.max_loras < 1:
