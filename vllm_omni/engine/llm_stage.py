@@ -213,16 +213,15 @@ class LLMStageEngine:
             try:
                 if has_lora and item.lora_request.lora_int_id not in self._engine.list_loras():
                     self._engine.add_lora(item.lora_request)
-                engine_id = self._engine.add_request(
-                    item.request_id, item.prompt, item.params, lora_request=item.lora_request
-                )
+                # outputs carry this external id (add_request returns an internal one)
+                self._engine.add_request(item.request_id, item.prompt, item.params, lora_request=item.lora_request)
             except Exception as exc:  # fail this request only
                 logger.warning("%s: request %s rejected: %s", self.stage.label, item.request_id, exc)
                 item.future.set_exception(
                     InvalidAdapterError(f"{self.stage.label}: request rejected: {exc}") if has_lora else exc
                 )
                 continue
-            self._running[engine_id] = (item, has_lora)
+            self._running[item.request_id] = (item, has_lora)
 
     def _drive(self) -> None:
         while True:
