@@ -7,7 +7,12 @@ import torch
 import torch.nn as nn
 from lora_toy_models import DIM, HEAD_DIM, HEADS, KV_HEADS, inputs, make_vllm_dit
 
-from vllm_omni.diffusion.lora import DiffusionLoRAManager, LoRAAdapterWeights, LoRAModuleWeights
+from vllm_omni.diffusion.lora import (
+    DiffusionLoRAManager,
+    LoRAAdapterWeights,
+    LoRAModuleWeights,
+    lora_rows_per_sample,
+)
 from vllm_omni.lora.request import LoRARequest
 
 
@@ -150,3 +155,41 @@ def test_switching_between_slotted_sets_does_not_reupload(setup):
         k: v for k, v in slots.items() if k in (1, 2)
     }
     manager.deactivate()
+
+
+@torch.no_grad()
+def test_ragged_concatenated_rows_with_declared_layout():
+    """Embedders see ``cat(samples)`` rows; lora_rows_per_sample maps them back to samples."""
+    gen = torch.Generator().manual_seed(9)
+    holder = nn.Sequential(nn.Linear(DIM, 16))
+    mods = {
+        name: LoRAAdapterWeights(
+            {
+                "0": LoRAModuleWeights(
+                    torch.randn(4, DIM, generator=gen), torch.randn(16, 4, generator=gen), 0.5
+                )
+            }
+        )
+        for name in ("p", "q")
+    }
+    manager = DiffusionLoRAManager(
+        holder, max_loras=2, max_rank=4, adapter_loader=lambda path: mods[path[-1]]
+    )
+    p, q = LoRARequest("p", 1, "/v/p"), LoRARequest("q", 2, "/v/q")
+    sets = [([p], [1.0]), ([], []), ([p, q], [0.5, -2.0]), ([q], [0.25])]
+    lengths = [3, 5, 2, 4]
+    x = torch.randn(sum(lengths), DIM, generator=gen)
+    manager.set_active_adapters([s[0] for s in sets], [s[1] for s in sets])
+    with pytest.raises(RuntimeError, match="lora_rows_per_sample"):
+        holder(x)
+    with lora_rows_per_sample(lengths):
+        ragged = holder(x)
+    start, worst = 0, 0.0
+    for (reqs, scales), n in zip(sets, lengths, strict=True):
+        manager.set_active_adapters([reqs], [scales])
+        alone = holder(x[start : start + n])
+        worst = max(worst, (ragged[start : start + n] - alone).abs().max().item())
+        start += n
+    manager.deactivate()
+    assert worst <= 1e-5
+    assert torch.equal(ragged[3:8], holder(x)[3:8])  # the adapter-free sample is untouched

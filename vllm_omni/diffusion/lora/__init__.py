@@ -5,12 +5,15 @@ Public entry points:
 * :class:`DiffusionLoRAManager` (``manager.py``): patches the denoiser's linear layers, caches
   adapters, activates per-sample adapter sets and scales;
 * :func:`fuse_lora_into_model` / :func:`fuse_lora_files_into_pipeline` (``fuse.py``): distill backend;
-* :func:`load_lora_adapter` (``loading.py``): PEFT directory or single-file reader.
+* :func:`load_lora_adapter` (``loading.py``): PEFT directory or single-file reader;
+* :func:`lora_rows_per_sample` (``layers.py``): tells the wrappers how ragged, concatenated
+  inputs map to samples in a mixed batch.
 """
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError, LoRAModuleWeights
 from vllm_omni.diffusion.lora.cache import LoRACacheError
 from vllm_omni.diffusion.lora.fuse import fuse_lora_files_into_pipeline, fuse_lora_into_model
+from vllm_omni.diffusion.lora.layers import lora_rows_per_sample
 from vllm_omni.diffusion.lora.loading import load_lora_adapter, register_lora_format
 from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager, find_denoisers
 
@@ -24,5 +27,6 @@ __all__ = [
     "fuse_lora_files_into_pipeline",
     "fuse_lora_into_model",
     "load_lora_adapter",
+    "lora_rows_per_sample",
     "register_lora_format",
 ]

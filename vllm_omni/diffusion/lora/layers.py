@@ -26,7 +26,10 @@ bit-for-bit the base output; scale ``-lambda`` gives exactly ``-1`` times the ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -58,6 +61,31 @@ class SlotActivation:
     rows: torch.Tensor | None
     scale: float | None
     row_scales: torch.Tensor | None
+    column: tuple[float, ...] = field(default=(), compare=False)
+
+
+_ROW_LAYOUT = threading.local()
+
+
+@contextmanager
+def lora_rows_per_sample(lengths: Sequence[int]) -> Iterator[None]:
+    """Declare that layer inputs inside this block concatenate the samples' rows.
+
+    Models that run a layer on ragged, concatenated tokens (``[sum(lengths), d]`` instead of
+    ``[batch, ...]``, e.g. patch / caption embedders) wrap that call so a mixed LoRA batch knows
+    which rows belong to which sample::
+
+        with lora_rows_per_sample([f.shape[0] for f in feats]):
+            x = embedder(torch.cat(feats))
+
+    Only consulted when the leading dimension differs from the batch size; costs nothing otherwise.
+    """
+    previous = getattr(_ROW_LAYOUT, "lengths", None)
+    _ROW_LAYOUT.lengths = tuple(int(n) for n in lengths)
+    try:
+        yield
+    finally:
+        _ROW_LAYOUT.lengths = previous
 
 
 class LoRABatchState:
@@ -66,14 +94,50 @@ class LoRABatchState:
     def __init__(self) -> None:
         self.batch_size: int = 0
         self.slots: tuple[SlotActivation, ...] = ()
+        self._ragged: dict[tuple[int, tuple[int, ...]], SlotActivation] = {}
 
     def set(self, batch_size: int, slots: tuple[SlotActivation, ...]) -> None:
         self.batch_size = batch_size
         self.slots = slots
+        self._ragged = {}
 
     def clear(self) -> None:
-        self.batch_size = 0
-        self.slots = ()
+        self.set(0, ())
+
+    def for_rows(self, act: SlotActivation, leading: int) -> SlotActivation:
+        """``act`` re-expressed for an input whose leading dimension is ``leading``.
+
+        Raises:
+            RuntimeError: per-sample scales differ but the rows cannot be attributed to samples.
+        """
+        if act.rows is None and act.row_scales is None:
+            return act
+        if leading == self.batch_size:
+            return act
+        lengths = getattr(_ROW_LAYOUT, "lengths", None)
+        if lengths is None or len(lengths) != self.batch_size or sum(lengths) != leading:
+            raise RuntimeError(
+                f"LoRA batch mixes adapter scales across {self.batch_size} samples but this layer got input "
+                f"with leading dimension {leading}; pass one entry per sample of the forward batch, or wrap "
+                "ragged inputs in lora_rows_per_sample(lengths)"
+            )
+        key = (act.slot, lengths)
+        cached = self._ragged.get(key)
+        if cached is None:
+            device = act.rows.device if act.rows is not None else act.row_scales.device
+            rows: list[int] = []
+            scales: list[float] = []
+            start = 0
+            for length, value in zip(lengths, act.column, strict=True):
+                if value != 0.0:
+                    rows.extend(range(start, start + length))
+                    scales.extend([value] * length)
+                start += length
+            index = torch.tensor(rows, dtype=torch.long).to(device)
+            per_row = None if act.scale is not None else torch.tensor(scales, dtype=torch.float32).to(device)
+            cached = SlotActivation(act.slot, index, act.scale, per_row, act.column)
+            self._ragged[key] = cached
+        return cached
 
 
 @dataclass(frozen=True)
@@ -255,8 +319,8 @@ class BaseLayerWithLoRA(nn.Module):
             y: layer output on this rank before any collective, ``[..., out_local]``.
 
         Raises:
-            RuntimeError: the batch mixes adapter sets / scales but ``x.shape[0]`` is not the batch
-                size set by the manager (the layer cannot tell which rows belong to which request).
+            RuntimeError: the batch mixes adapter sets / scales but ``x.shape[0]`` is neither the
+                batch size set by the manager nor explained by :func:`lora_rows_per_sample`.
         """
         state = self.lora_state
         if not state.slots or self.lora_a is None:
@@ -266,11 +330,7 @@ class BaseLayerWithLoRA(nn.Module):
             ranks = self._ranks[act.slot]
             if ranks is None:
                 continue
-            if (act.rows is not None or act.row_scales is not None) and x.shape[0] != state.batch_size:
-                raise RuntimeError(
-                    f"LoRA batch mixes adapter scales across {state.batch_size} samples but this layer got "
-                    f"input with leading dimension {x.shape[0]}; pass one entry per sample of the forward batch"
-                )
+            act = state.for_rows(act, x.shape[0])
             xs = x if act.rows is None else x.index_select(0, act.rows)
             n_rows = xs.shape[0]
             lead = xs.shape[:-1]

@@ -419,10 +419,11 @@ class DiffusionLoRAManager:
             values = column[nonzero]
             uniform = bool((values == values[0]).all())
             rows = None if (broadcast or nonzero.numel() == batch) else nonzero.to(device)
+            full = tuple(float(v) for v in column.tolist())
             if uniform:
-                acts.append(SlotActivation(slot, rows, float(values[0]), None))
+                acts.append(SlotActivation(slot, rows, float(values[0]), None, full))
             else:
-                acts.append(SlotActivation(slot, rows, None, values.to(device)))
+                acts.append(SlotActivation(slot, rows, None, values.to(device), full))
         self.scale_matrix = matrix
         self._state.set(0 if broadcast else batch, tuple(acts))
 
