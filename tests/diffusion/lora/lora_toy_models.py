@@ -182,3 +182,30 @@ def save_peft_adapter(
 def inputs(batch: int = 1, seq: int = 5, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(batch, seq, DIM, generator=gen), torch.randn(batch, DIM, generator=gen)
+
+
+def tp_worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
+    """One tensor-parallel rank: build the vLLM toy, run LoRA (manager or fuse), rank 0 saves the output."""
+    import torch
+
+    from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
+    from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_into_model
+    from vllm_omni.lora.request import LoRARequest
+
+    os.environ["VLLM_DIST_IDENT"] = os.path.basename(init_file)  # vLLM's CPU communicator reads it
+    init_diffusion_parallel_state(world_size, rank, f"file://{init_file}", backend="gloo")
+    state_dict = torch.load(job["state_dict"])
+    x, c = inputs(batch=len(job["sets"]), seed=21)
+    out = {}
+    with torch.no_grad():
+        model = make_vllm_dit(state_dict, process=False, kv_heads=job["kv_heads"])
+        fuse_lora_into_model(model, job["fuse_file"], scale=job["fuse_scale"])
+        process_weights(model)
+        out["fused"] = model(x, c)
+        model = make_vllm_dit(state_dict, kv_heads=job["kv_heads"])
+        manager = DiffusionLoRAManager(model, max_loras=2, max_rank=8)
+        requests = [[LoRARequest(f"l{i}", i, p) for i, p in entries] for entries, _ in job["sets"]]
+        manager.set_active_adapters(requests, [scales for _, scales in job["sets"]])
+        out["batched"] = model(x, c)
+    if rank == 0:
+        torch.save(out, job["out"])
