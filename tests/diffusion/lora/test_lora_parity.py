@@ -155,3 +155,15 @@ def test_outputs_stay_in_a_meaningful_range(toy_base, adapters, vllm_model, mana
     for name in ("a", "b", "rs", "pattern"):
         out = _peft_multi(toy_base, adapters, {name: 2.0})(x, c)
         assert 0.5 < out.abs().max().item() < 100.0
+
+
+def test_patching_keeps_state_dict_names(toy_base):
+    model = copy.deepcopy(toy_base)
+    keys = list(model.state_dict())
+    DiffusionLoRAManager(model, max_loras=1, max_rank=4)
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(toy_base.state_dict())  # strict round trip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), toy_base.state_dict().values(), strict=True)
+    )

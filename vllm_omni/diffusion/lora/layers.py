@@ -171,11 +171,26 @@ def _default_device_dtype(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
     return device, dtype or torch.get_default_dtype()
 
 
+def _hide_base_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    inner = prefix + "base_layer."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _restore_base_prefix(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    for name, _ in module.base_layer.named_parameters():
+        key = prefix + name
+        if key in state_dict:
+            state_dict[prefix + "base_layer." + name] = state_dict.pop(key)
+
+
 class BaseLayerWithLoRA(nn.Module):
     """Common buffer handling and delta computation; subclasses define ``forward``.
 
     Attributes not found on the wrapper are looked up on ``base_layer``, so model code that reads
-    e.g. ``self.to_qkv.output_sizes`` or ``self.proj.weight`` keeps working after patching.
+    e.g. ``self.to_qkv.output_sizes`` or ``self.proj.weight`` keeps working after patching, and
+    ``state_dict()`` / ``load_state_dict()`` keep the unpatched key names. ``named_parameters()``
+    does show ``base_layer.``: load checkpoints through the model's loader *before* patching.
     """
 
     def __init__(
@@ -200,6 +215,9 @@ class BaseLayerWithLoRA(nn.Module):
         self.register_buffer("lora_b", None, persistent=False)
         self._ranks: list[tuple[int, ...] | None] = [None] * self.max_loras
         self._shared_a: list[bool] = [False] * self.max_loras
+        # Keep checkpoint names stable: "<layer>.weight", not "<layer>.base_layer.weight".
+        self.register_state_dict_post_hook(_hide_base_prefix)
+        self.register_load_state_dict_pre_hook(_restore_base_prefix)
 
     def __getattr__(self, name: str):
         try:
