@@ -145,7 +145,7 @@ class VllmOmniConfig:
             bad = sorted(i for i in per_stage if i >= n)
             if bad:
                 raise ValueError(
-                    f"{source} name stage(s) {bad}, but pipeline {pipeline.name!r} has stages {list(range(n))}"
+                    f"{source}: no stage(s) {bad} in pipeline {pipeline.name!r}, whose stages are {list(range(n))}"
                 )
 
         routed_global = cls._route_global_options(pipeline, global_opts)

