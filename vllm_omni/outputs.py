@@ -17,6 +17,8 @@ class OmniRequestOutput:
         prompt: the prompt this stage received.
         request_output: the stage's vLLM ``RequestOutput`` (LLM stages), else ``None``.
         images: PIL images (diffusion stages), else empty.
+        latents: final latents of a diffusion stage, float32 CPU ``(num_images_per_prompt, C, h, w)``
+            when the pipeline exposes them (in-tree always; diffusers fallback for ``output_type="latent"``).
         stage_outputs: every stage's raw output for this request, by stage id.
     """
 
@@ -26,6 +28,7 @@ class OmniRequestOutput:
     prompt: Any = None
     request_output: Any = None
     images: list = field(default_factory=list)
+    latents: Any = None
     stage_outputs: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @property

@@ -52,6 +52,7 @@ DIFFUSION_FIELDS = DIFFUSION_LORA_FIELDS | frozenset(
         "enable_progress_bar",
         "max_lora_rank",
         "enforce_eager",
+        "max_batch_size",
     }
 )
 

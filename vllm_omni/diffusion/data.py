@@ -51,7 +51,9 @@ class OmniDiffusionConfig:
         lora_scale: scale applied to ``lora_path`` adapters.
         lora_backend: ``"peft"`` or ``"distill"``.
         max_loras: adapters active at once (``>= 1``).
-        max_cpu_loras: adapters cached on CPU; ``None`` means ``max_loras``; must be ``>= max_loras``.
+        max_cpu_loras: adapters cached on CPU; ``None`` means ``max_loras`` plus the number of
+            start-up PEFT adapters (``lora_path``, which are pinned); must be ``>= max_loras``.
+        max_lora_rank: largest LoRA rank the PEFT backend accepts (device buffers are sized for it).
 
     Raises:
         ValueError: (on construction) naming the field and allowed values, for an unknown
@@ -73,6 +75,7 @@ class OmniDiffusionConfig:
     lora_backend: str = "peft"
     max_loras: int = 1
     max_cpu_loras: int | None = None
+    max_lora_rank: int = 64
     model_index: dict[str, Any] = field(default_factory=dict, repr=False, init=False)
 
     def __post_init__(self) -> None:
@@ -128,12 +131,31 @@ class OmniDiffusionConfig:
             raise ValueError(f"lora_scale must be a number, got {self.lora_scale!r}")
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {self.lora_backend!r}")
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        startup = len(self.startup_lora_paths) if self.lora_backend == "peft" else 0
         if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras
+            self.max_cpu_loras = self.max_loras + startup
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if startup and self.max_cpu_loras < startup:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) is smaller than the {startup} start-up adapter(s) of "
+                f"lora_path, which are pinned in the cache; raise max_cpu_loras"
+            )
+        if self.lora_backend == "distill" and self.startup_lora_paths and not self.keep_base_weights:
+            raise ValueError(
+                "lora_backend='distill' fuses into the dense base weights and needs keep_base_weights=True"
+            )
+
+    @property
+    def startup_lora_paths(self) -> list[str]:
+        """``lora_path`` as a list (empty when unset)."""
+        if self.lora_path is None:
+            return []
+        return [self.lora_path] if isinstance(self.lora_path, str) else list(self.lora_path)
 
     @property
     def class_name(self) -> str:

@@ -6,10 +6,16 @@ and talks to the engine through a pipe. Every rank builds the full pipeline (tex
 encoder, VAE and scheduler are replicated, the denoiser is sharded) and executes the
 same calls on the same inputs, so the all-reduces inside the denoiser line up and all
 ranks hold identical latents; only rank 0 returns generation results.
+
+LoRA: after the pipeline is loaded the worker builds its :class:`WorkerLoRA` (distill fuse,
+LoRA manager, pinned start-up adapters) and serves ``add_lora`` / ``remove_lora`` /
+``list_loras`` / ``pin_lora``; :meth:`DiffusionWorker.generate_batch` runs prompts that each
+carry their own adapter set in one denoiser batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from collections.abc import Callable
@@ -18,7 +24,9 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.lora.request import LoRARequest
 
 
 class DiffusionWorker:
@@ -61,16 +69,101 @@ class DiffusionWorker:
         from vllm_omni.diffusion.pipelines import build_pipeline
 
         self.pipeline = build_pipeline(od_config, device=self.device)
+        self.lora = WorkerLoRA(self.pipeline, od_config)
 
     def generate(
         self, prompts: list[str], sampling_params: OmniDiffusionSamplingParams
     ) -> list[DiffusionOutput] | None:
-        """Run the pipeline; returns the outputs on rank 0 and ``None`` on other ranks."""
-        outputs = self.pipeline.generate(prompts, sampling_params)
-        return outputs if self.rank == 0 else None
+        """Run the pipeline with ``sampling_params.lora_requests`` for every prompt.
+
+        Returns the outputs on rank 0 and ``None`` on other ranks; raises the first failure.
+        """
+        lora = (list(sampling_params.lora_requests), list(sampling_params.lora_scales))
+        results = self.generate_batch(prompts, sampling_params, [lora] * len(prompts))
+        if results is None:
+            return None
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return results
+
+    def generate_batch(
+        self,
+        prompts: list[str],
+        sampling_params: OmniDiffusionSamplingParams,
+        lora_sets: list[LoRASet] | None = None,
+        seeds: list[int | None] | None = None,
+    ) -> list[DiffusionOutput | BaseException] | None:
+        """Run several requests in one pipeline call, each prompt with its own adapters.
+
+        Args:
+            prompts: one prompt per request.
+            sampling_params: the settings the requests share; ``negative_prompt`` may be a list
+                (one per prompt); its ``lora_requests`` are ignored here.
+            lora_sets: per prompt ``(lora_requests, lora_scales)``; empty scales take the defaults
+                (start-up ``lora_scale`` or 1.0).
+            seeds: per prompt seed (``None``: ``sampling_params.seed``).
+
+        Returns:
+            On rank 0, per prompt a :class:`DiffusionOutput` or the exception that kept that
+            prompt out of the batch (its adapter failed to load: caches unchanged); ``None``
+            on other ranks. Errors of the pipeline call itself are raised.
+        """
+        lora_sets = lora_sets or [((), ())] * len(prompts)
+        if len(lora_sets) != len(prompts) or (seeds is not None and len(seeds) != len(prompts)):
+            raise ValueError("generate_batch needs one lora set (and seed) per prompt")
+        results: list[Any] = [None] * len(prompts)
+        held: list[list[int]] = []
+        keep: list[int] = []
+        try:
+            for i, (requests, _) in enumerate(lora_sets):
+                try:
+                    held.append(self.lora.acquire(requests))
+                    keep.append(i)
+                except Exception as exc:  # this request only: its adapter cannot be served
+                    results[i] = _picklable_error(exc) if self.world_size > 1 else exc
+            if keep:
+                sp = sampling_params
+                if isinstance(sp.negative_prompt, list | tuple):
+                    if len(sp.negative_prompt) != len(prompts):
+                        raise ValueError(
+                            f"negative_prompt has {len(sp.negative_prompt)} entries for {len(prompts)} prompts"
+                        )
+                    sp = dataclasses.replace(sp, negative_prompt=[sp.negative_prompt[i] for i in keep])
+                outputs = self.pipeline.generate(
+                    [prompts[i] for i in keep],
+                    sp,
+                    seeds=None if seeds is None else [seeds[i] for i in keep],
+                    lora_context=self.lora.context_factory([lora_sets[i] for i in keep]),
+                )
+                for i, out in zip(keep, outputs, strict=True):
+                    results[i] = out
+        finally:
+            for ids in held:
+                self.lora.release(ids)
+        return results if self.rank == 0 else None
+
+    # ------------------------------------------------------------------ LoRA management
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into this rank's host cache (``True`` if newly loaded)."""
+        return self.lora.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter (``False`` if not cached; ``LoRACacheError`` while a request holds it)."""
+        return self.lora.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """Cached adapter ids, least recently used first."""
+        return self.lora.list_loras()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Never evict this cached adapter (``ValueError`` when not cached)."""
+        return self.lora.pin_lora(lora_int_id)
 
     def describe(self) -> dict[str, Any]:
-        """``{"rank", "world_size", "device", "pipeline", "denoiser"}`` (class names, device as str)."""
+        """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "mixed_lora_batch",
+        "lora_layers", "startup_loras"}`` (class names, device as str; sizes must be multiples of
+        ``size_factor``)."""
         denoiser = getattr(self.pipeline, "transformer", None)
         return {
             "rank": self.rank,
@@ -78,6 +171,10 @@ class DiffusionWorker:
             "device": str(self.device),
             "pipeline": type(self.pipeline).__name__,
             "denoiser": type(denoiser).__name__ if denoiser is not None else None,
+            "size_factor": int(getattr(self.pipeline, "vae_scale_factor", 8)) * 2,
+            "mixed_lora_batch": bool(getattr(self.pipeline, "mixed_lora_batch", False)),
+            "lora_layers": len(self.lora.manager.wrappers),
+            "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],
         }
 
     def execute_method(self, method: str | Callable, *args, **kwargs) -> Any:

@@ -9,10 +9,11 @@ request's adapter reaches the entry stage only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -113,6 +114,16 @@ class Orchestrator:
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
 
+    @contextlib.contextmanager
+    def batching(self) -> Iterator[None]:
+        """Requests submitted inside this block may share the entry stage's first batch.
+
+        Uses the entry runtime's ``hold()`` when it has one (diffusion stages); a no-op otherwise.
+        """
+        hold = getattr(self.runtimes[0], "hold", None) if self.runtimes else None
+        with hold() if hold is not None else contextlib.nullcontext():
+            yield
+
     def _next_input(self, stage_id: int, user_prompt: Any, raw: dict[int, Any]) -> Any:
         spec = self.config.pipeline.stages[stage_id]
         stage = self.config.stages[stage_id]
@@ -136,7 +147,13 @@ class Orchestrator:
             )
         images = getattr(result, "images", None) or []
         return OmniRequestOutput(
-            request_id, stage.stage_id, "image", prompt, images=list(images), stage_outputs=raw
+            request_id,
+            stage.stage_id,
+            "image",
+            prompt,
+            images=list(images),
+            latents=getattr(result, "latents", None),
+            stage_outputs=raw,
         )
 
     # ---------------------------------------------------------------- LoRA management

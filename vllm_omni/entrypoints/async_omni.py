@@ -25,19 +25,27 @@ class AsyncOmni(OmniBase):
         request_id: str | None = None,
         *,
         lora_request: LoRARequest | None = None,
+        lora_scale: float | None = None,
+        lora_requests: list[LoRARequest] | None = None,
+        lora_scales: list[float] | None = None,
         **entry_kwargs: Any,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Run one prompt through the pipeline, yielding each final-output stage's result.
 
-        ``lora_request`` is attached to the entry stage's request only.
+        ``lora_request`` is attached to the entry stage's request only. For a diffusion entry
+        stage ``lora_scale`` scales it, and ``lora_requests`` / ``lora_scales`` compose several
+        adapters (scales default to 1.0 each); concurrent requests share denoiser batches.
 
         Raises:
+            ValueError: an invalid diffusion request (before anything runs);
             LoRANotEnabledError / InvalidAdapterError: before anything runs, when the adapter
             cannot be served by the entry stage; StageEngineError on a stage failure.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
+        [lora_kwargs] = self._entry_lora_kwargs(1, lora_scale, lora_requests, lora_scales)
+        entry_kwargs = {**lora_kwargs, **entry_kwargs}
 
         def on_output(out: OmniRequestOutput) -> None:
             if request_id is not None:

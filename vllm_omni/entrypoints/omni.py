@@ -20,46 +20,75 @@ class Omni(OmniBase):
 
     def generate(
         self,
-        prompts: Any,
+        prompts: Any = None,
         sampling_params: Any = None,
         *,
+        prompt: Any = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        lora_scale: float | None = None,
+        lora_requests: list[LoRARequest] | list[list[LoRARequest]] | None = None,
+        lora_scales: list[float] | list[list[float]] | None = None,
         use_tqdm: bool = True,
         **entry_kwargs: Any,
     ) -> list[OmniRequestOutput]:
         """Run prompts through every stage; requests run concurrently.
 
         Args:
-            prompts: one prompt (str / token ids / vLLM prompt dict) or a list of them.
-            sampling_params: see ``OmniBase._stage_params``.
+            prompts: one prompt (str / token ids / vLLM prompt dict) or a list of them;
+                ``prompt=`` is an alias. Prompts for a diffusion entry stage are submitted
+                together, so compatible ones share denoiser batches.
+            sampling_params: see ``OmniBase._stage_params`` (``OmniDiffusionSamplingParams``
+                for diffusion stages, which may carry ``lora_requests`` / ``lora_scales``).
             lora_request: one adapter for every prompt, or one per prompt (``None`` = base);
                 attached to the entry stage's requests only.
+            lora_scale: scale of ``lora_request`` (diffusion entry stages; default 1.0).
+            lora_requests / lora_scales: adapters composed in one request (diffusion entry
+                stages): a list of ``LoRARequest`` for every prompt, or one list per prompt;
+                scales default to 1.0 each.
             use_tqdm: show a progress bar over requests.
 
         Returns:
-            The final-output stage results, prompt by prompt, stage order within a prompt.
+            The final-output stage results, prompt by prompt, stage order within a prompt;
+            diffusion stages fill ``images`` (PIL) and ``latents``.
 
         Raises:
+            ValueError: prompts given twice or not at all, mismatched per-prompt lists, diffusion
+                LoRA arguments on an LLM entry stage, or (diffusion) an invalid request;
             LoRANotEnabledError / InvalidAdapterError / StageEngineError: before any request
-            starts when the adapter cannot be served; otherwise the first failure.
+                starts when the adapter cannot be served; otherwise the first failure.
         """
+        if prompts is not None and prompt is not None:
+            raise ValueError("pass the prompts either positionally / as prompts= or as prompt=, not both")
+        prompts = prompt if prompts is None else prompts
+        if prompts is None:
+            raise ValueError("generate() needs a prompt (prompts=... or prompt=...)")
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
         prompt_list = [prompts] if single else list(prompts)
+        n = len(prompt_list)
         if isinstance(lora_request, list):
-            if len(lora_request) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(lora_request)} lora_request entries for {len(prompt_list)} prompts"
-                )
+            if len(lora_request) != n:
+                raise ValueError(f"got {len(lora_request)} lora_request entries for {n} prompts")
             loras = lora_request
         else:
-            loras = [lora_request] * len(prompt_list)
+            loras = [lora_request] * n
+        per_prompt_kwargs = self._entry_lora_kwargs(n, lora_scale, lora_requests, lora_scales)
+        if isinstance(lora_request, list):  # lora_scale applies to the prompts that have an adapter
+            for lr, kw in zip(loras, per_prompt_kwargs):
+                if lr is None:
+                    kw.pop("lora_scale", None)
         params = self._stage_params(sampling_params)
-        futures = [
-            self._orchestrator.submit(p, params, lora_request=lr, **entry_kwargs)
-            for p, lr in zip(prompt_list, loras)
-        ]
+        entry = self._orchestrator.runtimes[0]
+        validate = getattr(entry, "validate_request", None)
+        if validate is not None:  # every request is checked before the first one is queued
+            for p, lr, kw in zip(prompt_list, loras, per_prompt_kwargs):
+                validate(p, params[0], lora_request=lr, **kw, **entry_kwargs)
+        with self._orchestrator.batching():
+            futures = [
+                self._orchestrator.submit(p, params, lora_request=lr, **kw, **entry_kwargs)
+                for p, lr, kw in zip(prompt_list, loras, per_prompt_kwargs)
+            ]
         results: list[OmniRequestOutput] = []
         bar = tqdm(total=len(futures), desc="Requests", disable=not use_tqdm or len(futures) < 2)
         for fut in futures:

@@ -102,6 +102,50 @@ class OmniBase:
                 )
         return out
 
+    def _entry_lora_kwargs(
+        self, n_prompts: int, lora_scale: Any, lora_requests: Any, lora_scales: Any
+    ) -> list[dict[str, Any]]:
+        """Per-prompt diffusion LoRA keyword arguments for the entry stage.
+
+        ``lora_requests`` is a list of ``LoRARequest`` (the same set for every prompt) or a
+        list with one such list per prompt; ``lora_scales`` follows the same nesting.
+
+        Raises:
+            ValueError: these arguments on an LLM entry stage, or per-prompt lists of the
+                wrong length.
+        """
+        if lora_scale is None and lora_requests is None and lora_scales is None:
+            return [{} for _ in range(n_prompts)]
+        entry = self.config.entry_stage
+        if entry.is_llm:
+            raise ValueError(
+                f"lora_scale / lora_requests / lora_scales apply to diffusion stages; the entry stage is "
+                f"{entry.label}, which takes one adapter per request through lora_request"
+            )
+        nested = bool(lora_requests) and all(isinstance(x, list | tuple) for x in lora_requests)
+        if nested:
+            if len(lora_requests) != n_prompts:
+                raise ValueError(f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts")
+            scales = lora_scales if lora_scales is not None else [None] * n_prompts
+            if len(scales) != n_prompts or not all(s is None or isinstance(s, list | tuple) for s in scales):
+                raise ValueError(
+                    "with one lora_requests list per prompt, pass one lora_scales list per prompt"
+                )
+            per = [(list(r), None if s is None else list(s)) for r, s in zip(lora_requests, scales)]
+        else:
+            per = [(lora_requests, lora_scales)] * n_prompts
+        out = []
+        for reqs, scales in per:
+            kw: dict[str, Any] = {}
+            if lora_scale is not None:
+                kw["lora_scale"] = lora_scale
+            if reqs is not None:
+                kw["lora_requests"] = reqs
+            if scales is not None:
+                kw["lora_scales"] = scales
+            out.append(kw)
+        return out
+
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(self, lora_request) -> bool:
         return all(self._orchestrator.lora_call("add_lora", lora_request).values())

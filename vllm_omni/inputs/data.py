@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +31,16 @@ class OmniDiffusionSamplingParams:
         max_sequence_length: caption token limit of the text encoder.
         lora_requests: ``vllm_omni.lora.request.LoRARequest`` objects to activate for
             this request (consumed by the diffusion LoRA manager).
-        lora_scales: one scale per entry of ``lora_requests`` (empty = 1.0 each).
+        lora_scales: one scale per entry of ``lora_requests``; empty means 1.0 each (or the
+            stage's ``lora_scale`` for an adapter the stage pre-loaded from ``lora_path``).
+            ``0`` adds exactly nothing; a negative scale negates the adapter's delta.
         extra_args: pipeline-specific keyword arguments passed through unchanged.
 
     Raises:
         ValueError: (on construction) for a non-positive size or step count, negative
-            guidance, ``num_images_per_prompt < 1``, an unknown ``output_type`` or
-            mismatched LoRA list lengths; the message names the field and allowed values.
+            guidance, ``num_images_per_prompt < 1``, an unknown ``output_type``, mismatched
+            LoRA list lengths, an adapter listed twice or a non-finite scale; the message names
+            the field and allowed values (see :func:`check_lora_lists`).
     """
 
     height: int | None = None
@@ -72,11 +76,7 @@ class OmniDiffusionSamplingParams:
             raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
         if self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length!r}")
-        if self.lora_scales and len(self.lora_scales) != len(self.lora_requests):
-            raise ValueError(
-                f"lora_scales must be empty or have one entry per lora_requests entry "
-                f"({len(self.lora_requests)}), got {len(self.lora_scales)}"
-            )
+        check_lora_lists(self.lora_requests, self.lora_scales)
 
     def make_generators(
         self, n_prompts: int, device: str | torch.device = "cpu"
@@ -87,3 +87,47 @@ class OmniDiffusionSamplingParams:
             return []
         seed = self.seed if self.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         return [torch.Generator(device=device).manual_seed(seed) for _ in range(n_prompts)]
+
+
+def check_lora_lists(lora_requests: Any, lora_scales: Any, max_loras: int | None = None) -> None:
+    """Validate one request's adapter list and scales (no file is read).
+
+    Args:
+        lora_requests: list of ``LoRARequest`` (objects with a positive int ``lora_int_id`` and a
+            ``lora_path``).
+        lora_scales: empty, or one finite number per adapter.
+        max_loras: the stage's limit on adapters per request, when known.
+
+    Raises:
+        ValueError: not a list, unequal lengths, more than ``max_loras`` adapters, the same
+            adapter (``lora_int_id``) twice, a bad request object, or a NaN / inf / non-number scale.
+    """
+    if not isinstance(lora_requests, list | tuple):
+        raise ValueError(f"lora_requests must be a list of LoRARequest, got {type(lora_requests).__name__}")
+    if not isinstance(lora_scales, list | tuple):
+        raise ValueError(f"lora_scales must be a list of numbers, got {type(lora_scales).__name__}")
+    if lora_scales and len(lora_scales) != len(lora_requests):
+        raise ValueError(
+            f"lora_scales must be empty or have one entry per lora_requests entry "
+            f"({len(lora_requests)}), got {len(lora_scales)}"
+        )
+    if max_loras is not None and len(lora_requests) > max_loras:
+        raise ValueError(
+            f"{len(lora_requests)} adapters in one request exceed max_loras={max_loras} of the diffusion stage; "
+            f"raise max_loras or compose fewer adapters"
+        )
+    seen: set[int] = set()
+    for request in lora_requests:
+        lora_id = getattr(request, "lora_int_id", None)
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+            raise ValueError(
+                f"lora_requests entries must be LoRARequest with a positive lora_int_id, got {request!r}"
+            )
+        if not getattr(request, "lora_path", None):
+            raise ValueError(f"LoRA {lora_id} ({getattr(request, 'lora_name', '')!r}) has no lora_path")
+        if lora_id in seen:
+            raise ValueError(f"LoRA {lora_id} appears twice in lora_requests; list each adapter once")
+        seen.add(lora_id)
+    for scale in lora_scales:
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise ValueError(f"lora_scales entries must be finite numbers, got {scale!r}")

@@ -6,7 +6,10 @@ No tensor parallelism; the denoiser is whatever diffusers loads (``transformer``
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from diffusers import DiffusionPipeline
@@ -41,6 +44,11 @@ class DiffusersFallbackPipeline:
         return getattr(self.pipe, "transformer", None) or getattr(self.pipe, "unet", None)
 
     @property
+    def transformer_2(self) -> torch.nn.Module | None:
+        """The second denoiser of dual-transformer pipelines (e.g. Wan2.2 MoE), else ``None``."""
+        return getattr(self.pipe, "transformer_2", None)
+
+    @property
     def vae_scale_factor(self) -> int:
         return int(getattr(self.pipe, "vae_scale_factor", 8))
 
@@ -67,8 +75,18 @@ class DiffusersFallbackPipeline:
         return kwargs
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[DiffusionOutput]:
+    def generate(
+        self,
+        prompts: list[str],
+        sp: OmniDiffusionSamplingParams,
+        *,
+        seeds: list[int | None] | None = None,
+        lora_context: Callable[[list[int] | None], AbstractContextManager] | None = None,
+    ) -> list[DiffusionOutput]:
         """Run the diffusers pipeline on all prompts in one call; one :class:`DiffusionOutput` per prompt.
+
+        ``seeds`` (one per prompt) override ``sp.seed``; ``lora_context(None)`` is entered around
+        the whole diffusers call (all prompts share one adapter set here).
 
         With ``seed`` set each prompt gets its own generator seeded identically (so a
         prompt's result does not depend on its batch). ``latents`` is filled only for
@@ -94,10 +112,15 @@ class DiffusersFallbackPipeline:
         else:
             # One generator per image; each prompt's n images come from its own seeded stream.
             gens = []
-            for g in sp.make_generators(len(prompts)):
+            per_prompt = sp.make_generators(len(prompts))
+            for i, g in enumerate(per_prompt):
+                if seeds is not None and seeds[i] is not None:
+                    g = torch.Generator().manual_seed(seeds[i])
                 gens.extend([g] * n)
             kwargs["generator"] = gens
-        images = self.pipe(prompt=list(prompts), **kwargs).images
+        adapters = lora_context(None) if lora_context is not None else contextlib.nullcontext()
+        with adapters:
+            images = self.pipe(prompt=list(prompts), **kwargs).images
         results = []
         for i, prompt in enumerate(prompts):
             chunk = images[i * n : (i + 1) * n]

@@ -19,8 +19,11 @@ procedure reproduces diffusers' ``ZImagePipeline``:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -66,6 +69,10 @@ class ZImagePipeline:
 
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
+
+    #: Requests with different LoRA sets may share one denoiser batch (the pipeline reports
+    #: which prompt every denoiser sample belongs to, CFG copies included).
+    mixed_lora_batch = True
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = Path(od_config.model)
@@ -134,7 +141,14 @@ class ZImagePipeline:
             )
         return list(neg)
 
-    def _initial_latents(self, prompts: list[str], sp: OmniDiffusionSamplingParams, height: int, width: int):
+    def _initial_latents(
+        self,
+        prompts: list[str],
+        sp: OmniDiffusionSamplingParams,
+        height: int,
+        width: int,
+        seeds: list[int | None] | None = None,
+    ):
         n = sp.num_images_per_prompt
         lat_h = 2 * (height // (self.vae_scale_factor * 2))
         lat_w = 2 * (width // (self.vae_scale_factor * 2))
@@ -142,6 +156,10 @@ class ZImagePipeline:
         if sp.generator is not None:
             return randn_tensor(shape, generator=sp.generator, device=self.device, dtype=torch.float32)
         gens = sp.make_generators(len(prompts))
+        if seeds is not None:
+            gens = [
+                g if seed is None else torch.Generator().manual_seed(seed) for g, seed in zip(gens, seeds)
+            ]
         per_prompt = [
             randn_tensor((n, *shape[1:]), generator=g, device=self.device, dtype=torch.float32) for g in gens
         ]
@@ -149,8 +167,24 @@ class ZImagePipeline:
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
-    def generate(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[DiffusionOutput]:
+    def generate(
+        self,
+        prompts: list[str],
+        sp: OmniDiffusionSamplingParams,
+        *,
+        seeds: list[int | None] | None = None,
+        lora_context: Callable[[list[int] | None], AbstractContextManager] | None = None,
+    ) -> list[DiffusionOutput]:
         """Generate ``sp.num_images_per_prompt`` images for each prompt (one denoiser batch).
+
+        Args:
+            prompts: the texts.
+            sp: shared settings (``negative_prompt`` may hold one text per prompt).
+            seeds: one seed per prompt (``None`` entries: ``sp.seed`` / random) overriding
+                ``sp.seed``; ignored when ``sp.generator`` is set.
+            lora_context: called once, before the first step, with the prompt index of every
+                denoiser sample (CFG copies included, in batch order); the returned context is
+                held over all denoising steps (the LoRA worker activates adapters there).
 
         Returns one :class:`DiffusionOutput` per prompt, in order, with float32 CPU
         ``latents`` ``(n, 16, H/8, W/8)`` and, unless ``output_type="latent"``, decoded images.
@@ -170,8 +204,12 @@ class ZImagePipeline:
         neg = self.encode_prompts(self._negative_prompts(prompts, sp), sp.max_sequence_length) if cfg else []
         pos = [p for p in pos for _ in range(n)]
         neg = [p for p in neg for _ in range(n)]
-        latents = self._initial_latents(prompts, sp, height, width)
+        latents = self._initial_latents(prompts, sp, height, width, seeds)
         batch = latents.shape[0]
+        sample_prompts = [i for i in range(len(prompts)) for _ in range(n)]
+        if cfg:
+            sample_prompts = sample_prompts * 2
+        adapters = lora_context(sample_prompts) if lora_context is not None else contextlib.nullcontext()
 
         scheduler = type(self.scheduler).from_config(self.scheduler.config)
         steps = sp.num_inference_steps
@@ -181,15 +219,16 @@ class ZImagePipeline:
         scheduler.set_begin_index(0)
         captions = pos + neg
         show = self.od_config.enable_progress_bar and sys.stderr.isatty()
-        for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
-            t_model = (1000 - t.expand(batch)) / 1000
-            x = latents.to(self.transformer.dtype)
-            if cfg:
-                x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
-            out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
-            out = torch.stack([o.float() for o in out]).squeeze(2)
-            pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
-            latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
+        with adapters:
+            for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
+                t_model = (1000 - t.expand(batch)) / 1000
+                x = latents.to(self.transformer.dtype)
+                if cfg:
+                    x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
+                out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
+                out = torch.stack([o.float() for o in out]).squeeze(2)
+                pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
+                latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
 
         results = [
             DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())

@@ -1,0 +1,53 @@
+"""diffusers + peft reference for LoRA on the tiny Z-Image pipeline (the independent oracle).
+
+DESIGN.md trap: ``pipe.load_lora_weights(<PEFT folder>)`` silently loads nothing, so adapters go
+into the diffusers transformer with ``load_lora_adapter(state_dict, prefix=None, metadata=...)``
+after stripping ``base_model.model.``, then ``set_adapters(names, weights)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tools.make_tiny_diffusion_lora import adapter_config_metadata
+
+
+def load_peft_into_transformer(transformer, adapter_dir: str | Path, name: str) -> None:
+    """Load a PEFT folder into a diffusers transformer under adapter ``name``."""
+    tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    state = {k.removeprefix("base_model.model."): v for k, v in tensors.items()}
+    transformer.load_lora_adapter(
+        state, prefix=None, adapter_name=name, metadata=adapter_config_metadata(adapter_dir)
+    )
+
+
+def reference_pipeline(z_image_dir: str | Path, adapters: list[tuple[str | Path, float]] = ()):
+    """A fresh diffusers ``ZImagePipeline`` with ``adapters`` (``(peft_dir, scale)``) active together."""
+    from diffusers import ZImagePipeline
+
+    pipe = ZImagePipeline.from_pretrained(str(z_image_dir))
+    pipe.set_progress_bar_config(disable=True)
+    names = []
+    for i, (path, _) in enumerate(adapters):
+        names.append(f"a{i}")
+        load_peft_into_transformer(pipe.transformer, path, names[-1])
+    if names:
+        pipe.transformer.set_adapters(names, [float(s) for _, s in adapters])
+    return pipe
+
+
+@torch.no_grad()
+def reference_latents(pipe, prompt: str, *, seed: int, steps: int, guidance: float, height: int, width: int):
+    """Final latents ``(1, 16, h/8, w/8)`` of the diffusers pipeline."""
+    return pipe(
+        prompt,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="latent",
+        height=height,
+        width=width,
+    ).images

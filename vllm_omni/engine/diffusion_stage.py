@@ -1,0 +1,397 @@
+"""A diffusion stage: one :class:`~vllm_omni.diffusion.engine.DiffusionEngine` driven by one thread.
+
+Same contract as the LLM stage runtime (``submit -> Future``, LoRA management, ``shutdown``):
+all engine calls happen on the driver thread, so ``Omni`` and ``AsyncOmni`` share a runtime.
+
+Batching. The driver takes the oldest queued request and joins to it the queued requests
+whose sampling parameters are compatible (same size, steps, guidance, images per prompt,
+output type, sequence length and extra arguments; an explicit ``generator`` is never
+shared), up to ``max_batch_size`` prompts and ``max_loras`` distinct adapters in the batch.
+The batch runs as one denoiser batch in which every prompt keeps its own adapter set and
+scales (per-sample scale matrix of the LoRA manager). Pipelines that cannot report their
+batch layout (the diffusers fallback) only batch requests with the same adapter set.
+``hold()`` keeps the driver from starting a batch while several requests are submitted,
+which is how ``Omni.generate`` batches a list of prompts deterministically.
+
+LoRA management (``add_lora`` / ``remove_lora`` / ``list_loras`` / ``pin_lora``) runs on the
+driver thread between batches and reaches every tensor-parallel worker; ``remove_lora`` of
+an adapter used by the running batch therefore waits for that batch to finish.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni.config.stage_config import DiffusionStageConfig
+from vllm_omni.engine.llm_stage import StageEngineError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams, check_lora_lists
+from vllm_omni.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+#: Stage options that configure the runtime rather than ``OmniDiffusionConfig``.
+STAGE_ONLY_OPTIONS = ("seed", "enforce_eager", "max_batch_size")
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+@dataclass
+class _Pending:
+    prompt: str
+    params: OmniDiffusionSamplingParams
+    lora_requests: list[LoRARequest]
+    lora_scales: list[float]
+    seed: int | None
+    future: Future
+
+
+def merge_request_loras(
+    params: OmniDiffusionSamplingParams,
+    lora_request: LoRARequest | None = None,
+    lora_scale: float | None = None,
+    lora_requests: Sequence[LoRARequest] | None = None,
+    lora_scales: Sequence[float] | None = None,
+) -> tuple[list[LoRARequest], list[float]]:
+    """One request's adapters from its sampling params or the ``generate`` conveniences.
+
+    Returns:
+        ``(requests, scales)``; ``scales`` is empty when none were given (defaults apply).
+
+    Raises:
+        ValueError: adapters given in two places, ``lora_request`` together with
+            ``lora_requests``, or a scale without an adapter.
+    """
+    given = [lora_request is not None, bool(lora_requests), bool(params.lora_requests)]
+    if sum(given) > 1:
+        raise ValueError(
+            "pass a request's adapters in one place: lora_request (one adapter), lora_requests (a list) "
+            "or OmniDiffusionSamplingParams.lora_requests"
+        )
+    if lora_scale is not None and lora_request is None:
+        raise ValueError("lora_scale needs lora_request (use lora_scales with lora_requests)")
+    if lora_scales and not lora_requests:
+        raise ValueError("lora_scales needs lora_requests")
+    if lora_request is not None:
+        return [lora_request], ([] if lora_scale is None else [lora_scale])
+    if lora_requests:
+        return list(lora_requests), list(lora_scales or [])
+    return list(params.lora_requests), list(params.lora_scales)
+
+
+def _batch_key(item: _Pending, mixed_lora: bool) -> tuple:
+    sp = item.params
+    if sp.generator is not None:
+        return ("generator", id(item))
+    key: tuple = (
+        sp.height,
+        sp.width,
+        sp.num_inference_steps,
+        sp.guidance_scale,
+        sp.num_images_per_prompt,
+        sp.output_type,
+        sp.max_sequence_length,
+        repr(sorted(sp.extra_args.items())),
+    )
+    if not mixed_lora:
+        key += (tuple(r.lora_int_id for r in item.lora_requests), tuple(item.lora_scales))
+    return key
+
+
+def _shared_negative(items: list[_Pending]) -> str | list[str] | None:
+    negs = []
+    for item in items:
+        neg = item.params.negative_prompt
+        negs.append(neg[0] if isinstance(neg, list | tuple) else neg)
+    if len(set(negs)) == 1:
+        return negs[0]
+    return ["" if n is None else n for n in negs]
+
+
+class DiffusionStageEngine:
+    """Runs one diffusion stage (in this process for TP=1, spawned ranks for TP>1).
+
+    Args:
+        stage: the resolved stage config; ``options`` are ``OmniDiffusionConfig`` fields plus
+            ``seed`` (default seed of requests without one), ``max_batch_size`` (prompts per
+            denoiser batch, default 8) and ``enforce_eager`` (accepted; diffusion runs eagerly).
+
+    Raises:
+        StageEngineError: invalid options (naming the stage) or the engine failed to start.
+    """
+
+    def __init__(self, stage: DiffusionStageConfig):
+        from vllm_omni.diffusion.data import OmniDiffusionConfig
+        from vllm_omni.diffusion.engine import DiffusionEngine
+
+        self.stage = stage
+        options = dict(stage.options)
+        self.default_seed = options.pop("seed", None)
+        options.pop("enforce_eager", None)
+        self.max_batch_size = int(options.pop("max_batch_size", DEFAULT_MAX_BATCH_SIZE))
+        if self.max_batch_size < 1:
+            raise StageEngineError(f"{stage.label}: max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not stage.model:
+            raise StageEngineError(f"{stage.label}: no model directory given for the diffusion stage")
+        try:
+            self.od_config = OmniDiffusionConfig(model=stage.model, **options)
+        except (TypeError, ValueError) as exc:
+            raise StageEngineError(f"{stage.label}: invalid diffusion option(s): {exc}") from exc
+        try:
+            self._engine = DiffusionEngine(self.od_config)
+            info = self._engine.collective_rpc("describe")[0]
+        except Exception as exc:
+            raise StageEngineError(f"{stage.label}: diffusion engine failed to start: {exc}") from exc
+        self.size_factor = int(info["size_factor"])
+        self.mixed_lora_batch = bool(info["mixed_lora_batch"])
+        self.startup_lora_ids: list[int] = list(info["startup_loras"])
+        #: sizes of the denoiser batches run so far, in prompts (observability / tests).
+        self.batch_sizes: list[int] = []
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._commands: list[tuple[Any, Future]] = []
+        self._holds = 0
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def max_loras(self) -> int:
+        return self.od_config.max_loras
+
+    def submit(
+        self,
+        prompt: Any,
+        params: OmniDiffusionSamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        *,
+        lora_scale: float | None = None,
+        lora_requests: Sequence[LoRARequest] | None = None,
+        lora_scales: Sequence[float] | None = None,
+    ) -> Future:
+        """Queue one prompt; the future resolves to its :class:`~vllm_omni.diffusion.data.DiffusionOutput`.
+
+        Args:
+            prompt: text, or a dict with ``"prompt"`` (and optionally ``"negative_prompt"``).
+            params: sampling settings (default ``OmniDiffusionSamplingParams()``).
+            lora_request / lora_scale: one adapter and its scale (conveniences).
+            lora_requests / lora_scales: several composed adapters (scales default to 1.0 each,
+                or the stage's ``lora_scale`` for a start-up adapter).
+
+        Raises (synchronously, before any work):
+            ValueError: a bad prompt, size not a multiple of the model's factor, adapters given
+                twice, unequal lists, more adapters than ``max_loras``, an adapter twice, a
+                NaN / inf scale, or an adapter path that does not exist.
+            StageEngineError: the stage is shut down or failed earlier.
+        """
+        item = self._prepare(prompt, params, lora_request, lora_scale, lora_requests, lora_scales)
+        with self._cv:
+            self._raise_if_unusable()
+            self._queue.append(item)
+            self._cv.notify()
+        return item.future
+
+    def validate_request(
+        self, prompt: Any, params: OmniDiffusionSamplingParams | None = None, **kwargs
+    ) -> None:
+        """Run every check of :meth:`submit` without queueing anything (same arguments, same errors)."""
+        self._prepare(prompt, params, **kwargs)
+
+    def _prepare(
+        self,
+        prompt: Any,
+        params: OmniDiffusionSamplingParams | None,
+        lora_request: LoRARequest | None = None,
+        lora_scale: float | None = None,
+        lora_requests: Sequence[LoRARequest] | None = None,
+        lora_scales: Sequence[float] | None = None,
+    ) -> _Pending:
+        params = params if params is not None else OmniDiffusionSamplingParams()
+        if not isinstance(params, OmniDiffusionSamplingParams):
+            raise ValueError(
+                f"{self.stage.label} takes OmniDiffusionSamplingParams, got {type(params).__name__}"
+            )
+        if isinstance(prompt, dict):
+            if "negative_prompt" in prompt:
+                params = dataclasses.replace(params, negative_prompt=prompt["negative_prompt"])
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{self.stage.label}: prompt must be a string, got {type(prompt).__name__}")
+        neg = params.negative_prompt
+        if isinstance(neg, list | tuple) and len(neg) != 1:
+            raise ValueError(f"negative_prompt has {len(neg)} entries for 1 prompt")
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value is not None and value % self.size_factor:
+                raise ValueError(
+                    f"{name} must be a multiple of {self.size_factor} for this model, got {value}"
+                )
+        requests, scales = merge_request_loras(params, lora_request, lora_scale, lora_requests, lora_scales)
+        check_lora_lists(requests, scales, self.max_loras)
+        for request in requests:
+            path = str(request.lora_path)
+            if "://" not in path and not os.path.exists(path):
+                raise ValueError(f"LoRA {request.lora_int_id} ({request.lora_name!r}): no such path {path!r}")
+        seed = params.seed if params.seed is not None else self.default_seed
+        if seed is None and params.generator is None:
+            seed = random.randrange(2**31 - 1)
+        return _Pending(prompt, params, requests, [float(s) for s in scales], seed, Future())
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Submissions inside this block are batched together: no batch starts until it exits."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into every worker's host cache; ``True`` if it was newly loaded.
+
+        Raises:
+            ValueError: bad request / missing path; LoRAFormatError / LoRACacheError from the
+                workers (their caches are unchanged).
+        """
+        check_lora_lists([lora_request], [])
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Remove an adapter everywhere (waits for a running batch); ``False`` if not cached."""
+        return self._call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters cached on this stage."""
+        return set(self._call("list_loras"))
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Pin a cached adapter on every worker (``ValueError`` when it is not cached)."""
+        return self._call("pin_lora", lora_int_id)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Run a worker method on every rank (on the driver thread, between batches)."""
+        fut: Future = Future()
+        with self._cv:
+            self._raise_if_unusable()
+            self._commands.append((lambda: self._engine.collective_rpc(method, *args), fut))
+            self._cv.notify()
+        return fut.result()
+
+    def shutdown(self) -> None:
+        """Stop the driver and the workers; queued requests fail with ``StageEngineError``."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=60)
+        err = StageEngineError(f"{self.stage.label}: shut down")
+        for item in list(self._queue):
+            if not item.future.done():
+                item.future.set_exception(err)
+        for _, fut in self._commands:
+            if not fut.done():
+                fut.set_exception(err)
+        self._queue.clear()
+        self._engine.shutdown()
+
+    # ---------------------------------------------------------------- internals
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise StageEngineError(f"{self.stage.label} is shut down")
+        if self._dead is not None:
+            raise StageEngineError(f"{self.stage.label} failed earlier and cannot serve: {self._dead}")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        results = self.collective_rpc(method, *args)
+        first = results[0]
+        if any(r != first for r in results[1:]):
+            raise StageEngineError(
+                f"{self.stage.label}: tensor-parallel workers disagree on {method}{args}: {results}"
+            )
+        return first
+
+    def _take_batch(self) -> list[_Pending]:
+        while self._queue and not self._queue[0].future.set_running_or_notify_cancel():
+            self._queue.popleft()
+        if not self._queue:
+            return []
+        first = self._queue.popleft()
+        key = _batch_key(first, self.mixed_lora_batch)
+        batch = [first]
+        ids = {r.lora_int_id for r in first.lora_requests}
+        rest: collections.deque[_Pending] = collections.deque()
+        while self._queue:
+            item = self._queue.popleft()
+            union = ids | {r.lora_int_id for r in item.lora_requests}
+            if (
+                len(batch) < self.max_batch_size
+                and len(union) <= self.max_loras
+                and _batch_key(item, self.mixed_lora_batch) == key
+            ):
+                if not item.future.set_running_or_notify_cancel():
+                    continue
+                batch.append(item)
+                ids = union
+            else:
+                rest.append(item)
+        self._queue = rest
+        return batch
+
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        first = batch[0].params
+        sp = dataclasses.replace(
+            first, seed=None, negative_prompt=_shared_negative(batch), lora_requests=[], lora_scales=[]
+        )
+        self.batch_sizes.append(len(batch))
+        try:
+            results = self._engine.collective_rpc(
+                "generate_batch",
+                [item.prompt for item in batch],
+                sp,
+                [(item.lora_requests, item.lora_scales) for item in batch],
+                [item.seed for item in batch],
+            )[0]
+        except Exception as exc:
+            logger.warning("%s: batch of %d failed: %s", self.stage.label, len(batch), exc)
+            if isinstance(exc, RuntimeError) and "exited unexpectedly" in str(exc):
+                with self._cv:
+                    self._dead = exc
+            for item in batch:
+                item.future.set_exception(exc)
+            return
+        for item, res in zip(batch, results, strict=True):
+            if isinstance(res, BaseException):
+                item.future.set_exception(res)
+            else:
+                item.future.set_result(res)
+
+    def _drive(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._commands or (self._queue and self._holds == 0)):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                commands, self._commands = self._commands, []
+                batch = self._take_batch() if self._holds == 0 else []
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:
+                    fut.set_exception(exc)
+            if batch:
+                self._run_batch(batch)
