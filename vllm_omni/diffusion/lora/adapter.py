@@ -84,10 +84,26 @@ class LoRAAdapterWeights:
     Attributes:
         modules: module key -> :class:`LoRAModuleWeights`.
         source: file or directory the adapter came from (used in error messages).
+        layout: key layout of the source (``"peft"``, ``"diffusers"``, ``"comfyui"``, ``"kohya"``; see
+            :mod:`.formats.layouts`). ``"kohya"`` keys are underscore-flattened module paths that are
+            resolved against the model's module names when the adapter is bound.
+        raw_state_dict: the file's tensors as stored, kept for single files without a configuration
+            so that a model family's diffusers key converter can be run on them at bind time
+            (:mod:`.formats.model_keys`); ``None`` otherwise.
+        has_config: scaling came from a PEFT configuration (directory, sibling ``adapter_config.json``
+            or diffusers header metadata) rather than from ``.alpha`` tensors or the ``alpha = r`` default.
+        base_model_name_or_path: what the adapter's configuration says it was trained on (informative).
+        untargeted: module keys with tensors that the configuration's ``target_modules`` does not
+            select (peft would ignore them); refused at bind time once the names are known to resolve.
     """
 
     modules: dict[str, LoRAModuleWeights] = field(default_factory=dict)
     source: str = "<state dict>"
+    layout: str = "peft"
+    raw_state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    has_config: bool = False
+    base_model_name_or_path: str | None = None
+    untargeted: list[str] = field(default_factory=list)
 
     @property
     def max_rank(self) -> int:

@@ -19,9 +19,12 @@ tokens, layer replication, parameter targeting, embedding / convolution LoRA, an
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -29,9 +32,11 @@ from vllm_omni.diffusion.lora.adapter import (
     LoRAAdapterWeights,
     LoRAFormatError,
     LoRAModuleWeights,
+    candidate_module_keys,
     check_pair,
     lora_scaling,
 )
+from vllm_omni.diffusion.lora.formats.layouts import screen_state_dict
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -73,32 +78,27 @@ def split_lora_state_dict(
 
     Args:
         state_dict: key -> tensor, keys like ``<module>.lora_A.weight`` (an adapter-name component
-            before ``weight`` is accepted).
+            before ``weight`` is accepted; kohya ``lora_down`` / ``lora_up`` must already be renamed,
+            see :func:`.formats.layouts.normalize_lora_keys`).
         source: file name for error messages.
-        allow_alpha_keys: accept ``<module>.alpha`` scalar tensors (diffusers single-file exports).
+        allow_alpha_keys: accept ``<module>.alpha`` scalar tensors (kohya / ComfyUI / diffusers exports).
 
     Returns:
         ``(pairs, alphas)``: module key -> ``(A [r, in], B [out, r])`` as float32 CPU tensors, and
         module key -> alpha for modules that carry one.
 
     Raises:
-        LoRAFormatError: DoRA magnitude vectors, LoRA bias, modules_to_save copies, embedding LoRA,
-            unknown keys (all named), a module with only one of A/B, several adapter names, bad shapes.
+        LoRAFormatError: anything :func:`.formats.layouts.screen_state_dict` refuses (DoRA, bias,
+            modules_to_save, quantised tensors, ...), unknown keys (all named), a module with only
+            one of A/B, several adapter names, bad shapes.
     """
+    screen_state_dict(state_dict, source)
     a_parts: dict[str, torch.Tensor] = {}
     b_parts: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
     adapter_names: set[str] = set()
     unknown: list[str] = []
     for key, tensor in state_dict.items():
-        if "lora_magnitude_vector" in key:
-            raise LoRAFormatError(f"{source}: DoRA adapters are not supported (found {key!r})")
-        if "modules_to_save" in key:
-            raise LoRAFormatError(f"{source}: modules_to_save is not supported (found {key!r})")
-        if ".lora_B." in key and key.endswith(".bias"):
-            raise LoRAFormatError(f"{source}: LoRA bias (lora_bias=True) is not supported (found {key!r})")
-        if "lora_embedding_" in key:
-            raise LoRAFormatError(f"{source}: embedding LoRA is not supported (found {key!r})")
         match = _LORA_KEY.match(key)
         if match:
             if match.group("adapter"):
@@ -113,7 +113,7 @@ def split_lora_state_dict(
             continue
         alpha_match = _ALPHA_KEY.match(key) if allow_alpha_keys else None
         if alpha_match and tensor.numel() == 1:
-            alphas[alpha_match.group("module")] = float(tensor.reshape(()).item())
+            alphas[alpha_match.group("module")] = float(tensor.reshape(()).float().item())
             continue
         unknown.append(key)
     if unknown:
@@ -140,16 +140,12 @@ def split_lora_state_dict(
     return pairs, alphas
 
 
-def _strip_peft_prefix(key: str) -> str:
-    prefix = "base_model.model."
-    return key[len(prefix) :] if key.startswith(prefix) else key
-
-
 def check_lora_config(config: object, source: str) -> None:
     """Reject PEFT configurations whose features this runtime does not implement.
 
     Raises:
-        LoRAFormatError: non-LoRA PEFT type, or any field listed in ``_UNSUPPORTED_FIELDS`` set.
+        LoRAFormatError: non-LoRA PEFT type, ``bias`` other than ``"none"``, or any field listed in
+            ``_UNSUPPORTED_FIELDS`` set.
     """
     peft_type = getattr(config, "peft_type", None)
     peft_type_name = getattr(peft_type, "value", peft_type)
@@ -159,6 +155,104 @@ def check_lora_config(config: object, source: str) -> None:
         value = getattr(config, name, None)
         if value:
             raise LoRAFormatError(f"{source}: {name}={value!r} is not supported: {why}")
+    bias = getattr(config, "bias", "none") or "none"
+    if bias != "none":
+        raise LoRAFormatError(
+            f"{source}: bias={bias!r} is not supported: trained bias vectors replace the base layer's bias, "
+            "which request-time LoRA cannot swap; retrain with bias='none'"
+        )
+
+
+def lora_config_from_dict(raw: Mapping[str, object], source: str) -> object:
+    """A peft ``LoraConfig`` from a configuration dict (``adapter_config.json`` content or diffusers
+    header metadata), after checking the fields whose peft default would silently change the math.
+
+    ``lora_alpha`` must be present: peft would fill in its default (8), and alpha-less exports
+    elsewhere mean ``alpha = r``; neither can be assumed for a file that ships a configuration.
+
+    Raises:
+        LoRAFormatError: missing ``lora_alpha``, unsupported features (:func:`check_lora_config`).
+    """
+    from peft import LoraConfig
+
+    if raw.get("peft_type", "LORA") not in ("LORA", None):
+        raise LoRAFormatError(f"{source}: PEFT type {raw.get('peft_type')!r} is not LoRA")
+    if raw.get("lora_alpha") is None:
+        raise LoRAFormatError(
+            f"{source}: the LoRA config has no lora_alpha, so the adapter scaling lora_alpha / r is unknown; "
+            'add "lora_alpha" (the value used in training) to the config'
+        )
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    kwargs = {k: v for k, v in raw.items() if k in known and k not in ("peft_type", "task_type")}
+    try:
+        config = LoraConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise LoRAFormatError(f"{source}: invalid LoRA config: {exc}") from exc
+    check_lora_config(config, source)
+    return config
+
+
+def read_peft_config(directory: str, source: str | None = None) -> tuple[object, dict]:
+    """Read ``<directory>/adapter_config.json`` with peft's ``PeftConfig`` (peft's own field rules).
+
+    Returns:
+        ``(config, raw_json)``.
+
+    Raises:
+        LoRAFormatError: unreadable JSON, missing ``lora_alpha``, unsupported features.
+    """
+    from peft import PeftConfig
+
+    source = source or directory
+    config_file = os.path.join(directory, ADAPTER_CONFIG_NAME)
+    try:
+        with open(config_file) as handle:
+            raw = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise LoRAFormatError(f"{config_file}: not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise LoRAFormatError(f"{config_file}: not a JSON object")
+    if raw.get("lora_alpha") is None and raw.get("peft_type", "LORA") == "LORA":
+        raise LoRAFormatError(
+            f"{config_file}: no lora_alpha, so the adapter scaling lora_alpha / r is unknown (peft would silently "
+            'use its default 8); add "lora_alpha" (the value used in training) to the config'
+        )
+    config = PeftConfig.from_pretrained(directory)
+    check_lora_config(config, source)
+    return config, raw
+
+
+def untargeted_modules(config: object, module_keys: Iterable[str]) -> list[str]:
+    """Module keys that peft's ``target_modules`` / ``exclude_modules`` / ``layers_to_transform`` rules
+    (peft's own ``check_target_module_exists``; a string is a full-match regex, a list matches names
+    or dotted suffixes) would not give a LoRA layer; peft would ignore their tensors.
+
+    ``"all-linear"`` targets every linear layer, which binding checks, so only exclusions apply.
+    Keys are tried with and without their wrapper prefixes (``base_model.model.`` ...).
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    target_modules = getattr(config, "target_modules", None)
+    if target_modules is None:
+        return []
+    missing = []
+    for key in module_keys:
+        candidates = candidate_module_keys(key)
+        if isinstance(target_modules, str) and target_modules == "all-linear":
+            probe = [dataclasses.replace(config, target_modules={c}) for c in candidates]
+            hit = any(
+                check_target_module_exists(p, c) is True for p, c in zip(probe, candidates, strict=True)
+            )
+        else:
+            hit = any(_is_targeted(check_target_module_exists(config, c)) for c in candidates)
+        if not hit:
+            missing.append(key)
+    return missing
+
+
+def _is_targeted(result: object) -> bool:
+    # peft returns True, a re.Match, False/None, or an "excluded" marker object
+    return result is True or isinstance(result, re.Match)
 
 
 def build_module_weights(
@@ -176,14 +270,16 @@ def build_module_weights(
 
     The rank used for scaling is the tensor rank; when the configuration declares a rank for the
     module (``rank_pattern`` entry, else ``r``) it must agree. ``alpha`` comes from, in order: a
-    per-module alpha tensor, ``alpha_pattern``, ``lora_alpha``, else the rank (``s = 1``).
+    per-module alpha tensor (kohya ``.alpha``), ``alpha_pattern``, ``lora_alpha``, else the rank
+    (``s = 1``, the convention of alpha-less exports). Patterns are matched against the module key
+    without wrapper prefixes (what peft sees inside the base model).
 
     Raises:
-        LoRAFormatError: declared and stored ranks differ (both named).
+        LoRAFormatError: declared and stored ranks differ (both named); an alpha of 0 or not finite.
     """
     modules: dict[str, LoRAModuleWeights] = {}
     for key, (lora_a, lora_b) in pairs.items():
-        pattern_key = _strip_peft_prefix(key)
+        pattern_key = candidate_module_keys(key)[-1]
         tensor_rank = int(lora_a.shape[0])
         declared = rank
         if rank_pattern:
@@ -202,12 +298,17 @@ def build_module_weights(
                 hit = match_pattern_key(alpha_pattern, pattern_key)
                 if hit is not None:
                     alpha = alpha_pattern[hit]
+        if not math.isfinite(float(alpha)) or float(alpha) == 0.0:
+            raise LoRAFormatError(
+                f"{source}: module {key!r} has alpha {alpha!r}, which makes its scaling alpha / r "
+                f"{'zero (the adapter would change nothing)' if float(alpha) == 0.0 else 'not finite'}"
+            )
         modules[key] = LoRAModuleWeights(lora_a, lora_b, lora_scaling(alpha, tensor_rank, use_rslora))
     return modules
 
 
 def load_peft_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
-    """Read a PEFT LoRA directory into host memory.
+    """Read a PEFT LoRA directory (peft's ``save_pretrained`` layout) into host memory.
 
     Args:
         path: directory holding ``adapter_config.json`` and ``adapter_model.safetensors``.
@@ -219,11 +320,11 @@ def load_peft_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
 
     Raises:
         FileNotFoundError: the directory or one of the two files is missing.
-        LoRAFormatError: unsupported PEFT feature (DoRA, modules_to_save, ...), malformed tensors,
-            or declared ranks that disagree with the stored tensors.
+        LoRAFormatError: unsupported PEFT feature (DoRA, modules_to_save, bias, ...), a config without
+            ``lora_alpha``, malformed or quantised tensors, or declared ranks that disagree with the
+            stored tensors.
     """
-    from peft import PeftConfig
-    from safetensors.torch import load_file
+    from vllm_omni.diffusion.lora.safetensors_format import load_lora_safetensors
 
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -236,17 +337,4 @@ def load_peft_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
         others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
         hint = f" (found {others}; convert them to safetensors)" if others else ""
         raise FileNotFoundError(f"{path!r} has no {ADAPTER_WEIGHTS_NAME}{hint}")
-    config = PeftConfig.from_pretrained(path)
-    check_lora_config(config, path)
-    pairs, _ = split_lora_state_dict(load_file(weights_file, device="cpu"), weights_file)
-    modules = build_module_weights(
-        pairs,
-        rank=getattr(config, "r", None),
-        lora_alpha=getattr(config, "lora_alpha", None),
-        use_rslora=bool(getattr(config, "use_rslora", False)),
-        rank_pattern=getattr(config, "rank_pattern", None) or None,
-        alpha_pattern=getattr(config, "alpha_pattern", None) or None,
-        module_alphas=None,
-        source=path,
-    )
-    return LoRAAdapterWeights(modules=modules, source=path)
+    return load_lora_safetensors(weights_file)

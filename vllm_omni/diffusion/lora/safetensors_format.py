@@ -1,35 +1,44 @@
-"""Single-file LoRA checkpoints with diffusers / PEFT-style keys (``<module>.lora_A.weight``).
+"""Single-file LoRA checkpoints (``.safetensors``) in any of the key layouts of :mod:`.formats.layouts`.
 
-Used by the distill backend (:mod:`.fuse`) and accepted by the manager for ``.safetensors`` paths.
+Key layouts: PEFT (``base_model.model.``), diffusers (``transformer.``), ComfyUI (``diffusion_model.``),
+kohya / A1111 (``lora_unet_`` + underscore-flattened module paths). ``lora_down`` / ``lora_up`` are read as
+``lora_A`` / ``lora_B``. Module names are resolved against the model when the adapter is bound
+(:mod:`.formats.model_keys`: diffusers' converter for the model family, else generic un-flattening).
+
 The adapter scaling of each module comes from, in order:
 
-1. a ``<module>.alpha`` scalar tensor in the file (``s = alpha / r``);
-2. the ``lora_adapter_metadata`` JSON that diffusers writes into the safetensors header (the LoRA
-   config: ``r``, ``lora_alpha``, ``use_rslora``, ``rank_pattern``, ``alpha_pattern``; keys may carry a
-   component prefix such as ``transformer.``);
-3. otherwise ``s = 1`` (alpha taken equal to the rank, the convention of alpha-less exports).
-
-Other key layouts (kohya ``lora_down`` / ``lora_up``, ComfyUI names) belong in their own module that
-produces a :class:`~.adapter.LoRAAdapterWeights` the same way.
+1. a PEFT configuration: a sibling ``adapter_config.json`` (peft's ``save_pretrained`` layout, read with
+   ``PeftConfig``) or the ``lora_adapter_metadata`` JSON that diffusers' ``save_lora_weights`` writes into
+   the safetensors header (keys may carry a component prefix such as ``transformer.``); when both exist
+   they must agree. ``lora_alpha`` must be present;
+2. a ``<module>.alpha`` scalar tensor (kohya / ComfyUI: ``s = alpha / r`` per module); alongside a
+   configuration it must agree with it;
+3. otherwise ``s = 1`` (alpha equal to the rank, kohya's and diffusers' convention for alpha-less files).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 
 import torch
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError
+from vllm_omni.diffusion.lora.formats.layouts import detect_layout, normalize_lora_keys, screen_state_dict
 from vllm_omni.diffusion.lora.peft_format import (
+    ADAPTER_CONFIG_NAME,
     build_module_weights,
-    check_lora_config,
+    lora_config_from_dict,
+    read_peft_config,
     split_lora_state_dict,
+    untargeted_modules,
 )
 
 METADATA_KEY = "lora_adapter_metadata"
 _COMPONENT_PREFIXES = ("transformer.", "transformer_2.", "unet.")
+_SCALING_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")
 
 
 def _config_from_metadata(metadata: Mapping[str, str] | None, source: str) -> dict | None:
@@ -41,22 +50,28 @@ def _config_from_metadata(metadata: Mapping[str, str] | None, source: str) -> di
         raise LoRAFormatError(f"{source}: {METADATA_KEY} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise LoRAFormatError(f"{source}: {METADATA_KEY} is not a JSON object")
+    prefixed = any("." in key for key in raw)
     config: dict = {}
     for key, value in raw.items():
         for prefix in _COMPONENT_PREFIXES:
             if key.startswith(prefix):
                 key = key[len(prefix) :]
                 break
+        else:
+            if prefixed and "." in key:
+                continue  # another component's config (e.g. text_encoder.r)
         config[key] = value
     return config
 
 
-class _ConfigView:
-    """Attribute view over a metadata dict, for :func:`check_lora_config`."""
-
-    def __init__(self, config: Mapping) -> None:
-        self.__dict__.update(config)
-        self.peft_type = config.get("peft_type", "LORA")
+def _check_configs_agree(first: object, second: object, source: str, what: str) -> None:
+    diffs = [
+        f"{name}: {getattr(first, name, None)!r} vs {getattr(second, name, None)!r}"
+        for name in _SCALING_FIELDS
+        if (getattr(first, name, None) or None) != (getattr(second, name, None) or None)
+    ]
+    if diffs:
+        raise LoRAFormatError(f"{source}: {what} disagree ({'; '.join(diffs)}); remove the stale one")
 
 
 def adapter_from_state_dict(
@@ -64,49 +79,93 @@ def adapter_from_state_dict(
     *,
     metadata: Mapping[str, str] | None = None,
     source: str = "<state dict>",
+    config: object | None = None,
 ) -> LoRAAdapterWeights:
-    """Parse a single-file LoRA state dict.
+    """Parse a single-file LoRA state dict in any supported key layout.
 
     Args:
-        state_dict: key -> tensor with ``lora_A`` / ``lora_B`` keys and optional ``.alpha`` scalars.
+        state_dict: key -> tensor with ``lora_A`` / ``lora_B`` (or ``lora_down`` / ``lora_up``) keys and
+            optional ``.alpha`` scalars.
         metadata: the safetensors header metadata, if any.
         source: name for error messages.
+        config: a peft ``LoraConfig`` that belongs to these tensors (sibling ``adapter_config.json``).
 
     Raises:
-        LoRAFormatError: unknown keys, DoRA / bias / modules_to_save, unpaired or malformed tensors,
-            or a metadata config that declares unsupported features or ranks that disagree.
+        LoRAFormatError: refused tensors (DoRA, bias, modules_to_save, quantised, ...), unknown keys,
+            unpaired or malformed tensors, a config without ``lora_alpha``, configs or ``.alpha`` values
+            that disagree, or declared ranks that disagree with the tensors.
     """
-    config = _config_from_metadata(metadata, source)
-    pairs, alphas = split_lora_state_dict(state_dict, source, allow_alpha_keys=True)
-    if config is not None:
-        check_lora_config(_ConfigView(config), source)
-    config = config or {}
-    modules = build_module_weights(
-        pairs,
-        rank=config.get("r"),
-        lora_alpha=config.get("lora_alpha"),
-        use_rslora=bool(config.get("use_rslora", False)),
-        rank_pattern=config.get("rank_pattern") or None,
-        alpha_pattern=config.get("alpha_pattern") or None,
-        module_alphas=alphas,
-        source=source,
+    screen_state_dict(state_dict, source)
+    meta_raw = _config_from_metadata(metadata, source)
+    if meta_raw is not None:
+        meta_config = lora_config_from_dict(meta_raw, source)
+        if config is None:
+            config = meta_config
+        else:
+            _check_configs_agree(
+                config, meta_config, source, f"{ADAPTER_CONFIG_NAME} and the {METADATA_KEY} header"
+            )
+    layout = detect_layout(state_dict)
+    pairs, alphas = split_lora_state_dict(
+        normalize_lora_keys(state_dict, source), source, allow_alpha_keys=True
     )
-    return LoRAAdapterWeights(modules=modules, source=source)
+    settings: dict = {"rank": None, "lora_alpha": None, "use_rslora": False}
+    settings.update(rank_pattern=None, alpha_pattern=None)
+    if config is not None:
+        settings = dict(
+            rank=getattr(config, "r", None),
+            lora_alpha=getattr(config, "lora_alpha", None),
+            use_rslora=bool(getattr(config, "use_rslora", False)),
+            rank_pattern=getattr(config, "rank_pattern", None) or None,
+            alpha_pattern=getattr(config, "alpha_pattern", None) or None,
+        )
+    modules = build_module_weights(pairs, module_alphas=alphas, source=source, **settings)
+    if config is not None and alphas:
+        from_config = build_module_weights(pairs, module_alphas=None, source=source, **settings)
+        stale = sorted(k for k in alphas if not math.isclose(modules[k].scaling, from_config[k].scaling))
+        if stale:
+            raise LoRAFormatError(
+                f"{source}: .alpha tensors disagree with the LoRA config's lora_alpha / alpha_pattern for "
+                f"{stale[:12]}; remove the stale one"
+            )
+    return LoRAAdapterWeights(
+        modules=modules,
+        source=source,
+        layout=layout,
+        raw_state_dict=dict(state_dict) if config is None else None,
+        has_config=config is not None,
+        base_model_name_or_path=getattr(config, "base_model_name_or_path", None)
+        if config is not None
+        else None,
+        untargeted=untargeted_modules(config, modules) if config is not None else [],
+    )
 
 
 def load_lora_safetensors(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
-    """Read a single ``.safetensors`` LoRA file (see module docstring for the scaling rules).
+    """Read a single ``.safetensors`` LoRA file (see the module docstring for layouts and scaling).
+
+    A sibling ``adapter_config.json`` in the same directory is taken as the file's PEFT configuration
+    (peft's ``save_pretrained`` writes them side by side).
 
     Raises:
         FileNotFoundError: missing file.
-        LoRAFormatError: see :func:`adapter_from_state_dict`.
+        LoRAFormatError: see :func:`adapter_from_state_dict` and :func:`.peft_format.read_peft_config`.
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"LoRA file not found: {path!r}")
-    with safe_open(path, framework="pt", device="cpu") as handle:
-        metadata = handle.metadata()
-        state_dict = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    return adapter_from_state_dict(state_dict, metadata=metadata, source=path)
+    directory = os.path.dirname(os.path.abspath(path))
+    config = None
+    if os.path.isfile(os.path.join(directory, ADAPTER_CONFIG_NAME)):
+        config, _ = read_peft_config(directory, source=path)
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            metadata = handle.metadata()
+            state_dict = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        if isinstance(exc, LoRAFormatError):
+            raise
+        raise LoRAFormatError(f"{path}: not a readable safetensors file: {exc}") from exc
+    return adapter_from_state_dict(state_dict, metadata=metadata, source=path, config=config)

@@ -26,6 +26,7 @@ from vllm_omni.diffusion.lora.adapter import (
     LoRAModuleWeights,
     candidate_module_keys,
 )
+from vllm_omni.diffusion.lora.formats.model_keys import prepare_adapter_for_model
 from vllm_omni.diffusion.lora.geometry import LayerGeometry, is_supported_linear, layer_geometry
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA, LayerLoRAWeights
 
@@ -81,6 +82,7 @@ class TargetIndex:
     ) -> None:
         self.targets: dict[str, LoRATarget] = {}
         self.packed: dict[str, tuple[str, int]] = {}
+        self.denoiser_modules: list[nn.Module] = list(denoisers.values())
         self.strip_prefixes = tuple(strip_prefixes)
         suffixes = tuple(target_modules) if target_modules is not None else None
         for position, (attr, denoiser) in enumerate(denoisers.items()):
@@ -138,6 +140,12 @@ def bind_adapter(
             its rank and the limit); shape mismatches; a packed layer targeted both whole and per
             slice, or one slice targeted twice.
     """
+    adapter = prepare_adapter_for_model(
+        adapter,
+        index.denoiser_modules,
+        [*index.targets, *index.packed],
+        lambda k: index.resolve(k) is not None,
+    )
     source = adapter.source
     resolved: dict[str, tuple[str, int | None, LoRAModuleWeights]] = {}
     unmatched: list[str] = []
@@ -193,7 +201,9 @@ def _check_shape(
     key: str, weights: LoRAModuleWeights, in_features: int, out_features: int, source: str
 ) -> None:
     if weights.in_features != in_features or weights.out_features != out_features:
+        r = weights.rank
         raise LoRAFormatError(
             f"{source}: module {key!r} has lora_A {tuple(weights.lora_a.shape)} / lora_B "
-            f"{tuple(weights.lora_b.shape)} but the layer expects inputs {in_features} and outputs {out_features}"
+            f"{tuple(weights.lora_b.shape)} but the layer expects inputs {in_features} and outputs {out_features}, "
+            f"i.e. lora_A {(r, in_features)} / lora_B {(out_features, r)} (adapter trained for another model or size?)"
         )

@@ -1,0 +1,153 @@
+"""Key layouts of single-file LoRA checkpoints, and the checks every adapter tensor passes first.
+
+Layouts (the names used in :attr:`~..adapter.LoRAAdapterWeights.layout`), by where they come from:
+
+* ``"peft"``: peft's ``save_pretrained`` (``get_peft_model_state_dict``) writes
+  ``base_model.model.<module>.lora_A.weight`` / ``...lora_B.weight``;
+* ``"diffusers"``: diffusers' ``save_lora_weights`` writes ``transformer.<module>.lora_A.weight`` and the
+  LoRA config as JSON under ``lora_adapter_metadata`` in the safetensors header;
+* ``"comfyui"``: ComfyUI / musubi-tuner / ai-toolkit exports use the original model's names under
+  ``diffusion_model.`` with either ``lora_A`` / ``lora_B`` or ``lora_down`` / ``lora_up`` and ``.alpha``;
+* ``"kohya"``: kohya-ss sd-scripts (and A1111, which reads them) flatten the module path with
+  underscores under ``lora_unet_`` (``lora_unet_layers_0_attention_to_q.lora_down.weight``), store
+  ``lora_down`` (= A) / ``lora_up`` (= B) and a per-module scalar ``.alpha``.
+
+:func:`screen_state_dict` refuses what this runtime cannot apply exactly, naming the file and the keys;
+:func:`normalize_lora_keys` renames ``lora_down`` / ``lora_up`` to ``lora_A`` / ``lora_B``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from vllm_omni.diffusion.lora.adapter import LoRAFormatError
+
+KOHYA_UNET_PREFIX = "lora_unet_"
+COMFYUI_PREFIX = "diffusion_model."
+DIFFUSERS_PREFIX = "transformer."
+PEFT_PREFIX = "base_model.model."
+
+#: dtypes an adapter tensor may have; anything else (int8/uint8/fp8/bool ...) is a quantised or
+#: otherwise packed tensor that cannot be used without its dequantisation recipe.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_SHOWN = 12
+
+
+def _listing(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return shown + (f" (+{len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else "")
+
+
+# (predicate on the key, what it is, what the user can do). First match wins.
+_REFUSED_KEYS: tuple[tuple[Callable[[str], bool], str, str], ...] = (
+    (
+        lambda k: "lora_magnitude_vector" in k or "dora_scale" in k,
+        "DoRA magnitude vectors (weight-decomposed LoRA)",
+        "DoRA cannot be applied as request-time LoRA; merge it into the base weights offline or retrain as LoRA",
+    ),
+    (
+        lambda k: "modules_to_save" in k,
+        "modules_to_save weights (whole replacement modules)",
+        "only low-rank deltas can be swapped per request; save the adapter without modules_to_save",
+    ),
+    (
+        lambda k: bool(re.search(r"\.lora_(B|up)(\.[^.]+)?\.bias$", k)) or k.endswith(".diff_b"),
+        "LoRA bias terms",
+        "this runtime applies y = Wx + s*B(Ax) only; train with lora_bias=False / no bias diffs",
+    ),
+    (
+        lambda k: k.endswith(".diff"),
+        "full weight differences (.diff)",
+        "full-rank deltas are not LoRA; fuse them into the checkpoint offline",
+    ),
+    (
+        lambda k: any(t in k for t in ("lokr_", "hada_", ".oft_", "lora_mid", ".lokr.", "lora_embedding_")),
+        "LyCORIS / embedding / conv adapter tensors (LoKr, LoHa, OFT, Tucker, embedding LoRA)",
+        "only linear LoRA is supported; convert to plain LoRA or fuse offline",
+    ),
+    (
+        lambda k: k.startswith(("lora_te", "text_encoder", "te.", "te1.", "te2.", "text_model.")),
+        "text-encoder LoRA",
+        "the diffusion stage applies LoRA to the denoiser only; remove the text-encoder keys",
+    ),
+    (
+        lambda k: any(t in k for t in ("weight_scale", "scale_weight", "absmax", "quant_state", "quant_map")),
+        "quantisation state (scales / absmax)",
+        "save the adapter unquantised (float16/bfloat16/float32)",
+    ),
+)
+
+
+def screen_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """Refuse tensors that cannot be applied exactly, naming ``source`` and the offending keys.
+
+    Raises:
+        LoRAFormatError: DoRA (``lora_magnitude_vector`` / kohya ``dora_scale``), ``modules_to_save``,
+            LoRA bias (``lora_B.bias``, ``.diff_b``), full diffs, LyCORIS tensors, text-encoder keys,
+            quantisation state, or a tensor whose dtype is not float16/bfloat16/float32/float64.
+    """
+    found: dict[int, list[str]] = {}
+    for key in state_dict:
+        for n, (predicate, _, _) in enumerate(_REFUSED_KEYS):
+            if predicate(key):
+                found.setdefault(n, []).append(key)
+                break
+    if found:
+        n = min(found)
+        _, what, fix = _REFUSED_KEYS[n]
+        raise LoRAFormatError(
+            f"{source}: {what} are not supported ({fix}); offending keys: {_listing(found[n])}"
+        )
+    bad_dtype = {k: t.dtype for k, t in state_dict.items() if t.dtype not in FLOAT_DTYPES}
+    if bad_dtype:
+        dtypes = sorted({str(d) for d in bad_dtype.values()})
+        raise LoRAFormatError(
+            f"{source}: quantised or non-float adapter tensors ({', '.join(dtypes)}) are not supported; "
+            f"save the adapter in float16/bfloat16/float32; offending keys: {_listing(bad_dtype)}"
+        )
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """``"kohya"``, ``"comfyui"``, ``"diffusers"`` or ``"peft"`` (see the module docstring)."""
+    keys = list(keys)
+    if any(k.startswith(KOHYA_UNET_PREFIX) for k in keys):
+        return "kohya"
+    if any(k.startswith(COMFYUI_PREFIX) for k in keys):
+        return "comfyui"
+    if any(k.startswith(PEFT_PREFIX) for k in keys):
+        return "peft"
+    return "diffusers"
+
+
+_DOWN_UP = re.compile(r"\.lora_(down|up)\.weight$")
+
+
+def normalize_lora_keys(state_dict: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Rename kohya's ``<m>.lora_down.weight`` / ``<m>.lora_up.weight`` to ``<m>.lora_A.weight`` /
+    ``<m>.lora_B.weight`` (kohya's down projection is A, ``[r, d_in]``; up is B, ``[d_out, r]``).
+
+    Raises:
+        LoRAFormatError: one module stored in both namings.
+    """
+    out: dict[str, torch.Tensor] = {}
+    clashes: list[str] = []
+    for key, tensor in state_dict.items():
+        new = _DOWN_UP.sub(lambda m: ".lora_A.weight" if m.group(1) == "down" else ".lora_B.weight", key)
+        if new in out:
+            clashes.append(key)
+        out[new] = tensor
+    if clashes:
+        raise LoRAFormatError(
+            f"{source}: modules stored both as lora_down/up and lora_A/B: {_listing(clashes)}"
+        )
+    return out
+
+
+def strip_kohya_prefix(module_key: str) -> str | None:
+    """The flattened module path of a kohya key (``lora_unet_a_b`` -> ``a_b``), else ``None``."""
+    return module_key[len(KOHYA_UNET_PREFIX) :] if module_key.startswith(KOHYA_UNET_PREFIX) else None
