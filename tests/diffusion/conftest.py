@@ -58,3 +58,12 @@ def diffusers_z_image(tiny_z_image_dir):
     pipe = ZImagePipeline.from_pretrained(str(tiny_z_image_dir))
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image_loras(tiny_z_image_dir) -> dict[str, Path]:
+    """PEFT adapters for the tiny Z-Image transformer (``attn``, ``qv``, ``ff``) and ``attn_file``
+    (single .safetensors); see ``tools/make_tiny_diffusion_lora.py``."""
+    from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+
+    return ensure_tiny_z_image_loras(tiny_z_image_dir, _assets_root())

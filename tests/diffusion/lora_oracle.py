@@ -51,3 +51,21 @@ def reference_latents(pipe, prompt: str, *, seed: int, steps: int, guidance: flo
         height=height,
         width=width,
     ).images
+
+
+def fused_reference_pipeline(z_image_dir: str | Path, lora_file: str | Path, scale: float):
+    """diffusers ``ZImagePipeline`` with a single-file LoRA fused by ``transformer.fuse_lora``."""
+    import json
+
+    from diffusers import ZImagePipeline
+    from safetensors import safe_open
+
+    pipe = ZImagePipeline.from_pretrained(str(z_image_dir))
+    pipe.set_progress_bar_config(disable=True)
+    with safe_open(str(lora_file), "pt") as f:
+        metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+    pipe.transformer.load_lora_adapter(
+        load_file(str(lora_file)), prefix=None, adapter_name="fused", metadata=metadata
+    )
+    pipe.transformer.fuse_lora(lora_scale=scale)
+    return pipe
