@@ -1,0 +1,110 @@
+"""Helpers for the serving tests: a real server process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def console_script(name: str) -> list[str]:
+    """The installed console script ``name`` (``vllm``, ``vllm-omni``) next to this Python."""
+    path = BIN / name
+    if path.exists():
+        return [str(path)]
+    module = {"vllm": "vllm.entrypoints.cli.main", "vllm-omni": "vllm_omni.entrypoints.cli.main"}[name]
+    return [sys.executable, "-m", module]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class LiveServer:
+    """A server subprocess; ``url("/v1/models")`` etc."""
+
+    base_url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_server(
+    cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float = 300
+) -> LiveServer:
+    """Run ``cmd`` (which must bind 127.0.0.1:``port``) and wait for ``GET /health`` = 200."""
+    log = open(log_path, "w")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    server = LiveServer(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(server.url("/health"), timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy in {timeout}s:\n{server.log_tail()}")
+
+
+def assert_openai_error(response: httpx.Response, statuses=(400, 422)) -> dict:
+    """The response is an OpenAI-style error with one of ``statuses``; returns the error object."""
+    assert response.status_code in statuses, (response.status_code, response.text[:500])
+    err = response.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["code"] == response.status_code and isinstance(err["type"], str)
+    return err
+
+
+def copy_adapter(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete", ".lock"))
+    return dst

@@ -1,0 +1,354 @@
+"""`vllm serve <tiny LLM> --omni`: a real server process driven by the official openai client.
+
+One server for the module, started through vLLM's own ``vllm`` console script (which hands
+``--omni`` argv to ``vllm_omni.entrypoints.cli.main``). Outputs are checked token for token
+against transformers+peft greedy decoding (tests/llm_reference.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_utils import (
+    REPO_ROOT,
+    assert_openai_error,
+    console_script,
+    copy_adapter,
+    free_port,
+    server_env,
+    start_server,
+)
+from tests.llm_reference import hf_greedy
+
+N = 8
+PROMPT = "hello world"
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_llm_assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_llm")
+    root = tmp / "loras"
+    root.mkdir()
+    outside = tmp / "outside"
+    outside.mkdir()
+    p = {
+        "model": tiny_llm_assets.model_dir,
+        "a": tiny_llm_assets.adapter_a,
+        "root": root,
+        "b": copy_adapter(tiny_llm_assets.adapter_b, root / "b"),
+        "a_copy": copy_adapter(tiny_llm_assets.adapter_a, root / "a_copy"),
+        "b_copy": copy_adapter(tiny_llm_assets.adapter_b, root / "b_copy"),
+        "rank64": copy_adapter(tiny_llm_assets.adapter_rank64, root / "rank64"),
+        "outside_a": copy_adapter(tiny_llm_assets.adapter_a, outside / "a"),
+        "outside_missing": outside / "missing",
+    }
+    pickled = root / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny_llm_assets.adapter_a / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    p["pickled"] = pickled
+    (root / "escape").symlink_to(p["outside_a"], target_is_directory=True)
+    p["escape"] = root / "escape"
+    return p
+
+
+@pytest.fixture(scope="module")
+def server(paths, tmp_path_factory):
+    port = free_port()
+    cmd = console_script("vllm") + [
+        "serve",
+        str(paths["model"]),
+        "--omni",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        "2",
+        "--max-model-len",
+        "256",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "8",
+        "--lora-modules",
+        f"a={paths['a']}",
+        "--lora-dirs",
+        str(paths["root"]),
+        "--disable-uvicorn-access-log",
+    ]
+    log = tmp_path_factory.mktemp("serve_llm_log") / "server.log"
+    srv = start_server(cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+
+
+def ref(paths, prompt, adapter_key):
+    return hf_greedy(paths["model"], prompt, N, None if adapter_key is None else paths[adapter_key])
+
+
+def chat(client, model="tiny", lora=None, prompt=PROMPT):
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    if lora is not None:
+        extra["lora"] = lora
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=N,
+        temperature=0.0,
+        extra_body=extra,
+    )
+    return reply
+
+
+def chat_tokens(reply):
+    return reply.choices[0].token_ids, reply.prompt_token_ids
+
+
+def completion_tokens(server, model="tiny", lora=None, prompt=PROMPT) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0.0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    if lora is not None:
+        body["lora"] = lora
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_health_and_models_list_base_and_adapters(server, client):
+    assert httpx.get(server.url("/health")).status_code == 200
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) >= {"tiny", "a"}
+    assert models["a"].parent == "tiny" and models["tiny"].parent is None
+
+
+@pytest.mark.parametrize(
+    "model, lora, adapter",
+    [
+        ("tiny", None, None),
+        ("a", None, "a"),  # --lora-modules adapter selected through `model`
+        ("tiny", {"name": "b", "path": "B"}, "b"),  # request-time adapter inside --lora-dirs
+        ("tiny", [{"lora_name": "b", "local_path": "B", "scale": 1.0}], "b"),
+    ],
+)
+def test_chat_matches_transformers_peft(server, client, paths, model, lora, adapter):
+    if lora is not None:
+        lora = json.loads(json.dumps(lora).replace('"B"', json.dumps(str(paths["b"]))))
+    tokens, prompt_ids = chat_tokens(chat(client, model, lora))
+    # the prompt is the chat template rendered by the model's own tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(paths["model"]))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt_ids == tok.encode(text, add_special_tokens=False)
+    assert tokens == ref(paths, prompt_ids, adapter)
+
+
+def test_completions_match_and_adapters_differ(server, paths):
+    base = completion_tokens(server)
+    with_b = completion_tokens(server, lora={"name": "b", "path": str(paths["b"])})
+    assert base == ref(paths, PROMPT, None)
+    assert with_b == ref(paths, PROMPT, "b")
+    assert base != with_b
+
+
+def test_unknown_model_is_404(client, server):
+    with pytest.raises(openai.NotFoundError):
+        chat(client, model="no-such-model")
+    r = httpx.post(server.url("/v1/completions"), json={"model": "nope", "prompt": "x"})
+    assert assert_openai_error(r, (404,))["param"] == "model"
+
+
+def test_same_name_other_path_never_reuses_weights(server, paths):
+    first = completion_tokens(server, lora={"name": "x", "path": str(paths["b_copy"])})
+    second = completion_tokens(server, lora={"name": "x", "path": str(paths["a_copy"])})
+    assert first == ref(paths, PROMPT, "b") and second == ref(paths, PROMPT, "a")
+    # an explicit int_id bound to one path cannot be pointed at other weights
+    ok = completion_tokens(server, lora={"name": "y", "path": str(paths["b_copy"]), "int_id": 4242})
+    assert ok == ref(paths, PROMPT, "b")
+    r = httpx.post(
+        server.url("/v1/completions"),
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "lora": {"name": "y", "path": str(paths["a_copy"]), "int_id": 4242},
+        },
+    )
+    assert_openai_error(r)
+
+
+def _post_lora(server, lora):
+    return httpx.post(server.url("/v1/completions"), json={"prompt": PROMPT, "max_tokens": 2, "lora": lora})
+
+
+def test_paths_outside_lora_dirs_are_refused_without_revealing_existence(server, paths):
+    existing = assert_openai_error(_post_lora(server, {"path": str(paths["outside_a"])}))
+    missing = assert_openai_error(_post_lora(server, {"path": str(paths["outside_missing"])}))
+    strip = lambda e, p: e["message"].replace(str(p), "<p>")  # noqa: E731
+    assert strip(existing, paths["outside_a"]) == strip(missing, paths["outside_missing"])
+    for path in (
+        str(paths["root"]) + "/../outside/a",  # `..` out of the root
+        str(paths["escape"]),  # symlink inside the root pointing out of it
+        "outside/a",  # relative
+        "some-org/some-lora",  # hub id: remote, not enabled
+        "https://example.com/lora.safetensors",
+    ):
+        err = assert_openai_error(_post_lora(server, {"name": "z", "path": path}))
+        assert err["param"] == "lora", path
+
+
+def test_bad_adapters_fail_alone_and_server_keeps_serving(server, paths):
+    err = assert_openai_error(_post_lora(server, {"path": str(paths["pickled"])}))
+    assert "pickle" in err["message"]
+    err = assert_openai_error(_post_lora(server, {"name": "big", "path": str(paths["rank64"])}))
+    assert "rank" in err["message"].lower()
+    assert completion_tokens(server, lora={"name": "b", "path": str(paths["b"])}) == ref(paths, PROMPT, "b")
+    assert completion_tokens(server) == ref(paths, PROMPT, None)
+
+
+def test_llm_stage_rejects_scales_and_several_adapters(server, paths):
+    assert_openai_error(_post_lora(server, {"path": str(paths["b"]), "scale": 0.5}))
+    both = [{"path": str(paths["b"])}, {"path": str(paths["a_copy"])}]
+    assert "at most 1" in assert_openai_error(_post_lora(server, both))["message"]
+
+
+def test_runtime_load_and_unload(server, client, paths):
+    load = lambda body: httpx.post(server.url("/v1/load_lora_adapter"), json=body, timeout=60)  # noqa: E731
+    unload = lambda body: httpx.post(server.url("/v1/unload_lora_adapter"), json=body, timeout=60)  # noqa: E731
+    assert load({"lora_name": "b-rt", "lora_path": str(paths["b"])}).status_code == 200
+    assert {m.id: m.parent for m in client.models.list().data}["b-rt"] == "tiny"
+    assert (
+        chat_tokens(chat(client, model="b-rt"))[0]
+        == chat_tokens(chat(client, lora={"name": "b", "path": str(paths["b"])}))[0]
+    )
+    assert_openai_error(load({"lora_name": "b-rt", "lora_path": str(paths["b"])}))  # already loaded
+    assert_openai_error(load({"lora_name": "out", "lora_path": str(paths["outside_a"])}))  # not allowed
+    assert_openai_error(load({"lora_name": "big", "lora_path": str(paths["rank64"])}))  # invalid adapter
+    assert unload({"lora_name": "b-rt"}).status_code == 200
+    assert "b-rt" not in {m.id for m in client.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        chat(client, model="b-rt")
+    assert_openai_error(unload({"lora_name": "b-rt"}), (404,))
+
+
+def test_concurrent_requests_with_different_adapters(server, client, paths):
+    plan = [None, "a", "b", None, "b", "a"] * 2
+    lora_b = {"name": "b", "path": str(paths["b"])}
+
+    def one(key):
+        if key == "a":
+            return completion_tokens(server, model="a")
+        return completion_tokens(server, lora=lora_b if key == "b" else None)
+
+    with ThreadPoolExecutor(len(plan)) as pool:
+        results = list(pool.map(one, plan))
+    for key, tokens in zip(plan, results):
+        assert tokens == ref(paths, PROMPT, key), key
+
+
+MALFORMED = [
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", b""),
+    ("/v1/chat/completions", b"[1, 2]"),
+    ("/v1/chat/completions", {"model": "tiny"}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "lora": "b"}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "lora": {"name": 3, "path": "/x"}},
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "lora": {"path": "/x", "rank": 4}},
+    ),
+    ("/v1/completions", {"prompt": "x", "lora": {"path": "/x", "scale": "big"}}),
+    ("/v1/completions", {"prompt": "x", "lora": {"path": "/x", "scale": 1e9}}),
+    ("/v1/completions", b'{"prompt": "x", "lora": {"path": "/x", "scale": NaN}}'),
+    ("/v1/completions", {"prompt": "x", "lora": {"path": "/x", "int_id": 0}}),
+    ("/v1/completions", {"prompt": "x", "lora": {"path": "/x", "int_id": True}}),
+    ("/v1/completions", {"prompt": "x", "lora": {"path": "/x\u0000y"}}),
+    ("/v1/completions", {"prompt": "x", "lora": {"name": "a", "lora_name": "b"}}),
+    ("/v1/completions", {"prompt": "x", "lora": [{"path": "/x"}] * 40}),
+    ("/v1/completions", {"prompt": {"text": "x"}}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}),  # longer than max_model_len
+    ("/v1/completions", {"prompt": "x", "stop": 5}),
+    ("/v1/images/generations", {"prompt": "a fox", "size": "big"}),  # also: no image output here
+    ("/v1/videos/generations", {"prompt": "a fox"}),
+    ("/v1/load_lora_adapter", {"lora_name": "q"}),
+    ("/v1/unload_lora_adapter", {}),
+]
+
+
+@pytest.mark.parametrize("route, body", MALFORMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MALFORMED)])
+def test_malformed_bodies_get_openai_errors(server, route, body):
+    if isinstance(body, bytes):
+        r = httpx.post(server.url(route), content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url(route), json=body, timeout=60)
+    assert_openai_error(r)
+    assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_examples_client_and_curl(server, paths):
+    script = REPO_ROOT / "examples" / "online_serving" / "openai_client.py"
+    base = [sys.executable, str(script), "--base-url", server.url("/v1"), "--max-tokens", "4"]
+    out = subprocess.run(
+        base + ["--lora-name", "b", "--lora-path", str(paths["b"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "reply:" in out.stdout and '"parent": "tiny"' in out.stdout
+    env = dict(os.environ, BASE_URL=server.base_url, MODEL="tiny", ADAPTER_PATH=str(paths["b"]))
+    curl = REPO_ROOT / "examples" / "online_serving" / "curl_examples.sh"
+    out = subprocess.run(["bash", str(curl)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert len(docs) == 4 and not any("error" in d for d in docs), docs
+
+
+def test_property_malformed_lora_never_500_on_the_live_server(server):
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.entrypoints.lora_strategies import lora_values
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(lora_values())
+    def check(lora):
+        body = {"prompt": "hi", "max_tokens": 1, "lora": lora}
+        r = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+        assert r.status_code < 500, (lora, r.text[:300])
+        if r.status_code != 200:
+            assert_openai_error(r, (400, 404, 422))
+
+    check()
+    assert httpx.get(server.url("/health")).status_code == 200

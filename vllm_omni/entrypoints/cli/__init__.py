@@ -1,0 +1,1 @@
+"""Command line: ``vllm serve <model> --omni`` / ``vllm-omni serve <model>``."""

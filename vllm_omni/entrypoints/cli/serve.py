@@ -1,0 +1,245 @@
+"""``serve``: command-line flags -> typed pipeline config + HTTP server settings.
+
+Flags come from three places:
+
+- vLLM's own engine flags (``EngineArgs.add_cli_args``: ``--max-model-len``, ``--dtype``,
+  ``--enable-lora``, ``--max-lora-rank``, ``--max-loras``, ``--max-cpu-loras``, ...). Only
+  the flags given on the command line become options, exactly as if they were passed to
+  ``Omni(model, **options)``; everything else keeps the typed config's defaults.
+- vLLM's serving flags that apply here (``--host``, ``--port``, ``--api-key``,
+  ``--served-model-name``, ``--lora-modules``, ``--chat-template``, ...). They configure the
+  HTTP server and never reach a stage.
+- Omni flags: ``--pipeline``, ``--stage-overrides``, ``--deploy-config``, the diffusion LoRA
+  flags (``--lora-path``, ``--lora-backend``, ``--lora-scale``) and the request allow-list
+  (``--lora-dirs``, ``--allow-remote-lora``).
+
+Everything that configures stages is resolved through
+:func:`~vllm_omni.entrypoints.omni_base.build_omni_config`, so the command line fails with
+the same errors as the Python API (e.g. global LoRA flags on a multi-stage pipeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
+
+# Dests of EngineArgs flags that configure the HTTP server, not a stage.
+_FRONTEND_ENGINE_DESTS = ("served_model_name",)
+
+
+@dataclass
+class OmniLaunch:
+    """What the command line asks ``Omni``/``AsyncOmni`` for: ``AsyncOmni(model, **omni_kwargs())``."""
+
+    model: str | None
+    pipeline: str | None = None
+    deploy_config: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def omni_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``Omni``/``AsyncOmni`` (besides ``model``)."""
+        return {"pipeline": self.pipeline, "deploy_config": self.deploy_config, **self.options}
+
+    def build_config(self):
+        """Resolve the typed :class:`~vllm_omni.config.VllmOmniConfig` (no engine starts)."""
+        from vllm_omni.entrypoints.omni_base import build_omni_config
+
+        return build_omni_config(self.model, self.pipeline, self.deploy_config, **self.options)
+
+
+@dataclass
+class ServerSettings:
+    """Settings of the HTTP layer (see :mod:`vllm_omni.entrypoints.openai.api_server`)."""
+
+    host: str | None = None
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    served_model_names: list[str] = field(default_factory=list)
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    lora_dirs: list[str] = field(default_factory=list)
+    allow_remote_lora: bool = False
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+
+
+def _add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    from vllm.entrypoints.launchers.cli_args import LoRAParserAction
+
+    g = parser.add_argument_group("HTTP server (vLLM serving flags)")
+    g.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="Require 'Authorization: Bearer <key>' on /v1 routes; may be repeated. "
+        "Default: $VLLM_API_KEY if set, else no key.",
+    )
+    g.add_argument(
+        "--lora-modules",
+        type=str,
+        nargs="+",
+        action=LoRAParserAction,
+        default=None,
+        help="Adapters registered at start-up, 'name=path' or JSON "
+        '\'{"name": "a", "path": "/dir"}\'. Requests select them with model=<name>.',
+    )
+    g.add_argument("--chat-template", default=None, help="Chat template file or inline Jinja template.")
+    g.add_argument("--response-role", default="assistant", help="Role of generated chat messages.")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def _add_omni_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("vllm-omni")
+    g.add_argument("--omni", action="store_true", help="Serve with vllm-omni (how `vllm serve` hands over).")
+    g.add_argument("--pipeline", default=None, help="Registered pipeline name (default: from the model dir).")
+    g.add_argument(
+        "--stage-overrides",
+        default=None,
+        help='Per-stage options as JSON keyed by stage id, e.g. \'{"0": {"enable_lora": true}}\'.',
+    )
+    g.add_argument("--deploy-config", default=None, help="Deploy YAML with a 'stages:' list.")
+    g.add_argument(
+        "--lora-path",
+        nargs="+",
+        default=None,
+        help="Diffusion stages: adapter(s) loaded at start-up (PEFT dir or .safetensors file).",
+    )
+    g.add_argument(
+        "--lora-backend",
+        choices=["peft", "distill"],
+        default=None,
+        help="Diffusion stages: 'peft' (request-time adapters, default) or 'distill' "
+        "(fuse --lora-path into the weights at start-up).",
+    )
+    g.add_argument("--lora-scale", type=float, default=None, help="Diffusion stages: scale of --lora-path.")
+    g.add_argument(
+        "--lora-dirs",
+        nargs="+",
+        default=None,
+        help="Directories whose adapters requests may name by path (realpath containment).",
+    )
+    g.add_argument(
+        "--allow-remote-lora",
+        action="store_true",
+        help="Let requests name remote adapters (hub ids, URLs). Off by default.",
+    )
+
+
+def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the ``serve`` flags to ``parser`` (a new ``FlexibleArgumentParser`` when ``None``).
+
+    vLLM's engine flags are added with suppressed defaults, so the parsed namespace holds
+    only the engine flags that were actually given.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if parser is None:
+        parser = FlexibleArgumentParser(prog="vllm-omni serve", usage=USAGE)
+    parser.add_argument("model_tag", nargs="?", default=None, help="Model directory or hub id.")
+    _add_frontend_args(parser)
+    _add_omni_args(parser)
+    ours = set(map(id, parser._actions))
+    EngineArgs.add_cli_args(parser)
+    engine_dests = []
+    for action in parser._actions:
+        if id(action) not in ours and action.dest != "help":
+            action.default = argparse.SUPPRESS
+            engine_dests.append(action.dest)
+    parser.set_defaults(_engine_dests=tuple(engine_dests))
+    return parser
+
+
+class ServeArgsError(ValueError):
+    """The command line is inconsistent (reported before anything loads)."""
+
+
+def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettings]:
+    """Turn a parsed ``serve`` namespace into (what to build, how to serve it).
+
+    Raises:
+        ServeArgsError: ``--lora-backend distill`` without ``--lora-path``, a missing
+            ``--lora-dirs`` directory, or no model.
+    """
+    ns = vars(args)
+    engine = {k: ns[k] for k in ns.get("_engine_dests", ()) if k in ns}
+    model = ns.get("model_tag") or engine.pop("model", None)
+    engine.pop("model", None)
+    served = engine.pop("served_model_name", None) or []
+    if isinstance(served, str):
+        served = [served]
+    options = dict(engine)
+    if args.stage_overrides is not None:
+        options["stage_overrides"] = args.stage_overrides
+    if args.lora_backend == "distill" and not args.lora_path:
+        raise ServeArgsError(
+            "--lora-backend distill fuses adapter weights at start-up and needs --lora-path "
+            "<file.safetensors> [...]; pass --lora-path, or use --lora-backend peft for request-time adapters"
+        )
+    if args.lora_path:
+        options["lora_path"] = args.lora_path[0] if len(args.lora_path) == 1 else list(args.lora_path)
+    if args.lora_backend is not None:
+        options["lora_backend"] = args.lora_backend
+    if args.lora_scale is not None:
+        options["lora_scale"] = args.lora_scale
+    if model is None and args.deploy_config is None:
+        raise ServeArgsError("no model given: vllm serve <model> --omni (or --deploy-config naming one)")
+    for root in args.lora_dirs or []:
+        if not os.path.isdir(root):
+            raise ServeArgsError(f"--lora-dirs: {root!r} is not a directory")
+    api_keys = list(args.api_key or [])
+    if not api_keys and os.environ.get("VLLM_API_KEY"):
+        api_keys = [os.environ["VLLM_API_KEY"]]
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_keys=api_keys,
+        served_model_names=list(served),
+        lora_modules=[(m.name, m.path) for m in (args.lora_modules or [])],
+        lora_dirs=list(args.lora_dirs or []),
+        allow_remote_lora=bool(args.allow_remote_lora),
+        chat_template=args.chat_template,
+        response_role=args.response_role,
+        uvicorn_log_level=args.uvicorn_log_level,
+        disable_uvicorn_access_log=bool(args.disable_uvicorn_access_log),
+    )
+    launch = OmniLaunch(
+        model=model, pipeline=args.pipeline, deploy_config=args.deploy_config, options=options
+    )
+    return launch, settings
+
+
+def parse_serve_argv(argv: list[str]) -> tuple[OmniLaunch, ServerSettings]:
+    """Parse ``serve`` arguments (without the ``serve`` word) into launch + settings."""
+    args = make_serve_parser().parse_args(argv)
+    return split_serve_args(args)
+
+
+def _fail(message: str) -> None:
+    print(f"vllm-omni serve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Validate everything that can be checked without loading, then start the server."""
+    try:
+        launch, settings = split_serve_args(args)
+        launch.build_config()  # the typed config's errors, before any engine starts
+    except (ServeArgsError, ValueError, KeyError) as exc:
+        _fail(str(exc))
+    from vllm_omni.entrypoints.openai.api_server import run_server
+
+    run_server(launch, settings)

@@ -1,0 +1,269 @@
+"""The ``lora`` request field: parsing, the adapter-path allow-list and the adapter registry.
+
+``lora`` is an object or a list of objects with the keys
+
+- ``name`` (or ``lora_name``): adapter name; optional when ``path`` is given;
+- ``path`` (or ``local_path``): a PEFT directory or one ``.safetensors`` file;
+- ``scale``: per-request weight, default 1.0 (diffusion stages; LLM stages take 1.0 only);
+- ``int_id``: optional adapter id; by default a stable function of the path
+  (:func:`~vllm_omni.lora.request.stable_lora_int_id`), so the same name with another
+  path is another adapter and never reuses the old weights.
+
+A bare ``{"name": ...}`` selects an adapter the server already knows (``--lora-modules``
+or ``/v1/load_lora_adapter``).
+
+Paths in requests are served only when they are inside a ``--lora-dirs`` root after
+``realpath`` (so ``..`` and symlinks leading out are refused) or were registered at
+start-up; remote locations (URLs, hub ids) only with ``--allow-remote-lora``. A refusal
+says the same thing whether or not the target exists. Pickle-only adapters are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
+from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+
+ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id")
+MAX_SCALE = 100.0
+MAX_NAME_LEN = 256
+MAX_PATH_LEN = 4096
+MAX_ITEMS = 16  # hard cap before any per-pipeline limit
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_INT_ID_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """One parsed entry of the ``lora`` field (not yet checked against the server)."""
+
+    name: str | None
+    path: str | None
+    scale: float = 1.0
+    int_id: int | None = None
+
+
+def _one_of(entry: dict, keys: tuple[str, str], where: str) -> Any:
+    present = [k for k in keys if k in entry]
+    if len(present) > 1:
+        raise bad_request(f"{where}: give either {keys[0]!r} or {keys[1]!r}, not both", "lora")
+    return entry[present[0]] if present else None
+
+
+def _parse_entry(entry: Any, where: str) -> LoRASpec:
+    if not isinstance(entry, dict):
+        raise bad_request(f"{where} must be an object, got {type(entry).__name__}", "lora")
+    unknown = sorted(str(k) for k in entry if k not in ALLOWED_KEYS)
+    if unknown:
+        raise bad_request(f"{where} has unknown key(s) {unknown}; allowed keys: {list(ALLOWED_KEYS)}", "lora")
+    name = _one_of(entry, ("name", "lora_name"), where)
+    path = _one_of(entry, ("path", "local_path"), where)
+    if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LEN):
+        raise bad_request(
+            f"{where}.name must be a non-empty string of at most {MAX_NAME_LEN} characters", "lora"
+        )
+    if path is not None and (
+        not isinstance(path, str) or not path.strip() or len(path) > MAX_PATH_LEN or "\x00" in path
+    ):
+        raise bad_request(f"{where}.path must be a non-empty path string", "lora")
+    if name is None and path is None:
+        raise bad_request(
+            f"{where} needs 'path' (or 'local_path'), or the 'name' of a loaded adapter", "lora"
+        )
+    scale = entry.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise bad_request(f"{where}.scale must be a number, got {type(scale).__name__}", "lora")
+    scale = float(scale)
+    if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+        raise bad_request(f"{where}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]", "lora")
+    int_id = entry.get("int_id")
+    if int_id is not None and (
+        isinstance(int_id, bool) or not isinstance(int_id, int) or not 1 <= int_id <= _INT_ID_MAX
+    ):
+        raise bad_request(f"{where}.int_id must be an integer in [1, {_INT_ID_MAX}]", "lora")
+    return LoRASpec(name=name, path=path, scale=scale, int_id=int_id)
+
+
+def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:
+    """Parse the raw ``lora`` value of a request body.
+
+    Returns:
+        The entries in order (``[]`` for ``None`` or an empty list).
+
+    Raises:
+        OpenAIError: (400) wrong types, unknown keys, bad scales or ids, too many entries.
+    """
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        items = [value]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise bad_request(f"lora must be an object or a list of objects, got {type(value).__name__}", "lora")
+    limit = min(max_items, MAX_ITEMS)
+    if len(items) > limit:
+        raise bad_request(
+            f"too many adapters in lora: {len(items)}; this pipeline applies at most {limit} per request",
+            "lora",
+        )
+    specs = [
+        _parse_entry(item, f"lora[{i}]" if isinstance(value, list) else "lora")
+        for i, item in enumerate(items)
+    ]
+    return specs
+
+
+def is_remote(path: str) -> bool:
+    """URLs and hub ids (``org/name``): anything that is not an absolute local path."""
+    return "://" in path or not os.path.isabs(path)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+class AdapterRegistry:
+    """What the server knows about adapters, and the rules for request paths.
+
+    Args:
+        lora_dirs: roots whose adapters requests may name by path.
+        allow_remote: accept hub ids / URLs in requests.
+        base_names: names of the base model (``model`` values that select no adapter).
+    """
+
+    def __init__(self, lora_dirs: list[str], allow_remote: bool, base_names: list[str]):
+        self.roots = [os.path.realpath(d) for d in lora_dirs]
+        self.allow_remote = allow_remote
+        self.base_names = list(base_names)
+        self.named: dict[str, LoRARequest] = {}  # --lora-modules + runtime-loaded, by name
+        self.startup_paths: set[str] = set()
+        self._paths_by_id: dict[int, str] = {}
+
+    # ------------------------------------------------------------ registration
+    def register_startup_path(self, path: str) -> str:
+        real = os.path.realpath(path)
+        self.startup_paths.add(real)
+        return real
+
+    def add_named(self, request: LoRARequest) -> None:
+        self.named[request.lora_name] = request
+        self._paths_by_id[request.lora_int_id] = request.lora_path
+
+    def remove_named(self, name: str) -> LoRARequest:
+        request = self.named.pop(name, None)
+        if request is None:
+            raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name")
+        return request
+
+    # ------------------------------------------------------------ paths
+    def _refused(self, path: str) -> OpenAIError:
+        # Same words whether the target exists or not.
+        return bad_request(
+            f"adapter path {path!r} is not allowed: request paths must lie inside one of the server's "
+            f"--lora-dirs roots or be registered at start-up",
+            "lora",
+        )
+
+    def resolve_path(self, path: str) -> str:
+        """Check ``path`` against the allow-list; return the location to load.
+
+        Raises:
+            OpenAIError: (400) refused, missing, or a pickle-only / non-safetensors adapter.
+        """
+        if is_remote(path):
+            if not self.allow_remote:
+                raise bad_request(
+                    "remote adapter locations (URLs, hub ids, relative paths) are disabled on this server; "
+                    "use an absolute path inside --lora-dirs (or start it with --allow-remote-lora)",
+                    "lora",
+                )
+            return self._fetch_remote(path)
+        real = os.path.realpath(path)
+        if real not in self.startup_paths and not any(_inside(real, root) for root in self.roots):
+            raise self._refused(path)
+        check_adapter_files(real, path)
+        return real
+
+    @staticmethod
+    def _fetch_remote(path: str) -> str:
+        """Download a hub adapter (safetensors + config only); URLs are not fetched."""
+        if "://" in path and not path.startswith("hf://"):
+            raise bad_request(
+                f"cannot fetch adapter {path!r}: only hub ids (org/name or hf://org/name)", "lora"
+            )
+        repo = path.removeprefix("hf://")
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = snapshot_download(repo, allow_patterns=["adapter_config.json", "*.safetensors"])
+        except Exception as exc:
+            raise bad_request(f"cannot fetch adapter {path!r}: {type(exc).__name__}", "lora") from exc
+        check_adapter_files(local, path)
+        return local
+
+    # ------------------------------------------------------------ requests
+    def lookup(self, name: str) -> LoRARequest:
+        request = self.named.get(name)
+        if request is None:
+            raise not_found(f"The adapter `{name}` does not exist (not loaded on this server).", "lora")
+        return request
+
+    def to_request(self, spec: LoRASpec) -> LoRARequest:
+        """Turn one parsed entry into a ``LoRARequest`` the engine can load.
+
+        Raises:
+            OpenAIError: 404 for an unknown bare name; 400 for a refused/invalid path or an
+                ``int_id`` that already names an adapter at another path.
+        """
+        if spec.path is None:
+            known = self.lookup(spec.name)
+            if spec.int_id is not None and spec.int_id != known.lora_int_id:
+                raise bad_request(
+                    f"lora: adapter {spec.name!r} has id {known.lora_int_id}, not {spec.int_id}"
+                )
+            return known
+        location = self.resolve_path(spec.path)
+        int_id = spec.int_id if spec.int_id is not None else stable_lora_int_id(location)
+        self.claim_id(int_id, location)
+        return LoRARequest(spec.name or f"adapter-{int_id}", int_id, location)
+
+    def claim_id(self, int_id: int, location: str) -> None:
+        """Bind ``int_id`` to ``location``; an id never silently switches to other weights."""
+        owner = self._paths_by_id.get(int_id)
+        if owner is not None and owner != location:
+            raise bad_request(
+                f"lora: int_id {int_id} already names another adapter on this server; "
+                f"omit int_id to get the path's own id",
+                "lora",
+            )
+        self._paths_by_id[int_id] = location
+
+
+def check_adapter_files(location: str, shown: str) -> None:
+    """Refuse anything that is not a safetensors adapter (file or PEFT directory).
+
+    The message names the path as the client gave it (``shown``), never the resolved one.
+    """
+    if os.path.isfile(location):
+        if not location.endswith(".safetensors"):
+            raise bad_request(
+                f"adapter {shown!r}: only .safetensors files are served (pickle files are refused)"
+            )
+        return
+    if not os.path.isdir(location):
+        raise bad_request(f"adapter {shown!r} was not found", "lora")
+    try:
+        files = os.listdir(location)
+    except OSError:
+        raise bad_request(f"adapter {shown!r} is not readable", "lora") from None
+    if not any(f.endswith(".safetensors") for f in files):
+        pickled = any(f.endswith(PICKLE_SUFFIXES) for f in files)
+        reason = (
+            "holds only pickle weights, which are refused" if pickled else "holds no .safetensors weights"
+        )
+        raise bad_request(f"adapter {shown!r} {reason}; convert it to safetensors", "lora")

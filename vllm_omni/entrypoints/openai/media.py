@@ -1,0 +1,132 @@
+"""Image/video encoding for responses and the multipart form of ``/v1/images/edits``."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import tempfile
+from typing import Any
+
+from fastapi import Request
+
+from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request
+
+MAX_UPLOAD_BYTES = 32 * 1024 * 1024
+_FORM_NUMBERS = ("n", "height", "width", "num_inference_steps", "seed", "guidance_scale")
+
+
+def _to_pil(image: Any):
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    import numpy as np
+
+    arr = image.detach().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
+    if arr.dtype != np.uint8:
+        arr = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
+    if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
+        arr = arr.transpose(1, 2, 0)
+    return Image.fromarray(arr.squeeze(-1) if arr.ndim == 3 and arr.shape[-1] == 1 else arr)
+
+
+def png_b64(image: Any) -> str:
+    """Base64 PNG of a PIL image (or an HWC/CHW array in [0, 1] / uint8)."""
+    buf = io.BytesIO()
+    _to_pil(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def png_data_uri(image: Any) -> str:
+    return "data:image/png;base64," + png_b64(image)
+
+
+def video_frames(outputs: list[Any]) -> list[Any]:
+    """Frames of the first video among the final outputs (``.videos`` or ``.images`` frames)."""
+    for out in outputs:
+        videos = getattr(out, "videos", None)
+        if videos:
+            video = videos[0]
+            return list(video) if not isinstance(video, list) else video
+    for out in outputs:
+        images = getattr(out, "images", None)
+        if images:
+            first = images[0]
+            if isinstance(first, list):  # one list of frames per video
+                return first
+            return list(images)
+    raise OpenAIError("the pipeline returned no video", 500)
+
+
+def encode_video(frames: list[Any], fps: int) -> tuple[str, str]:
+    """``(base64, format)``: MP4 when OpenCV can write it, else an animated GIF."""
+    pil = [_to_pil(f).convert("RGB") for f in frames]
+    try:
+        import cv2
+        import numpy as np
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "video.mp4")
+            w, h = pil[0].size
+            writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+            if writer.isOpened():
+                for frame in pil:
+                    writer.write(cv2.cvtColor(np.asarray(frame), cv2.COLOR_RGB2BGR))
+                writer.release()
+                with open(path, "rb") as f:
+                    data = f.read()
+                if data:
+                    return base64.b64encode(data).decode("ascii"), "mp4"
+    except ImportError:
+        pass
+    buf = io.BytesIO()
+    pil[0].save(buf, format="GIF", save_all=True, append_images=pil[1:], duration=int(1000 / fps), loop=0)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), "gif"
+
+
+async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:
+    """Fields and the input image of a multipart ``/v1/images/edits`` body.
+
+    ``lora`` is JSON text; numeric fields arrive as text and are validated by the body model.
+
+    Raises:
+        OpenAIError: (400) not multipart, no/unsupported image, bad ``lora`` JSON.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    ctype = request.headers.get("content-type", "")
+    if not ctype.startswith("multipart/form-data"):
+        raise bad_request("images/edits takes multipart/form-data (fields plus an 'image' file)")
+    try:
+        form = await request.form()
+    except Exception as exc:
+        raise bad_request(f"cannot read the multipart body: {exc}") from exc
+    fields: dict[str, Any] = {}
+    upload = None
+    for key, value in form.multi_items():
+        if key in ("image", "image[]"):
+            if upload is None:
+                upload = value
+            continue
+        if not isinstance(value, str):
+            raise bad_request(f"form field {key!r} must be text", key)
+        fields[key] = value
+    if upload is None or isinstance(upload, str):
+        raise bad_request("images/edits needs an 'image' file", "image")
+    data = await upload.read()
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise bad_request(f"image is larger than {MAX_UPLOAD_BYTES} bytes", "image")
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        image = image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise bad_request("image is not a readable PNG/JPEG/WebP image", "image") from exc
+    if "lora" in fields:
+        try:
+            fields["lora"] = json.loads(fields["lora"])
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"form field 'lora' must be JSON text: {exc.msg}", "lora") from exc
+    return fields, image

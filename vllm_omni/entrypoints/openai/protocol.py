@@ -1,0 +1,214 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic), and their conversion to params.
+
+Unknown top-level fields are ignored, as OpenAI-compatible servers do (clients send
+fields a server may not use); fields that are present are type-checked. The ``lora``
+field is kept raw here and parsed by :mod:`vllm_omni.entrypoints.openai.lora`, which
+gives precise messages.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vllm_omni.entrypoints.openai.errors import bad_request, validation_message
+
+MAX_N = 16
+MAX_PIXELS_SIDE = 4096
+MAX_STEPS = 1000
+MAX_PROMPTS = 32
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        if any(isinstance(p, ImagePart) for p in self.content):
+            raise bad_request("image inputs in chat messages are not supported by this server", "messages")
+        return "".join(p.text for p in self.content)
+
+
+class SamplingFields(_Body):
+    """OpenAI/vLLM text sampling fields shared by chat and completions."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    ignore_eos: bool = False
+    stream: bool = False
+    return_token_ids: bool = False
+    lora: Any = None
+
+    def sampling_params(self, default_max_tokens: int = 16):
+        from vllm import SamplingParams
+
+        kwargs: dict[str, Any] = {"n": self.n, "max_tokens": self.max_tokens or default_max_tokens}
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_tokens",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.stop is not None:
+            kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        kwargs["ignore_eos"] = self.ignore_eos
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"invalid sampling parameters: {exc}") from exc
+
+
+class DiffusionFields(_Body):
+    """Image/video generation fields (also accepted by chat completions on image pipelines)."""
+
+    size: str | None = None
+    height: int | None = Field(default=None, ge=1, le=MAX_PIXELS_SIDE)
+    width: int | None = Field(default=None, ge=1, le=MAX_PIXELS_SIDE)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    negative_prompt: str | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    num_frames: int | None = Field(default=None, ge=1, le=1024)
+    lora: Any = None
+
+    def hw(self) -> tuple[int | None, int | None]:
+        """``(height, width)`` from ``height``/``width`` or ``size="WxH"``."""
+        height, width = self.height, self.width
+        if self.size is not None and self.size != "auto":
+            match = _SIZE.match(self.size)
+            if not match:
+                raise bad_request(f"size must look like '512x512' (WIDTHxHEIGHT), got {self.size!r}", "size")
+            width, height = int(match[1]), int(match[2])
+        for name, value in (("height", height), ("width", width)):
+            if value is not None and (not 16 <= value <= MAX_PIXELS_SIDE or value % 16):
+                raise bad_request(
+                    f"{name} must be a multiple of 16 in [16, {MAX_PIXELS_SIDE}], got {value}",
+                    "size" if self.size else name,
+                )
+        return height, width
+
+    def diffusion_params(self, n: int = 1, lora_requests=(), lora_scales=()):
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+        height, width = self.hw()
+        kwargs: dict[str, Any] = {"num_images_per_prompt": n, "height": height, "width": width}
+        for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.num_frames is not None:
+            kwargs["extra_args"] = {"num_frames": self.num_frames}
+        kwargs["lora_requests"] = list(lora_requests)
+        kwargs["lora_scales"] = list(lora_scales)
+        try:
+            return OmniDiffusionSamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"invalid generation parameters: {exc}") from exc
+
+
+class ChatCompletionRequest(SamplingFields, DiffusionFields):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    seed: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+
+    def prompts(self) -> list[Any]:
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            out = [{"prompt_token_ids": list(p)}]
+        else:
+            out = [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+        if not out or len(out) > MAX_PROMPTS:
+            raise bad_request(f"prompt must hold 1 to {MAX_PROMPTS} prompts", "prompt")
+        for x in out:
+            if isinstance(x, dict) and not x["prompt_token_ids"]:
+                raise bad_request("a token-id prompt must not be empty", "prompt")
+        return out
+
+
+class ImageGenerationRequest(DiffusionFields):
+    model: str | None = None
+    prompt: str = Field(min_length=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    response_format: Literal["b64_json"] = "b64_json"
+
+
+class VideoGenerationRequest(DiffusionFields):
+    model: str | None = None
+    prompt: str = Field(min_length=1)
+    fps: int = Field(default=8, ge=1, le=120)
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
+def parse_body(model: type[BaseModel], data: Any) -> Any:
+    """Validate a decoded JSON body; any problem is a 400 with the field names."""
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise bad_request(validation_message(exc)) from exc
