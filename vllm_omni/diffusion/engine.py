@@ -184,5 +184,7 @@ class DiffusionEngine:
         self.shutdown()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:  # module globals may already be gone at interpreter exit
             self.shutdown()
+        except Exception:
+            pass
