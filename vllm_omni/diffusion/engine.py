@@ -184,7 +184,7 @@ class DiffusionEngine:
         self.shutdown()
 
     def __del__(self):
-        try:  # module globals may already be gone at interpreter exit
+        try:  # noqa: SIM105 (contextlib may already be gone at interpreter exit)
             self.shutdown()
         except Exception:
             pass
