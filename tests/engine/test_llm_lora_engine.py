@@ -218,3 +218,16 @@ def test_async_omni_concurrent_adapters(tiny_llm_assets, adapters):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_cancelled_request_is_aborted_and_engine_keeps_serving(omni, adapters, tiny_llm_assets):
+    runtime = omni._orchestrator.runtimes[0]
+    fut = runtime.submit(
+        "hello world", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), adapters["a"]
+    )
+    assert fut.cancel() or fut.done()
+    t0 = time.monotonic()
+    while runtime._running and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert not runtime._running, "the cancelled request is still running in the engine"
+    assert omni.generate("hello world", greedy())[0].token_ids == _ref(tiny_llm_assets, "hello world", None)

@@ -134,6 +134,8 @@ class LLMStageEngine:
     def submit(self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None) -> Future:
         """Queue one request; the future resolves to its final vLLM ``RequestOutput``.
 
+        Cancelling the future aborts the request in the engine (or drops it from the queue).
+
         Raises (synchronously):
             LoRANotEnabledError: an adapter was given but the stage has no ``enable_lora``.
             InvalidAdapterError: the adapter failed validation (nothing reached vLLM).
@@ -259,6 +261,11 @@ class LLMStageEngine:
                     fut.set_exception(exc)
             with self._cv:
                 self._admit()
+            cancelled = [rid for rid, (item, _) in self._running.items() if item.future.cancelled()]
+            if cancelled:
+                self._engine.abort_request(cancelled)
+                for rid in cancelled:
+                    del self._running[rid]
             if not self._running:
                 continue
             try:
