@@ -1,5 +1,9 @@
 """Choose an adapter reader by path: a PEFT directory or a single ``.safetensors`` file.
 
+A single file may use any key layout of :mod:`.formats.layouts` (PEFT, diffusers, ComfyUI, kohya/A1111);
+names are resolved against the model when the adapter is bound (:mod:`.formats.model_keys`). The accepted
+formats and refusals are listed in ``docs/user_guide/lora_formats.md``.
+
 New formats register a reader with :func:`register_lora_format`; the first reader whose predicate
 accepts the path wins, so a more specific format (e.g. kohya files recognised by their keys) can be
 registered ahead of the generic single-file reader with ``first=True``.

@@ -1,20 +1,26 @@
 """PEFT-format adapters: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
 
 The configuration is read with peft's own ``PeftConfig.from_pretrained`` (so every field is
-interpreted exactly as peft interprets it); tensors are read with safetensors. The result is a
-format-neutral :class:`~.adapter.LoRAAdapterWeights`.
+interpreted exactly as peft interprets it); tensors are read with safetensors (through
+:mod:`.safetensors_format`, which also reads a lone ``adapter_model.safetensors`` next to its config).
+The result is a format-neutral :class:`~.adapter.LoRAAdapterWeights`.
 
 Rules (facts of peft's ``LoraConfig``, see its documentation):
 
-* scaling ``s = lora_alpha / r``; with ``use_rslora`` ``s = lora_alpha / sqrt(r)``;
+* scaling ``s = lora_alpha / r``; with ``use_rslora`` ``s = lora_alpha / sqrt(r)``; ``lora_alpha`` must be
+  present in the file (peft would fill in its default 8; we refuse instead);
 * ``rank_pattern`` / ``alpha_pattern`` override ``r`` / ``lora_alpha`` for modules whose name ends
   with the pattern (a regular expression matched as ``(.*\\.)?(<pattern>)$``); the first matching
   pattern in the dict wins;
+* ``target_modules`` (full-match regex string, list of names / suffixes, or ``"all-linear"``),
+  ``exclude_modules`` and ``layers_to_transform`` are applied with peft's ``check_target_module_exists``;
+  stored tensors for modules they do not select are refused (peft would ignore them);
 * tensors are saved as ``base_model.model.<module>.lora_A.weight`` / ``...lora_B.weight``.
 
 Unsupported features are rejected with :class:`~.adapter.LoRAFormatError` instead of being ignored:
-DoRA (``use_dora`` or ``lora_magnitude_vector`` tensors), ``modules_to_save``, LoRA bias, trainable
-tokens, layer replication, parameter targeting, embedding / convolution LoRA, and non-LoRA PEFT types.
+DoRA (``use_dora`` or ``lora_magnitude_vector`` tensors), ``modules_to_save``, LoRA bias and ``bias`` other
+than ``"none"``, trainable tokens, layer replication, parameter targeting, embedding / convolution LoRA,
+quantised tensors, and non-LoRA PEFT types (see also :mod:`.formats.layouts`).
 """
 
 from __future__ import annotations
