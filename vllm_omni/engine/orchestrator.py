@@ -157,18 +157,26 @@ class Orchestrator:
         )
 
     # ---------------------------------------------------------------- LoRA management
-    def lora_call(self, method: str, *args: Any) -> dict[int, Any]:
-        """Call a LoRA management method on every stage that supports LoRA.
+    def lora_call(self, method: str, *args: Any, stage_id: int | None = None) -> dict[int, Any]:
+        """Call a LoRA management method on every stage that supports LoRA (or on ``stage_id`` only).
+
+        An adapter fits one model: on a pipeline mixing LLM and diffusion stages, pass
+        ``stage_id`` so that an adapter meant for one stage is not offered to the other.
 
         Returns:
             ``{stage_id: result}`` for the stages that implement it.
 
         Raises:
-            LoRANotEnabledError: no stage of the pipeline has LoRA enabled (message lists them).
+            KeyError: no stage ``stage_id``.
+            LoRANotEnabledError: no (selected) stage of the pipeline has LoRA enabled (message lists them).
         """
         results: dict[int, Any] = {}
         skipped: list[str] = []
+        if stage_id is not None:
+            self.config.stage_by_id(stage_id)
         for stage, runtime in zip(self.config.stages, self.runtimes):
+            if stage_id is not None and stage.stage_id != stage_id:
+                continue
             try:
                 results[stage.stage_id] = getattr(runtime, method)(*args)
             except LoRANotEnabledError:

@@ -70,15 +70,15 @@ class AsyncOmni(OmniBase):
             return
         await finished
 
-    async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register an adapter on every stage that has LoRA enabled (validated first)."""
-        return await asyncio.to_thread(self._add_lora, lora_request)
+    async def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
+        """Register an adapter on every stage that has LoRA enabled (or on ``stage_id``); see ``Omni.add_lora``."""
+        return await asyncio.to_thread(self._add_lora, lora_request, stage_id)
 
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        return await asyncio.to_thread(self._remove_lora, lora_int_id)
+    async def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        return await asyncio.to_thread(self._remove_lora, lora_int_id, stage_id)
 
-    async def list_loras(self) -> set[int]:
-        return await asyncio.to_thread(self._list_loras)
+    async def list_loras(self, stage_id: int | None = None) -> set[int]:
+        return await asyncio.to_thread(self._list_loras, stage_id)
 
-    async def pin_lora(self, lora_int_id: int) -> bool:
-        return await asyncio.to_thread(self._pin_lora, lora_int_id)
+    async def pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        return await asyncio.to_thread(self._pin_lora, lora_int_id, stage_id)

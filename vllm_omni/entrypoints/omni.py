@@ -97,21 +97,29 @@ class Omni(OmniBase):
         bar.close()
         return results
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register an adapter on every stage that has LoRA enabled (validated first)."""
-        return self._add_lora(lora_request)
+    def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
+        """Register an adapter on every stage that has LoRA enabled (validated first).
 
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Remove an adapter from every LoRA stage; True if any stage held it."""
-        return self._remove_lora(lora_int_id)
+        LLM stages need ``enable_lora``; diffusion stages always take adapters (loaded into
+        every tensor-parallel worker's host cache). ``stage_id`` limits the call to one stage
+        (needed when a pipeline mixes LLM and diffusion stages: an adapter fits one model).
+        """
+        return self._add_lora(lora_request, stage_id)
 
-    def list_loras(self) -> set[int]:
-        """Ids of the adapters registered on any LoRA stage."""
-        return self._list_loras()
+    def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        """Remove an adapter from every LoRA stage; True if any stage held it.
 
-    def pin_lora(self, lora_int_id: int) -> bool:
-        """Pin an adapter (never evicted) on every LoRA stage."""
-        return self._pin_lora(lora_int_id)
+        On a diffusion stage this waits for a running batch that uses the adapter.
+        """
+        return self._remove_lora(lora_int_id, stage_id)
+
+    def list_loras(self, stage_id: int | None = None) -> set[int]:
+        """Ids of the adapters registered on any LoRA stage (or on ``stage_id``)."""
+        return self._list_loras(stage_id)
+
+    def pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        """Pin an adapter (never evicted) on every LoRA stage (or on ``stage_id``)."""
+        return self._pin_lora(lora_int_id, stage_id)
 
     def __enter__(self) -> Omni:
         return self

@@ -147,20 +147,20 @@ class OmniBase:
         return out
 
     # ---------------------------------------------------------------- LoRA management
-    def _add_lora(self, lora_request) -> bool:
-        return all(self._orchestrator.lora_call("add_lora", lora_request).values())
+    def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:
+        return all(self._orchestrator.lora_call("add_lora", lora_request, stage_id=stage_id).values())
 
-    def _remove_lora(self, lora_int_id: int) -> bool:
-        return any(self._orchestrator.lora_call("remove_lora", lora_int_id).values())
+    def _remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        return any(self._orchestrator.lora_call("remove_lora", lora_int_id, stage_id=stage_id).values())
 
-    def _list_loras(self) -> set[int]:
+    def _list_loras(self, stage_id: int | None = None) -> set[int]:
         out: set[int] = set()
-        for ids in self._orchestrator.lora_call("list_loras").values():
+        for ids in self._orchestrator.lora_call("list_loras", stage_id=stage_id).values():
             out |= set(ids)
         return out
 
-    def _pin_lora(self, lora_int_id: int) -> bool:
-        return all(self._orchestrator.lora_call("pin_lora", lora_int_id).values())
+    def _pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        return all(self._orchestrator.lora_call("pin_lora", lora_int_id, stage_id=stage_id).values())
 
     def shutdown(self) -> None:
         """Stop every stage engine."""
