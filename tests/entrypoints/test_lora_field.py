@@ -44,11 +44,11 @@ def status_of(fn) -> int:
 def test_object_list_and_aliases():
     assert parse_lora_field(None) == [] and parse_lora_field([]) == []
     one = parse_lora_field({"name": "s", "path": "/p"})
-    assert one == [LoRASpec("s", "/p", 1.0, None)]
+    assert one == [LoRASpec("s", "/p", None, None)]
     many = parse_lora_field(
         [{"lora_name": "s", "local_path": "/p", "scale": 0.5, "int_id": 7}, {"path": "/q"}]
     )
-    assert many == [LoRASpec("s", "/p", 0.5, 7), LoRASpec(None, "/q", 1.0, None)]
+    assert many == [LoRASpec("s", "/p", 0.5, 7), LoRASpec(None, "/q", None, None)]
 
 
 @pytest.mark.parametrize(
@@ -97,12 +97,10 @@ def test_allow_list_uses_realpath_containment(tree):
         "org/name",
         "https://host/x.safetensors",
     ]
-    messages = set()
     for path in refused:
         with pytest.raises(OpenAIError) as info:
             reg.to_request(LoRASpec("x", path))
-        assert info.value.status == 400
-        messages.add(info.value.message.replace(path, "<p>").replace(repr(path), "<p>"))
+        assert info.value.status == 400 and str(outside) not in info.value.message.replace(path, "")
     # existing and missing outside targets get the same words
     with pytest.raises(OpenAIError) as a:
         reg.resolve_path(str(outside / "peft"))

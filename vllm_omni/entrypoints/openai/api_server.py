@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -98,17 +99,19 @@ async def read_json(request: Request) -> Any:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
 
 
-def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> list[tuple[LoRARequest, float]]:
+def resolve_adapters(
+    state: ServerState, model: str | None, lora: Any
+) -> list[tuple[LoRARequest, float | None]]:
     """Adapters for one request from its ``model`` and ``lora`` fields.
 
     Raises:
         OpenAIError: 404 for an unknown ``model``; 400 for a malformed or refused ``lora``.
     """
-    chosen: list[tuple[LoRARequest, float]] = []
+    chosen: list[tuple[LoRARequest, float | None]] = []
     if model is not None and model not in state.registry.base_names:
         if model not in state.registry.named:
             raise not_found(f"The model `{model}` does not exist.", "model")
-        chosen.append((state.registry.named[model], 1.0))
+        chosen.append((state.registry.named[model], None))
     specs = parse_lora_field(lora, max_items=state.max_adapters)
     chosen.extend((state.registry.to_request(spec), spec.scale) for spec in specs)
     ids = [r.lora_int_id for r, _ in chosen]
@@ -119,7 +122,7 @@ def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> list[t
             f"too many adapters: {len(chosen)}; this pipeline applies at most {state.max_adapters} per request",
             "lora",
         )
-    if state.entry.is_llm and any(scale != 1.0 for _, scale in chosen):
+    if state.entry.is_llm and any(scale not in (None, 1.0) for _, scale in chosen):
         raise bad_request(
             f"{state.entry.label} is an LLM stage: vLLM applies adapters at scale 1.0 only", "lora"
         )
@@ -131,7 +134,7 @@ def stage_params(state: ServerState, llm_params: Any, diffusion_params: Any) -> 
 
 
 async def run_pipeline(
-    state: ServerState, prompt: Any, params: list[Any], adapters: list[tuple[LoRARequest, float]]
+    state: ServerState, prompt: Any, params: list[Any], adapters: list[tuple[LoRARequest, float | None]]
 ) -> list[Any]:
     """Run one prompt; engine-side input errors become 400s."""
     from vllm.exceptions import VLLMClientError
@@ -358,7 +361,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/videos/generations")
     async def videos_generations(request: Request):
         req = parse_body(VideoGenerationRequest, await read_json(request))
-        if not state.outputs_images:
+        if not outputs_video(state):
             raise bad_request(f"pipeline {state.config.pipeline.name!r} does not produce video")
         adapters = resolve_adapters(state, req.model, req.lora)
         dparams = req.diffusion_params(1, *_diffusion_lora(state, adapters))
@@ -391,10 +394,12 @@ def _chat_chunks(body: dict) -> list[dict]:
     return chunks
 
 
-def _diffusion_lora(state: ServerState, adapters: list[tuple[LoRARequest, float]]):
+def _diffusion_lora(state: ServerState, adapters: list[tuple[LoRARequest, float | None]]):
+    """``(lora_requests, lora_scales)`` for a diffusion entry stage; no scales given -> stage defaults."""
     if state.entry.is_llm:  # the adapter goes to the entry LLM stage, not the diffusion stage
         return [], []
-    return [r for r, _ in adapters], [s for _, s in adapters]
+    scales = [] if all(s is None for _, s in adapters) else [1.0 if s is None else s for _, s in adapters]
+    return [r for r, _ in adapters], scales
 
 
 def _maybe_diffusion(state: ServerState, req: ChatCompletionRequest):
@@ -402,6 +407,31 @@ def _maybe_diffusion(state: ServerState, req: ChatCompletionRequest):
     if all(s.is_llm for s in state.config.stages):
         return None
     return req.diffusion_params(1)
+
+
+_VIDEO_CLASS = re.compile(r"(Video|Wan|Mochi|LTX|Allegro|Latte)", re.IGNORECASE)
+
+
+def accepts_input_image(stage: Any) -> bool:
+    """Whether a diffusion stage can take an input image.
+
+    In-tree pipelines here are text-to-image (they would ignore an image); the diffusers
+    fallback passes ``image`` on and fails clearly when its pipeline does not take one.
+    """
+    if stage.is_llm:
+        return False
+    from vllm_omni.diffusion.data import in_tree_pipeline_classes
+
+    backend = stage.options.get("pipeline_backend", "auto")
+    return backend == "diffusers" or stage.model_arch not in in_tree_pipeline_classes()
+
+
+def outputs_video(state: ServerState) -> bool:
+    """Whether a final diffusion stage runs a video pipeline (by its pipeline class name)."""
+    return any(
+        s.final_output and not s.is_llm and _VIDEO_CLASS.search(s.model_arch or "")
+        for s in state.config.stages
+    )
 
 
 def _default_llm_params(state: ServerState):
@@ -418,8 +448,12 @@ async def _generate_images(state: ServerState, req: ImageGenerationRequest, prom
     adapters = resolve_adapters(state, req.model, req.lora)
     dparams = req.diffusion_params(req.n, *_diffusion_lora(state, adapters))
     if image is not None:
-        if state.entry.is_llm:
-            raise bad_request("image edits need a diffusion entry stage", "image")
+        if not accepts_input_image(state.entry):
+            raise bad_request(
+                f"pipeline {state.config.pipeline.name!r} ({state.entry.model_arch}) generates from text only; "
+                f"/v1/images/edits needs an image-to-image pipeline",
+                "image",
+            )
         dparams.extra_args["image"] = image
     sp = _default_llm_params(state)
     outputs = await run_pipeline(state, prompt, stage_params(state, sp, dparams), adapters)
@@ -445,11 +479,9 @@ def _add_lora_admin_routes(app: FastAPI, state: ServerState) -> None:
         reg.claim_id(int_id, location)
         lora = LoRARequest(req.lora_name, int_id, location)
         try:
-            ok = await state.omni.add_lora(lora)
+            await state.omni.add_lora(lora)  # False only means "already cached"
         except (LoRANotEnabledError, ValueError) as exc:
             raise bad_request(str(exc), "lora_path") from exc
-        if not ok:
-            raise bad_request(f"adapter '{req.lora_name}' could not be loaded", "lora_path")
         reg.add_named(lora)
         return Response(
             f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain"
@@ -476,9 +508,17 @@ async def register_startup_adapters(state: ServerState) -> None:
         ValueError: an adapter that cannot be served (the server does not start).
     """
     reg = state.registry
-    lora_path = state.entry.options.get("lora_path") if not state.entry.is_llm else None
+    entry = state.entry
+    lora_path = entry.options.get("lora_path") if not entry.is_llm else None
     for path in [lora_path] if isinstance(lora_path, str) else list(lora_path or []):
         reg.register_startup_path(path)
+        if entry.options.get("lora_backend", "peft") == "peft":
+            # pre-loaded and pinned by the stage under this name and id (see diffusion.worker_lora)
+            from vllm_omni.diffusion.worker_lora import startup_lora_request
+
+            lora = startup_lora_request(path)
+            if lora.lora_name not in reg.named and lora.lora_name not in reg.base_names:
+                reg.add_named(lora)
     for name, path in state.settings.lora_modules:
         location = reg.register_startup_path(path)
         lora = LoRARequest(name, stable_lora_int_id(location), location)

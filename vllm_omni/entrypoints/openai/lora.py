@@ -4,7 +4,8 @@
 
 - ``name`` (or ``lora_name``): adapter name; optional when ``path`` is given;
 - ``path`` (or ``local_path``): a PEFT directory or one ``.safetensors`` file;
-- ``scale``: per-request weight, default 1.0 (diffusion stages; LLM stages take 1.0 only);
+- ``scale``: per-request weight (diffusion stages; LLM stages take 1.0 only). Unset means 1.0,
+  or the stage's ``--lora-scale`` for a ``--lora-path`` adapter;
 - ``int_id``: optional adapter id; by default a stable function of the path
   (:func:`~vllm_omni.lora.request.stable_lora_int_id`), so the same name with another
   path is another adapter and never reuses the old weights.
@@ -43,7 +44,7 @@ class LoRASpec:
 
     name: str | None
     path: str | None
-    scale: float = 1.0
+    scale: float | None = None  # None: the default (1.0, or the stage's lora_scale)
     int_id: int | None = None
 
 
@@ -74,11 +75,11 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
         raise bad_request(
             f"{where} needs 'path' (or 'local_path'), or the 'name' of a loaded adapter", "lora"
         )
-    scale = entry.get("scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
+    scale = entry.get("scale")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
         raise bad_request(f"{where}.scale must be a number, got {type(scale).__name__}", "lora")
-    scale = float(scale)
-    if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+    scale = None if scale is None else float(scale)
+    if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_SCALE):
         raise bad_request(f"{where}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]", "lora")
     int_id = entry.get("int_id")
     if int_id is not None and (

@@ -1,0 +1,302 @@
+"""`vllm-omni serve <tiny Z-Image>`: image routes with request-time adapters, over real HTTP.
+
+One server for the module, started through the ``vllm-omni`` console script. Images are
+checked against diffusers' ``ZImagePipeline`` carrying the same PEFT adapters (peft), on
+the decoded PNG pixels (uint8, within 2 levels).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.entrypoints.server_utils import (
+    REPO_ROOT,
+    assert_openai_error,
+    console_script,
+    copy_adapter,
+    free_port,
+    server_env,
+    start_server,
+)
+
+GEN = {"num_inference_steps": 2, "guidance_scale": 3.0, "seed": 5}
+SIZE = 32
+PROMPT = "a red cat on a mat"
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+@pytest.fixture(scope="session")
+def z_loras(tiny_z_image_dir):
+    from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+
+    return ensure_tiny_z_image_loras(tiny_z_image_dir, tiny_z_image_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def paths(z_loras, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_img") / "loras"
+    root.mkdir()
+    (root / "pickled.bin").write_bytes(b"\x80\x04")
+    return {
+        "root": root,
+        "attn": copy_adapter(z_loras["attn"], root / "attn"),
+        "qv": copy_adapter(z_loras["qv"], root / "qv"),
+        "ff": z_loras["ff"],  # outside the root: registered at start-up with --lora-path
+        "pickled": root / "pickled.bin",
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_z_image_dir, paths, tmp_path_factory):
+    port = free_port()
+    cmd = console_script("vllm-omni") + [
+        "serve",
+        str(tiny_z_image_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "z-image",
+        "--dtype",
+        "float32",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "4",
+        "--lora-path",
+        str(paths["ff"]),
+        "--lora-dirs",
+        str(paths["root"]),
+        "--disable-uvicorn-access-log",
+    ]
+    log = tmp_path_factory.mktemp("serve_img_log") / "server.log"
+    srv = start_server(cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+
+
+def decode(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
+
+
+def lora_list(paths, *entries):
+    return [
+        {"name": key, "path": str(paths[key]), **({"scale": s} if s is not None else {})}
+        for key, s in entries
+    ]
+
+
+def generate(client, lora=None, model="z-image", prompt=PROMPT) -> np.ndarray:
+    extra = dict(GEN)
+    if lora is not None:
+        extra["lora"] = lora
+    result = client.images.generate(
+        model=model, prompt=prompt, n=1, size=f"{SIZE}x{SIZE}", response_format="b64_json", extra_body=extra
+    )
+    assert len(result.data) == 1
+    return decode(result.data[0].b64_json)
+
+
+_REF: dict = {}
+
+
+def reference(tiny_z_image_dir, adapters=()) -> np.ndarray:
+    """diffusers + peft image for ``adapters`` = ((peft_dir, scale), ...)."""
+    key = tuple((str(p), s) for p, s in adapters)
+    if key not in _REF:
+        import torch
+
+        from tests.diffusion.lora_oracle import reference_pipeline
+
+        pipe = reference_pipeline(tiny_z_image_dir, list(adapters))
+        with torch.no_grad():
+            image = pipe(
+                PROMPT,
+                num_inference_steps=GEN["num_inference_steps"],
+                guidance_scale=GEN["guidance_scale"],
+                generator=torch.Generator().manual_seed(GEN["seed"]),
+                height=SIZE,
+                width=SIZE,
+            ).images[0]
+        _REF[key] = np.asarray(image.convert("RGB"), dtype=np.int16)
+    return _REF[key]
+
+
+def close(a: np.ndarray, b: np.ndarray, levels: int = 2) -> bool:
+    return a.shape == b.shape and int(np.abs(a - b).max()) <= levels
+
+
+def test_models_list_base_and_startup_adapter(client):
+    models = {m.id: m.parent for m in client.models.list().data}
+    assert models == {"z-image": None, "ff": "z-image"}
+
+
+@pytest.mark.parametrize("entries", [(), (("attn", 0.5),), (("attn", None), ("qv", 0.5))])
+def test_images_generate_matches_diffusers_peft(client, paths, tiny_z_image_dir, entries):
+    got = generate(client, lora=lora_list(paths, *entries) if entries else None)
+    want = reference(tiny_z_image_dir, [(paths[k], 1.0 if s is None else s) for k, s in entries])
+    assert close(got, want), int(np.abs(got - want).max())
+    if entries:
+        assert not close(got, reference(tiny_z_image_dir), 8)  # the adapters really act
+
+
+def test_single_object_lora_and_chat_image_reply(client, server, paths):
+    via_images = generate(client, lora={"lora_name": "attn", "local_path": str(paths["attn"]), "scale": 0.5})
+    reply = client.chat.completions.create(
+        model="z-image",
+        messages=[{"role": "user", "content": PROMPT}],
+        extra_body={**GEN, "height": SIZE, "width": SIZE, "lora": lora_list(paths, ("attn", 0.5))},
+    )
+    part = reply.choices[0].message.content[0]
+    assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
+    assert close(decode(part["image_url"]["url"].split(",", 1)[1]), via_images, 0)
+
+
+def test_model_field_selects_the_startup_adapter(client, paths, tiny_z_image_dir):
+    by_model = generate(client, model="ff")
+    by_path = generate(client, lora=[{"name": "ff", "path": str(paths["ff"])}])
+    assert close(by_model, by_path, 0)
+    assert close(by_model, reference(tiny_z_image_dir, [(paths["ff"], 1.0)]))
+    with pytest.raises(openai.NotFoundError):
+        generate(client, model="no-such-model")
+
+
+def test_concurrent_requests_with_different_adapter_sets(client, paths):
+    plans = [(), (("attn", 1.0),), (("qv", 1.0),), (("attn", 0.5), ("qv", 2.0)), (), (("attn", 1.0),)]
+    solo = {p: generate(client, lora=lora_list(paths, *p) or None) for p in set(plans)}
+    with ThreadPoolExecutor(len(plans)) as pool:
+        results = list(pool.map(lambda p: generate(client, lora=lora_list(paths, *p) or None), plans))
+    for plan, got in zip(plans, results):
+        assert close(got, solo[plan]), plan
+    assert not close(solo[(("attn", 1.0),)], solo[(("qv", 1.0),)], 8)
+
+
+def test_runtime_load_and_unload_reach_the_diffusion_stage(server, client, paths):
+    r = httpx.post(
+        server.url("/v1/load_lora_adapter"), json={"lora_name": "qv-rt", "lora_path": str(paths["qv"])}
+    )
+    assert r.status_code == 200, r.text
+    assert {m.id: m.parent for m in client.models.list().data}["qv-rt"] == "z-image"
+    assert close(generate(client, model="qv-rt"), generate(client, lora=lora_list(paths, ("qv", None))), 0)
+    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "qv-rt"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        generate(client, model="qv-rt")
+
+
+def _png_bytes() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (SIZE, SIZE), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_edits_multipart_validation(server, client, paths):
+    url = server.url("/v1/images/edits")
+    form = {"prompt": PROMPT, "size": f"{SIZE}x{SIZE}", "num_inference_steps": "2"}
+    files = {"image": ("in.png", _png_bytes(), "image/png")}
+    assert (
+        "lora"
+        in assert_openai_error(httpx.post(url, data={**form, "lora": "{not json"}, files=files))["message"]
+    )
+    assert_openai_error(httpx.post(url, data={**form, "lora": '{"path": 5}'}, files=files))
+    assert_openai_error(httpx.post(url, data=form))  # no image
+    assert_openai_error(httpx.post(url, data=form, files={"image": ("x.png", b"not an image", "image/png")}))
+    assert_openai_error(httpx.post(url, json={"prompt": PROMPT}))  # not multipart
+    # Z-Image is text-to-image: an edit is refused rather than silently ignoring the image
+    lora = json.dumps({"name": "attn", "path": str(paths["attn"])})
+    err = assert_openai_error(httpx.post(url, data={**form, "lora": lora}, files=files))
+    assert "image-to-image" in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.images.edit(
+            image=("in.png", _png_bytes(), "image/png"), prompt=PROMPT, extra_body={"lora": lora}
+        )
+
+
+MALFORMED = [
+    ("/v1/images/generations", {"prompt": PROMPT, "size": "33x33"}),
+    ("/v1/images/generations", {"prompt": PROMPT, "size": "0x0"}),
+    ("/v1/images/generations", {"prompt": PROMPT, "size": "big"}),
+    ("/v1/images/generations", {"prompt": PROMPT, "height": 99999}),
+    ("/v1/images/generations", {"prompt": PROMPT, "n": 0}),
+    ("/v1/images/generations", {"prompt": PROMPT, "n": 1000}),
+    ("/v1/images/generations", {"prompt": PROMPT, "num_inference_steps": 0}),
+    ("/v1/images/generations", {"prompt": PROMPT, "guidance_scale": -1}),
+    ("/v1/images/generations", {"prompt": PROMPT, "response_format": "url"}),
+    ("/v1/images/generations", {"size": "32x32"}),
+    ("/v1/images/generations", {"prompt": PROMPT, "seed": "abc"}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": [{"path": "/x"}] * 3}),  # > max_loras
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/etc"}}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "../x", "scale": 1}}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "scale": [1]}}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "strength": 1}}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}),  # no user text
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "width": 17}),
+    ("/v1/completions", {"prompt": PROMPT}),  # no text output on this pipeline
+    ("/v1/videos/generations", {"prompt": PROMPT}),  # not a video pipeline
+]
+
+
+@pytest.mark.parametrize("route, body", MALFORMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MALFORMED)])
+def test_malformed_bodies_get_openai_errors(server, route, body):
+    assert_openai_error(httpx.post(server.url(route), json=body, timeout=60))
+
+
+def test_pickle_and_duplicate_adapters_are_refused(server, paths):
+    url = server.url("/v1/images/generations")
+    err = assert_openai_error(
+        httpx.post(url, json={"prompt": PROMPT, "lora": {"path": str(paths["pickled"])}})
+    )
+    assert "pickle" in err["message"]
+    twice = lora_list(paths, ("attn", 1.0), ("attn", 0.5))
+    assert_openai_error(httpx.post(url, json={"prompt": PROMPT, "lora": twice}))
+    assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_examples_client_and_curl(server, paths):
+    script = REPO_ROOT / "examples" / "online_serving" / "openai_client.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--base-url", server.url("/v1"), "--images", "--size", "32x32"]
+        + ["--steps", "2", "--lora-name", "attn", "--lora-path", str(paths["attn"]), "--lora-scale", "0.8"]
+        + ["--out", str(paths["root"].parent / "example")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert Image.open(paths["root"].parent / "example_0.png").size == (32, 32)
+    image = paths["root"].parent / "input.png"
+    image.write_bytes(_png_bytes())
+    env = dict(
+        os.environ,
+        BASE_URL=server.base_url,
+        MODEL="z-image",
+        ADAPTER_PATH=str(paths["attn"]),
+        IMAGE=str(image),
+    )
+    curl = REPO_ROOT / "examples" / "online_serving" / "curl_image_examples.sh"
+    out = subprocess.run(["bash", str(curl)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert len(docs) == 3
+    assert (
+        docs[0]["data"][0]["b64_json"]
+        and docs[1]["choices"][0]["message"]["content"][0]["type"] == "image_url"
+    )
+    assert "image-to-image" in docs[2]["error"]["message"]  # edits need an image-to-image pipeline
