@@ -1,0 +1,217 @@
+"""The serve command line resolves to the same typed config as the Python API, with the same errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.entrypoints.server_utils import console_script, server_env
+from vllm_omni.entrypoints.cli import main as cli_main
+from vllm_omni.entrypoints.cli.serve import parse_serve_argv
+from vllm_omni.entrypoints.omni_base import build_omni_config
+
+
+def py_config(model, pipeline=None, deploy_config=None, **kwargs):
+    """What ``Omni(model, pipeline=..., deploy_config=..., **kwargs)`` resolves."""
+    return build_omni_config(model, pipeline, deploy_config, **kwargs)
+
+
+def assert_same_config(cli, py):
+    from vllm_omni.engine.stage_engine_args import project_stage_engine_kwargs
+
+    assert cli.pipeline.name == py.pipeline.name
+    assert cli.stages == py.stages
+    for a, b in zip(cli.stages, py.stages):
+        assert a.options == b.options and a.lora_config == b.lora_config
+        if a.is_llm:
+            assert project_stage_engine_kwargs(a) == project_stage_engine_kwargs(b)
+
+
+def test_single_stage_llm_flags_match_omni_kwargs(tiny_llm_assets):
+    model = str(tiny_llm_assets.model_dir)
+    launch, settings = parse_serve_argv(
+        [
+            model,
+            "--omni",
+            "--enable-lora",
+            "--max-lora-rank",
+            "16",
+            "--max-loras",
+            "2",
+            "--max-cpu-loras",
+            "4",
+        ]
+        + ["--lora-target-modules", "q_proj", "v_proj", "--max-model-len", "256", "--dtype", "float32"]
+        + [
+            "--served-model-name",
+            "tiny",
+            "--port",
+            "9001",
+            "--lora-modules",
+            f"a={tiny_llm_assets.adapter_a}",
+        ]
+    )
+    kwargs = dict(
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=2,
+        max_cpu_loras=4,
+        lora_target_modules=["q_proj", "v_proj"],
+        max_model_len=256,
+        dtype="float32",
+    )
+    assert launch.options == kwargs  # only the flags that were given, and nothing server-side
+    cli = launch.build_config()
+    assert_same_config(cli, py_config(model, **kwargs))
+    lora = cli.stage_by_id(0).lora_config
+    assert (lora.max_lora_rank, lora.max_loras, lora.max_cpu_loras) == (16, 2, 4)
+    assert settings.port == 9001 and settings.served_model_names == ["tiny"]
+    assert settings.lora_modules == [("a", str(tiny_llm_assets.adapter_a))]
+
+
+def test_without_flags_the_stage_gets_defaults_only(tiny_llm_assets):
+    model = str(tiny_llm_assets.model_dir)
+    launch, _ = parse_serve_argv([model])
+    assert launch.options == {}
+    cli = launch.build_config()
+    assert_same_config(cli, py_config(model))
+    assert cli.stage_by_id(0).lora_config is None
+
+
+def test_stage_overrides_on_a_multi_stage_pipeline(tiny_llm_assets):
+    model = str(tiny_llm_assets.model_dir)
+    overrides = {"0": {"enable_lora": True, "max_lora_rank": 64, "max_loras": 2}}
+    launch, _ = parse_serve_argv(
+        [
+            model,
+            "--pipeline",
+            "llm_chain",
+            "--stage-overrides",
+            json.dumps(overrides),
+            "--max-model-len",
+            "256",
+        ]
+    )
+    cli = launch.build_config()
+    assert_same_config(cli, py_config(model, "llm_chain", stage_overrides=overrides, max_model_len=256))
+    assert cli.stage_by_id(0).lora_config.max_lora_rank == 64
+    assert cli.stage_by_id(1).lora_config is None
+
+
+def test_deploy_yaml_with_cli_precedence(tiny_llm_assets, tmp_path):
+    model = str(tiny_llm_assets.model_dir)
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        "pipeline: llm_chain\n"
+        "stages:\n"
+        "  - stage_id: 0\n    enable_lora: true\n    max_lora_rank: 32\n    max_model_len: 128\n"
+        "  - stage_id: 1\n    engine_extras: {max_model_len: 128}\n"
+    )
+    launch, _ = parse_serve_argv(
+        [model, "--deploy-config", str(deploy), "--stage-overrides", '{"0": {"max_lora_rank": 16}}']
+    )
+    cli = launch.build_config()
+    py = py_config(model, None, str(deploy), stage_overrides={"0": {"max_lora_rank": 16}})
+    assert_same_config(cli, py)
+    assert cli.pipeline.name == "llm_chain"
+    assert cli.stage_by_id(0).lora_config.max_lora_rank == 16  # CLI over YAML
+    assert cli.stage_by_id(1).options["max_model_len"] == 128
+
+
+def test_diffusion_lora_flags(tiny_z_image_dir, tmp_path):
+    model = str(tiny_z_image_dir)
+    adapters = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    launch, _ = parse_serve_argv(
+        [model, "--lora-path", adapters[0], "--lora-scale", "0.5", "--max-loras", "2", "--max-cpu-loras", "3"]
+        + ["--dtype", "float32"]
+    )
+    kwargs = dict(lora_path=adapters[0], lora_scale=0.5, max_loras=2, max_cpu_loras=3, dtype="float32")
+    assert launch.options == kwargs
+    assert_same_config(launch.build_config(), py_config(model, **kwargs))
+    launch, _ = parse_serve_argv([model, "--lora-backend", "distill", "--lora-path", *adapters])
+    cfg = launch.build_config()
+    assert_same_config(cfg, py_config(model, lora_backend="distill", lora_path=adapters))
+    assert cfg.stage_by_id(0).options["lora_path"] == adapters
+
+
+def test_global_max_cpu_loras_next_to_a_diffusion_stage(tiny_llm_assets):
+    model = str(tiny_llm_assets.model_dir)
+    overrides = '{"0": {"enable_lora": true, "max_cpu_loras": 2}}'
+    launch, _ = parse_serve_argv(
+        [model, "--pipeline", "llm_to_diffusion", "--max-cpu-loras", "4"] + ["--stage-overrides", overrides]
+    )
+    cli = launch.build_config()
+    py = py_config(model, "llm_to_diffusion", max_cpu_loras=4, stage_overrides=json.loads(overrides))
+    assert_same_config(cli, py)
+    assert cli.stage_by_id(1).options["max_cpu_loras"] == 4
+    assert cli.stage_by_id(0).lora_config.max_cpu_loras == 2
+
+
+def run_main(argv, monkeypatch, capsys):
+    """Run ``vllm-omni serve``; the server must never start (errors come first)."""
+
+    def no_server(*_a, **_k):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr("vllm_omni.entrypoints.openai.api_server.run_server", no_server)
+    with pytest.raises(SystemExit) as info:
+        cli_main.main(["serve", *argv])
+    return info.value.code, capsys.readouterr().err
+
+
+def python_error(*args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        py_config(*args, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "flags, kwargs",
+    [
+        (
+            ["--pipeline", "llm_chain", "--enable-lora", "--max-lora-rank", "64"],
+            {"enable_lora": True, "max_lora_rank": 64},
+        ),
+        (["--pipeline", "llm_chain", "--stage-overrides", "[1]"], {"stage_overrides": "[1]"}),
+        (["--pipeline", "llm_chain", "--stage-overrides", '{"5": {}}'], {"stage_overrides": '{"5": {}}'}),
+        (
+            ["--stage-overrides", '{"0": {"enable_loar": true}}'],
+            {"stage_overrides": '{"0": {"enable_loar": true}}'},
+        ),
+        (["--stage-overrides", "{bad json"], {"stage_overrides": "{bad json"}),
+        (["--pipeline", "no_such_pipeline"], {}),
+    ],
+)
+def test_cli_errors_are_the_python_errors(tiny_llm_assets, monkeypatch, capsys, flags, kwargs):
+    model = str(tiny_llm_assets.model_dir)
+    code, err = run_main([model, "--omni", *flags], monkeypatch, capsys)
+    pipeline = flags[flags.index("--pipeline") + 1] if "--pipeline" in flags else None
+    assert code == 2
+    assert python_error(model, pipeline, **kwargs) in err
+
+
+def test_distill_without_lora_path_fails_before_loading(tiny_z_image_dir, monkeypatch, capsys):
+    def no_config(*_a, **_k):
+        raise AssertionError("config resolution should not be reached")
+
+    monkeypatch.setattr("vllm_omni.entrypoints.cli.serve.OmniLaunch.build_config", no_config)
+    code, err = run_main([str(tiny_z_image_dir), "--lora-backend", "distill"], monkeypatch, capsys)
+    assert code == 2 and "--lora-path" in err and "distill" in err
+
+
+def test_unknown_flag_and_bad_lora_dirs(tiny_llm_assets, monkeypatch, capsys, tmp_path):
+    model = str(tiny_llm_assets.model_dir)
+    code, err = run_main([model, "--enable-loar"], monkeypatch, capsys)
+    assert code == 2 and "--enable-loar" in err
+    code, err = run_main([model, "--lora-dirs", str(tmp_path / "missing")], monkeypatch, capsys)
+    assert code == 2 and "--lora-dirs" in err
+
+
+def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
+    """`vllm serve <model> --omni ...` runs our CLI (vLLM's own dispatch), errors included."""
+    cmd = console_script("vllm") + ["serve", str(tiny_z_image_dir), "--omni", "--lora-backend", "distill"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=180)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "vllm-omni serve: error:" in out.stderr and "--lora-path" in out.stderr
