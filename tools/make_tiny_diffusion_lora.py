@@ -11,6 +11,8 @@ Adapters (name: rank, alpha, target modules):
 * ``attn``: r 4, alpha 8, ``to_q``, ``to_k``, ``to_v``, ``to_out.0`` (fills all of the packed ``to_qkv``);
 * ``qv``: r 2, alpha 4, ``to_q``, ``to_v`` only (the k slice of ``to_qkv`` stays zero);
 * ``ff``: r 8, alpha 4, ``w1``, ``w3`` (both halves of the packed ``w13``);
+* ``embed``: r 4, alpha 4, the patch and caption embedders (run on ragged, concatenated tokens)
+  and the blocks' ``adaLN_modulation.0``;
 * ``attn.safetensors``: ``attn`` as one diffusers-style file (keys without ``base_model.model.``,
   ``lora_adapter_metadata`` header with ``r`` / ``lora_alpha``), for the distill backend.
 
@@ -29,14 +31,21 @@ from pathlib import Path
 
 import torch
 
-ASSET_VERSION = "1"
+ASSET_VERSION = "2"
 LORA_STD = 0.08
 
-#: name -> (seed, r, lora_alpha, target_modules)
-ADAPTERS: dict[str, tuple[int, int, float, list[str]]] = {
+#: name -> (seed, r, lora_alpha, target_modules (suffix list or full-match regex))
+ADAPTERS: dict[str, tuple[int, int, float, list[str] | str]] = {
     "attn": (101, 4, 8.0, ["to_q", "to_k", "to_v", "to_out.0"]),
     "qv": (102, 2, 4.0, ["to_q", "to_v"]),
     "ff": (103, 8, 4.0, ["w1", "w3"]),
+    # a regex (peft full-matches it): the final layer's `adaLN_modulation.0` is a SiLU, not a Linear
+    "embed": (
+        104,
+        4,
+        4.0,
+        r"all_x_embedder\.2-1|cap_embedder\.1|(layers|noise_refiner)\.\d+\.adaLN_modulation\.0",
+    ),
 }
 
 
@@ -47,7 +56,9 @@ def adapter_config_metadata(adapter_dir: str | os.PathLike) -> dict:
     return {k: cfg[k] for k in keys if k in cfg and cfg[k] is not None}
 
 
-def _build_adapter(transformer_dir: Path, out: Path, seed: int, r: int, alpha: float, targets: list[str]):
+def _build_adapter(
+    transformer_dir: Path, out: Path, seed: int, r: int, alpha: float, targets: list[str] | str
+):
     from diffusers import ZImageTransformer2DModel
     from peft import LoraConfig, get_peft_model
 
@@ -88,7 +99,7 @@ def build_tiny_z_image_loras(z_image_dir: str | os.PathLike, out: str | os.PathL
 
 
 def ensure_tiny_z_image_loras(z_image_dir: str | os.PathLike, root: str | os.PathLike) -> dict[str, Path]:
-    """Build (if missing) and return ``{"attn", "qv", "ff": PEFT dir, "attn_file": .safetensors}``.
+    """Build (if missing) and return ``{"attn", "qv", "ff", "embed": PEFT dir, "attn_file": .safetensors}``.
 
     Written under ``root/tiny-z-image-loras`` in a temporary sibling renamed into place, under a
     file lock, so concurrent test processes are safe.

@@ -35,7 +35,7 @@ def params(**overrides) -> OmniDiffusionSamplingParams:
 def reqs(tiny_z_image_loras):
     return {
         name: LoRARequest(name, i + 1, str(tiny_z_image_loras[name]))
-        for i, name in enumerate(("attn", "qv", "ff"))
+        for i, name in enumerate(("attn", "qv", "ff", "embed"))
     }
 
 
@@ -80,10 +80,11 @@ def _latents(omni, prompt=PROMPT, sp=None, **kw):
         (["attn"], [2.0]),
         (["qv"], [1.0]),
         (["ff"], [1.0]),
+        (["embed"], [1.0]),
         (["attn", "qv"], [0.8, 0.6]),
         (["attn", "ff"], [0.8, -0.6]),
     ],
-    ids=["attn0.5", "attn1", "attn2", "qv-packed", "ff-w13", "attn+qv", "attn+ff-neg"],
+    ids=["attn0.5", "attn1", "attn2", "qv-packed", "ff-w13", "embedders", "attn+qv", "attn+ff-neg"],
 )
 def test_in_tree_pipeline_matches_diffusers_peft(omni, reqs, oracle, names, scales):
     got = _latents(omni, lora_requests=[reqs[n] for n in names], lora_scales=scales)
@@ -124,9 +125,10 @@ def test_scale_rules_and_base_after_lora(omni, reqs):
 
 
 def test_four_prompts_four_adapter_sets_in_one_batch_equal_solo_runs(omni, reqs, oracle):
-    a, q, f = reqs["attn"], reqs["qv"], reqs["ff"]
+    # `embed` targets the patch / caption embedders, which see the samples' tokens concatenated
+    e, q, f = reqs["embed"], reqs["qv"], reqs["ff"]
     prompts = ["a red cat on a mat", "a blue house", "two birds", "a red cat on a mat"]
-    sets = [[a], [], [q, f], [a, q]]
+    sets = [[e], [], [q, f], [e, q]]
     scales = [[1.0], [], [0.7, -1.0], [0.5, 2.0]]
     stage = omni._orchestrator.runtimes[0]
     before = len(stage.batch_sizes)

@@ -134,7 +134,7 @@ class OmniDiffusionConfig:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{name} must be >= 1 (an integer), got {value!r}")
         startup = len(self.startup_lora_paths) if self.lora_backend == "peft" else 0
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras + startup
