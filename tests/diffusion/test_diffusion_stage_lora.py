@@ -277,3 +277,28 @@ def test_startup_lora_path_preloads_pins_and_applies_its_scale(tiny_z_image_dir,
         assert _err(got, oracle([(path, 0.5)])) <= TOL
         stage = omni._orchestrator.runtimes[0]
         assert stage.collective_rpc("list_loras") == [[lora_id]]
+
+
+def test_bad_stage_inputs_name_the_field(tiny_z_image_dir, tmp_path, omni):
+    import json
+
+    from vllm_omni import Omni
+    from vllm_omni.engine.llm_stage import StageEngineError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    index = json.loads((tiny_z_image_dir / "model_index.json").read_text())
+    index["_class_name"] = "NoSuchPipeline"
+    (model / "model_index.json").write_text(json.dumps(index))
+    for name in ("scheduler", "text_encoder", "tokenizer", "transformer", "vae"):
+        (model / name).symlink_to(tiny_z_image_dir / name)
+    with pytest.raises(
+        StageEngineError, match=r"Stage 0 \(diffusion\).*unknown pipeline class 'NoSuchPipeline'"
+    ):
+        Omni(model=str(model))
+    with pytest.raises(StageEngineError, match="max_lora_rank must be >= 1"):
+        Omni(model=str(tiny_z_image_dir), max_lora_rank=0)
+    with pytest.raises(ValueError, match="num_inference_steps must be an integer >= 1"):
+        params(num_inference_steps=0)
+    # the running stage is unaffected by all of this
+    assert omni.generate(PROMPT, params(output_type="pil"))[0].images[0].size == (32, 32)

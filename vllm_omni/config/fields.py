@@ -41,7 +41,9 @@ EXTRA_LLM_ENGINE_FIELDS = frozenset(
 )
 
 # Options of a diffusion stage (fields of OmniDiffusionConfig that users set).
-DIFFUSION_LORA_FIELDS = frozenset({"lora_path", "lora_scale", "lora_backend", "max_loras", "max_cpu_loras"})
+DIFFUSION_LORA_FIELDS = frozenset(
+    {"lora_path", "lora_scale", "lora_backend", "max_loras", "max_cpu_loras", "max_lora_rank"}
+)
 DIFFUSION_FIELDS = DIFFUSION_LORA_FIELDS | frozenset(
     {
         "dtype",
@@ -50,7 +52,6 @@ DIFFUSION_FIELDS = DIFFUSION_LORA_FIELDS | frozenset(
         "device",
         "pipeline_backend",
         "enable_progress_bar",
-        "max_lora_rank",
         "enforce_eager",
         "max_batch_size",
     }
