@@ -10,6 +10,7 @@ import base64
 import io
 import json
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -19,6 +20,7 @@ from tests.entrypoints.server_utils import console_script, free_port, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 SIZE = 32
+API_KEY = "test-key"
 GEN = {"num_inference_steps": 4, "guidance_scale": 1.0, "seed": 3}  # 2 steps: output ignores the input
 
 
@@ -47,8 +49,9 @@ def client(img2img_dir, tmp_path_factory):
         str(port),
     ]
     cmd += ["--dtype", "float32", "--served-model-name", "sd3-edit", "--disable-uvicorn-access-log"]
+    cmd += ["--api-key", API_KEY]
     srv = start_server(cmd, port, tmp_path_factory.mktemp("edit_log") / "server.log", server_env())
-    yield openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+    yield openai.OpenAI(base_url=srv.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
     srv.stop()
 
 
@@ -105,3 +108,12 @@ def test_edit_with_a_bad_lora_field_is_a_400(client):
         client.images.edit(
             image=("in.png", png((1, 2, 3)), "image/png"), prompt="x", extra_body={"lora": "[{"}
         )
+
+
+def test_api_key_guards_v1_routes(client):
+    base = str(client.base_url).rstrip("/")
+    assert httpx.get(base.removesuffix("/v1") + "/health").status_code == 200
+    assert httpx.get(base + "/models").status_code == 401
+    assert httpx.get(base + "/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = httpx.get(base + "/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "sd3-edit"

@@ -166,6 +166,21 @@ def test_chat_matches_transformers_peft(server, client, paths, model, lora, adap
     assert tokens == ref(paths, prompt_ids, adapter)
 
 
+def test_chat_streaming_returns_the_same_text(client):
+    plain = chat(client, model="a").choices[0].message.content
+    stream = client.chat.completions.create(
+        model="a",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=N,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_completions_match_and_adapters_differ(server, paths):
     base = completion_tokens(server)
     with_b = completion_tokens(server, lora={"name": "b", "path": str(paths["b"])})
