@@ -287,6 +287,7 @@ MALFORMED = [
     ("/v1/chat/completions", b"{not json"),
     ("/v1/chat/completions", b""),
     ("/v1/chat/completions", b"[1, 2]"),
+    ("/v1/completions", b'{"prompt": "x", "lora": ' + b"[" * 100000 + b"]" * 100000 + b"}"),
     ("/v1/chat/completions", {"model": "tiny"}),
     ("/v1/chat/completions", {"messages": "hi"}),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),

@@ -97,6 +97,8 @@ async def read_json(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise bad_request("request body is nested too deeply") from exc
 
 
 def resolve_adapters(

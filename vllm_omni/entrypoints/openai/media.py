@@ -129,4 +129,6 @@ async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:
             fields["lora"] = json.loads(fields["lora"])
         except json.JSONDecodeError as exc:
             raise bad_request(f"form field 'lora' must be JSON text: {exc.msg}", "lora") from exc
+        except RecursionError as exc:
+            raise bad_request("form field 'lora' is nested too deeply", "lora") from exc
     return fields, image
