@@ -11,7 +11,8 @@ Flags come from three places:
   HTTP server and never reach a stage.
 - Omni flags: ``--pipeline``, ``--stage-overrides``, ``--deploy-config``, the diffusion LoRA
   flags (``--lora-path``, ``--lora-backend``, ``--lora-scale``) and the request allow-list
-  (``--lora-dirs``, ``--allow-remote-lora``).
+  (``--lora-dirs``, ``--allow-remote-lora``); ``--dry-run`` prints the resolved configuration
+  and exits.
 
 Everything that configures stages is resolved through
 :func:`~vllm_omni.entrypoints.omni_base.build_omni_config`, so the command line fails with
@@ -136,6 +137,12 @@ def _add_omni_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Let requests name remote adapters (hub ids, URLs). Off by default.",
     )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Resolve the stage configs and server settings, print them as JSON and exit "
+        "(no engine starts, nothing is loaded).",
+    )
 
 
 def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -233,13 +240,39 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def describe_launch(config: Any, settings: ServerSettings) -> dict[str, Any]:
+    """What ``--dry-run`` prints: every stage's resolved options and the HTTP settings."""
+    stages = []
+    for stage in config.stages:
+        lora = stage.lora_config
+        stages.append(
+            {
+                "stage_id": stage.stage_id,
+                "stage_type": stage.stage_type,
+                "model": stage.model,
+                "model_arch": stage.model_arch,
+                "options": stage.options,
+                "lora_config": None if lora is None else repr(lora),
+            }
+        )
+    server = {k: v for k, v in vars(settings).items() if k != "api_keys"}
+    server["api_keys"] = len(settings.api_keys)  # how many, never the keys
+    return {"pipeline": config.pipeline.name, "model": config.model, "stages": stages, "server": server}
+
+
 def run_serve(args: argparse.Namespace) -> None:
-    """Validate everything that can be checked without loading, then start the server."""
+    """Validate everything that can be checked without loading, then start the server
+    (``--dry-run``: print the resolved configuration instead)."""
     try:
         launch, settings = split_serve_args(args)
-        launch.build_config()  # the typed config's errors, before any engine starts
+        config = launch.build_config()  # the typed config's errors, before any engine starts
     except (ServeArgsError, ValueError, KeyError) as exc:
         _fail(str(exc))
+    if getattr(args, "dry_run", False):
+        import json
+
+        print(json.dumps(describe_launch(config, settings), indent=2, default=str))
+        return
     from vllm_omni.entrypoints.openai.api_server import run_server
 
     run_server(launch, settings)
