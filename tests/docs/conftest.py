@@ -1,0 +1,36 @@
+"""Fixtures of the docs tests: the placeholder tree ``/path/to/<name>`` points into."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `tools/` lives in the checkout, not in the package
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="session")
+def docs_assets_root(tiny_llm_assets, tmp_path_factory) -> Path:
+    """A folder holding every name of ``doc_blocks.PLACEHOLDERS`` (tiny models, tiny adapters)."""
+    from doc_blocks import build_assets
+
+    from tools.make_tiny_diffusion import ensure_tiny_diffusion_assets
+    from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+
+    root = Path(os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO_ROOT / ".cache" / "test_assets")
+    z_image = ensure_tiny_diffusion_assets(root)["z_image"]
+    z_loras = ensure_tiny_z_image_loras(z_image, root)
+    assets = {
+        "llm_model": tiny_llm_assets.model_dir,
+        "llm_adapter_a": tiny_llm_assets.adapter_a,
+        "llm_adapter_b": tiny_llm_assets.adapter_b,
+        "z_image": z_image,
+        "z_attn": z_loras["attn"],
+        "z_ff": z_loras["ff"],
+        "z_attn_file": z_loras["attn_file"],
+    }
+    return build_assets(tmp_path_factory.mktemp("docs_assets"), assets)
