@@ -231,3 +231,17 @@ def test_cancelled_request_is_aborted_and_engine_keeps_serving(omni, adapters, t
         time.sleep(0.01)
     assert not runtime._running, "the cancelled request is still running in the engine"
     assert omni.generate("hello world", greedy())[0].token_ids == _ref(tiny_llm_assets, "hello world", None)
+
+
+def test_a_bad_adapter_in_a_prompt_list_fails_before_any_request_is_queued(omni, adapters, tiny_llm_assets):
+    runtime = omni._orchestrator.runtimes[0]
+    submitted = []
+    original = runtime.submit
+    runtime.submit = lambda *a, **k: submitted.append(a) or original(*a, **k)
+    try:
+        bad = LoRARequest("bad", 55, str(tiny_llm_assets.adapter_rank64))
+        with pytest.raises(InvalidAdapterError, match="adapter 'bad'"):
+            omni.generate(PROMPTS[:2], greedy(), lora_request=[adapters["a"], bad])
+        assert submitted == []
+    finally:
+        del runtime.submit

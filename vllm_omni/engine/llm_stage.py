@@ -141,9 +141,7 @@ class LLMStageEngine:
             InvalidAdapterError: the adapter failed validation (nothing reached vLLM).
             StageEngineError: the stage is shut down or its engine failed earlier.
         """
-        if lora_request is not None:
-            self._require_lora()
-            self.validator.validate(lora_request)
+        self.validate_request(prompt, params, lora_request)
         fut: Future = Future()
         item = _Pending(f"s{self.stage.stage_id}-{next(self._ids)}", prompt, params, lora_request, fut)
         with self._cv:
@@ -151,6 +149,21 @@ class LLMStageEngine:
             self._queue.append(item)
             self._cv.notify()
         return fut
+
+    def validate_request(
+        self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None, **kwargs: Any
+    ) -> None:
+        """Check a request before anything is queued (``Omni.generate`` checks a whole list first).
+
+        Raises:
+            ValueError: unsupported extra arguments (diffusion-only LoRA arguments).
+            LoRANotEnabledError / InvalidAdapterError: as :meth:`submit`.
+        """
+        if kwargs:
+            raise ValueError(f"{self.stage.label} does not take {sorted(kwargs)} (diffusion-stage arguments)")
+        if lora_request is not None:
+            self._require_lora()
+            self.validator.validate(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate then register an adapter in the engine's CPU cache."""
