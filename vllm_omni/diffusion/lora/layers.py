@@ -62,6 +62,31 @@ class SlotActivation:
     scale: float | None
     row_scales: torch.Tensor | None
     column: tuple[float, ...] = field(default=(), compare=False)
+    #: the same rows as host-side ``(start, length, scale)`` runs of consecutive rows sharing a
+    #: scale (``None``: every row, scale ``scale``); the forward works on these views, so a
+    #: mixed batch needs no gather / scatter and no device index tensors.
+    runs: tuple[tuple[int, int, float], ...] | None = field(default=None, compare=False)
+
+
+def scale_runs(
+    values: Sequence[float], lengths: Sequence[int] | None = None
+) -> tuple[tuple[int, int, float], ...]:
+    """``(start, length, scale)`` runs of the rows with a non-zero scale.
+
+    ``values`` holds one scale per sample; ``lengths`` (optional) the number of rows of each sample
+    (default one). Consecutive samples with the same scale are merged into one run.
+    """
+    runs: list[tuple[int, int, float]] = []
+    start = 0
+    for n, value in enumerate(values):
+        length = 1 if lengths is None else int(lengths[n])
+        if value != 0.0 and length:
+            if runs and runs[-1][2] == value and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length, value)
+            else:
+                runs.append((start, length, float(value)))
+        start += length
+    return tuple(runs)
 
 
 _ROW_LAYOUT = threading.local()
@@ -135,7 +160,8 @@ class LoRABatchState:
                 start += length
             index = torch.tensor(rows, dtype=torch.long).to(device)
             per_row = None if act.scale is not None else torch.tensor(scales, dtype=torch.float32).to(device)
-            cached = SlotActivation(act.slot, index, act.scale, per_row, act.column)
+            runs = scale_runs(act.column, lengths)
+            cached = SlotActivation(act.slot, index, act.scale, per_row, act.column, runs)
             self._ragged[key] = cached
         return cached
 
@@ -275,8 +301,12 @@ class BaseLayerWithLoRA(nn.Module):
                     f"{sl.global_size} rows x {g.in_features} inputs"
                 )
         self._ensure_buffers()
-        self.lora_a[:, slot].zero_()
-        self.lora_b[slot].zero_()
+        new_a = [
+            0 if pair is None or (index > 0 and weights.shared_a) else int(pair[0].shape[0])
+            for index, pair in enumerate(weights.slices)
+        ]
+        new_b = [0 if pair is None else int(pair[0].shape[0]) for pair in weights.slices]
+        self._zero_written(slot, new_a, new_b)
         ranks: list[int] = []
         for index, (sl, pair) in enumerate(zip(g.slices, weights.slices, strict=True)):
             if pair is None:
@@ -294,13 +324,30 @@ class BaseLayerWithLoRA(nn.Module):
         self._shared_a[slot] = bool(weights.shared_a)
         self._ranks[slot] = tuple(ranks)
 
+    def _zero_written(self, slot: int, keep_a: Sequence[int], keep_b: Sequence[int]) -> None:
+        """Zero what the slot's current occupant wrote beyond rank ``keep_a[i]`` / ``keep_b[i]`` of slice ``i``.
+
+        Invariant: outside the regions written by :meth:`set_slot` the buffers are zero, so only
+        the previous occupant's regions need clearing (not the whole ``max_rank``-sized slot).
+        """
+        ranks = self._ranks[slot]
+        if ranks is None or self.lora_a is None:
+            return
+        shared = self._shared_a[slot]
+        for index, (sl, rank) in enumerate(zip(self.geometry.slices, ranks, strict=True)):
+            written_a = 0 if (shared and index > 0) else rank
+            if written_a > keep_a[index]:
+                self.lora_a[index, slot, keep_a[index] : written_a].zero_()
+            if rank > keep_b[index]:
+                rows = self.lora_b[slot, sl.local_offset : sl.local_offset + sl.local_size]
+                rows[:, keep_b[index] : rank].zero_()
+
     def clear_slot(self, slot: int) -> None:
         """Forget ``slot`` on this layer (its buffers are zeroed if allocated)."""
+        n = len(self.geometry.slices)
+        self._zero_written(slot, [0] * n, [0] * n)
         self._ranks[slot] = None
         self._shared_a[slot] = False
-        if self.lora_a is not None:
-            self.lora_a[:, slot].zero_()
-            self.lora_b[slot].zero_()
 
     # --------------------------------------------------------------- forward
     def has_active_lora(self) -> bool:
@@ -308,25 +355,40 @@ class BaseLayerWithLoRA(nn.Module):
             return False
         return any(self._ranks[act.slot] is not None for act in self.lora_state.slots)
 
-    def _scaled(self, h: torch.Tensor, act: SlotActivation, rows: int) -> torch.Tensor:
-        if act.row_scales is None:
-            if act.scale is None or act.scale == 1.0:
-                return h
-            return h * act.scale
-        r = h.shape[-1]
-        scaled = h.view(rows, -1, r).float() * act.row_scales.view(rows, 1, 1)
-        return scaled.view(-1, r).to(h.dtype)
-
-    @staticmethod
-    def _accumulate(
-        y: torch.Tensor, delta: torch.Tensor, offset: int, size: int, rows: torch.Tensor | None
+    def _lora_rows(
+        self, x: torch.Tensor, y: torch.Tensor, slot: int, ranks: tuple[int, ...], scale: float | None
     ) -> None:
-        target = y if (offset == 0 and size == y.shape[-1]) else y.narrow(-1, offset, size)
-        delta = delta.to(y.dtype)
-        if rows is None:
-            target.add_(delta)
+        """Add ``scale * B (A x)`` of ``slot`` to ``y`` (same leading shape as ``x``) in place.
+
+        ``y`` is updated by ``addmm_`` when it is contiguous and of the buffers' dtype (no delta
+        tensor, no extra pass over the output); otherwise the delta is computed and added.
+        """
+        g = self.geometry
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != self.lora_a.dtype:
+            x2 = x2.to(self.lora_a.dtype)
+        y2 = y.view(-1, y.shape[-1]) if (y.is_contiguous() and y.dtype == self.lora_a.dtype) else None
+        scaled = scale is not None and scale != 1.0
+        if self._shared_a[slot]:
+            parts = ((0, max(ranks), 0, g.out_local),)
         else:
-            target.index_add_(0, rows, delta)
+            parts = tuple(
+                (index, ranks[index], sl.local_offset, sl.local_size)
+                for index, sl in enumerate(g.slices)
+                if ranks[index] != 0
+            )
+        for index, rank, offset, size in parts:
+            h = x2 @ self.lora_a[index, slot, :rank].t()
+            if scaled:
+                h = h * scale
+            lora_b = self.lora_b[slot, offset : offset + size, :rank]
+            if y2 is not None:
+                target = y2 if (offset == 0 and size == y2.shape[-1]) else y2.narrow(-1, offset, size)
+                target.addmm_(h, lora_b.t())
+                continue
+            delta = (h @ lora_b.t()).view(*x.shape[:-1], -1).to(y.dtype)
+            target = y if (offset == 0 and size == y.shape[-1]) else y.narrow(-1, offset, size)
+            target.add_(delta)
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the active slots' deltas to ``y`` in place and return it.
@@ -343,33 +405,21 @@ class BaseLayerWithLoRA(nn.Module):
         state = self.lora_state
         if not state.slots or self.lora_a is None:
             return y
-        g = self.geometry
         for act in state.slots:
             ranks = self._ranks[act.slot]
             if ranks is None:
                 continue
             act = state.for_rows(act, x.shape[0])
-            xs = x if act.rows is None else x.index_select(0, act.rows)
-            n_rows = xs.shape[0]
-            lead = xs.shape[:-1]
-            x2 = xs.reshape(-1, xs.shape[-1])
-            if x2.dtype != self.lora_a.dtype:
-                x2 = x2.to(self.lora_a.dtype)
-            if self._shared_a[act.slot]:
-                rank = max(ranks)
-                h = self._scaled(x2 @ self.lora_a[0, act.slot, :rank].t(), act, n_rows)
-                delta = h @ self.lora_b[act.slot, :, :rank].t()
-                self._accumulate(y, delta.view(*lead, -1), 0, g.out_local, act.rows)
+            runs = act.runs
+            if runs is None and (act.rows is not None or act.row_scales is not None):
+                runs = scale_runs(act.column)  # built by hand without runs: derive them
+            if runs is None:
+                self._lora_rows(x, y, act.slot, ranks, act.scale)
                 continue
-            for index, sl in enumerate(g.slices):
-                rank = ranks[index]
-                if rank == 0:
-                    continue
-                h = self._scaled(x2 @ self.lora_a[index, act.slot, :rank].t(), act, n_rows)
-                delta = (
-                    h @ self.lora_b[act.slot, sl.local_offset : sl.local_offset + sl.local_size, :rank].t()
+            for start, length, scale in runs:
+                self._lora_rows(
+                    x.narrow(0, start, length), y.narrow(0, start, length), act.slot, ranks, scale
                 )
-                self._accumulate(y, delta.view(*lead, -1), sl.local_offset, sl.local_size, act.rows)
         return y
 
     def extra_repr(self) -> str:

@@ -32,6 +32,7 @@ from vllm_omni.diffusion.lora.layers import (
     BaseLayerWithLoRA,
     LoRABatchState,
     SlotActivation,
+    scale_runs,
     wrapper_class_for,
 )
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
@@ -420,10 +421,11 @@ class DiffusionLoRAManager:
             uniform = bool((values == values[0]).all())
             rows = None if (broadcast or nonzero.numel() == batch) else nonzero.to(device)
             full = tuple(float(v) for v in column.tolist())
+            runs = None if (rows is None and uniform) else scale_runs(full)
             if uniform:
-                acts.append(SlotActivation(slot, rows, float(values[0]), None, full))
+                acts.append(SlotActivation(slot, rows, float(values[0]), None, full, runs))
             else:
-                acts.append(SlotActivation(slot, rows, None, values.to(device), full))
+                acts.append(SlotActivation(slot, rows, None, values.to(device), full, runs))
         self.scale_matrix = matrix
         self._state.set(0 if broadcast else batch, tuple(acts))
 
