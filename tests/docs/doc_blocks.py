@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import linecache
 import os
 import re
 import shlex
@@ -47,7 +48,7 @@ KNOWN_MARKERS = {"skip", "file", "serve", "expect-error"}
 
 #: placeholder name -> (asset key, copy?). Adapters are copied so that a ``--lora-dirs``
 #: allow-list on their parent folder holds them after ``realpath``; models are symlinked.
-PLACEHOLDERS: dict[str, tuple[str, bool]] = {
+PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "model": ("llm_model", False),  # tiny Qwen2 (HF format)
     "llm_loras/adapter_a": ("llm_adapter_a", True),  # PEFT, r 8, q/v
     "llm_loras/adapter_b": ("llm_adapter_b", True),  # PEFT, r 16, all linear
@@ -55,6 +56,7 @@ PLACEHOLDERS: dict[str, tuple[str, bool]] = {
     "z_image_loras/style": ("z_attn", True),  # PEFT, r 4, attention
     "z_image_loras/detail": ("z_ff", True),  # PEFT, r 8, feed-forward
     "z_image_loras/style.safetensors": ("z_attn_file", True),  # diffusers single file (distill)
+    "does_not_exist": (None, False),  # never created: for examples of errors
 }
 # folders that exist because their entries do (usable as --lora-dirs roots)
 PLACEHOLDER_DIRS = {"llm_loras", "z_image_loras"}
@@ -112,7 +114,7 @@ def build_assets(root: Path, assets: dict[str, Path]) -> Path:
     """Lay out ``root/<placeholder>`` for every entry of :data:`PLACEHOLDERS`."""
     for name, (key, copy) in PLACEHOLDERS.items():
         dst = root / name
-        if dst.exists() or dst.is_symlink():
+        if key is None or dst.exists() or dst.is_symlink():
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         src = assets[key]
@@ -309,7 +311,11 @@ class PageRunner:
         if "file" in block.markers:
             (self.workdir / block.markers["file"]).write_text(code)
         if block.lang == "python":
-            exec(compile(code, f"docs/{block.where}", "exec"), self.namespace)
+            # padded so that tracebacks name the page's own line numbers (and show them)
+            filename = str(DOCS_DIR / block.page)
+            padded = "\n" * block.line + code
+            linecache.cache[filename] = (len(padded), None, padded.splitlines(True), filename)
+            exec(compile(padded, filename, "exec"), self.namespace)
         elif block.lang in ("yaml", "yml"):
             import yaml
 
