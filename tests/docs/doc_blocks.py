@@ -149,11 +149,18 @@ def substitute(code: str, assets_root: Path, base_url: str | None, where: str) -
 def split_commands(code: str) -> list[str]:
     """Commands of a bash block: continuation lines joined, comments and blank lines dropped."""
     joined = re.sub(r"\\\n\s*", " ", code)
-    out = []
+    out, pending = [], ""
     for line in joined.splitlines():
-        words = shlex.split(line, comments=True)
+        pending = f"{pending}\n{line}" if pending else line
+        try:  # a quoted argument (e.g. a JSON body) may span lines
+            words = shlex.split(pending, comments=True)
+        except ValueError:
+            continue
         if words:
-            out.append(line.strip())
+            out.append(pending.strip())
+        pending = ""
+    if pending:
+        raise AssertionError(f"unbalanced quotes in bash block: {pending[:200]!r}")
     return out
 
 
@@ -190,7 +197,7 @@ def dry_run(env: dict[str, str], argv: list[str], where: str) -> dict:
     out, err = io.StringIO(), io.StringIO()
     with patched_env(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = main([*argv, "--dry-run"])
+            rc = main(argv if "--dry-run" in argv else [*argv, "--dry-run"])
         except SystemExit as exc:
             rc = exc.code
     if rc != 0:
@@ -263,6 +270,9 @@ def run_curl(command: str, cwd: Path, expect_error: bool, where: str) -> list[An
     if not docs:
         raise AssertionError(f"{where}: `{command}` printed nothing")
     for doc in docs:
+        print(
+            f"{where}: {command.split()[2] if len(command.split()) > 2 else command} -> {json.dumps(doc)[:160]}"
+        )
         is_error = isinstance(doc, dict) and "error" in doc
         if is_error != expect_error:
             want = "an error object" if expect_error else "a success reply"
