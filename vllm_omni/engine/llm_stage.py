@@ -25,6 +25,7 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine.lora_validation import InvalidAdapterError, LLMAdapterValidator
@@ -142,6 +143,11 @@ class LLMStageEngine:
             StageEngineError: the stage is shut down or its engine failed earlier.
         """
         self.validate_request(prompt, params, lora_request)
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            # one aggregated output per request, as vllm.LLM does (with n > 1 a cumulative
+            # output would carry only the child sequence that finished last)
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
         fut: Future = Future()
         item = _Pending(f"s{self.stage.stage_id}-{next(self._ids)}", prompt, params, lora_request, fut)
         with self._cv:
@@ -161,6 +167,10 @@ class LLMStageEngine:
         """
         if kwargs:
             raise ValueError(f"{self.stage.label} does not take {sorted(kwargs)} (diffusion-stage arguments)")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"{self.stage.label} takes vllm.SamplingParams, got {type(params).__name__}: {params!r:.200}"
+            )
         if lora_request is not None:
             self._require_lora()
             self.validator.validate(lora_request)
@@ -178,7 +188,7 @@ class LLMStageEngine:
 
     def list_loras(self) -> set[int]:
         self._require_lora()
-        return set(self._call(self._engine.list_loras))
+        return set(self._call(lambda: self._engine.list_loras()))
 
     def pin_lora(self, lora_int_id: int) -> bool:
         self._require_lora()
@@ -196,6 +206,7 @@ class LLMStageEngine:
         for item in list(self._queue) + [p for p, _ in self._running.values()]:
             if not item.future.done():
                 item.future.set_exception(err)
+        self._fail_commands(err)
         global _LIVE_ENGINES
         with _LIVE_LOCK:
             _LIVE_ENGINES -= 1
@@ -223,6 +234,14 @@ class LLMStageEngine:
             raise StageEngineError(f"{self.stage.label} is shut down")
         if self._dead is not None:
             raise StageEngineError(f"{self.stage.label} failed earlier and cannot serve: {self._dead}")
+
+    def _fail_commands(self, err: BaseException) -> None:
+        """Answer the LoRA calls the driver will never run (it stopped), so no caller waits forever."""
+        with self._cv:
+            commands, self._commands = self._commands, []
+        for _, fut in commands:
+            if not fut.done():
+                fut.set_exception(err)
 
     def _call(self, fn) -> Any:
         fut: Future = Future()
@@ -295,6 +314,7 @@ class LLMStageEngine:
                         item.future.set_exception(
                             StageEngineError(f"{self.stage.label}: engine step failed: {exc}")
                         )
+                self._fail_commands(StageEngineError(f"{self.stage.label}: engine step failed: {exc}"))
                 return
             for out in outputs:
                 if isinstance(out, RequestOutput) and out.finished:

@@ -26,6 +26,7 @@ device with transformers (no weights are read).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -43,6 +44,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<name>[^.]+))?\.weight$"
 )
+
+
+def _location(path: str) -> str:
+    """``path`` resolved, so that two spellings of one directory are one adapter."""
+    return os.path.realpath(path) if isinstance(path, str) and "://" not in path else str(path)
 
 
 class InvalidAdapterError(ValueError):
@@ -83,16 +89,34 @@ class LLMAdapterValidator:
     def validate(self, request: LoRARequest) -> None:
         """Check ``request``'s adapter; cached per ``(lora_int_id, path)``.
 
+        An id that passed is bound to its path (resolved) until :meth:`forget`: vLLM caches
+        adapters by id, so the same id with another path would be served the old weights.
+
         Raises:
-            InvalidAdapterError: the adapter cannot be served; nothing was registered.
+            InvalidAdapterError: the adapter cannot be served, or its id is bound to another
+                path; nothing was registered.
         """
+        if not isinstance(request, LoRARequest):
+            raise InvalidAdapterError(
+                f"{self.stage_label}: lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), "
+                f"got {type(request).__name__}: {request!r:.200}"
+            )
         path = request.lora_path
-        with self._lock:
-            if self._passed.get(request.lora_int_id) == path:
-                return
         name = f"adapter {request.lora_name!r} (id {request.lora_int_id}, path {path!r})"
-        if request.lora_int_id is None or request.lora_int_id < 1:
+        lora_id = request.lora_int_id
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
             raise InvalidAdapterError(f"{name}: lora_int_id must be a positive integer")
+        key = _location(path)
+        with self._lock:
+            bound = self._passed.get(lora_id)
+        if bound is not None and bound != key:
+            # vLLM caches adapters by id: the new path would silently be served the old weights.
+            raise InvalidAdapterError(
+                f"{name}: lora_int_id {lora_id} already names adapter {bound!r} on {self.stage_label}; "
+                f"give this adapter another id, or remove_lora({lora_id}) first"
+            )
+        if bound is not None:
+            return
         try:
             self._check(path, name)
         except InvalidAdapterError:
@@ -102,7 +126,9 @@ class LLMAdapterValidator:
                 f"{name} is not a readable PEFT LoRA adapter for {self.stage_label}: {exc}"
             ) from exc
         with self._lock:
-            self._passed[request.lora_int_id] = path
+            bound = self._passed.setdefault(lora_id, key)
+        if bound != key:  # another thread bound the id meanwhile
+            raise InvalidAdapterError(f"{name}: lora_int_id {lora_id} already names adapter {bound!r}")
 
     def forget(self, lora_int_id: int) -> None:
         with self._lock:
@@ -120,6 +146,17 @@ class LLMAdapterValidator:
             raise InvalidAdapterError(f"{name}: missing {ADAPTER_WEIGHTS}{hint}")
         with open(os.path.join(path, ADAPTER_CONFIG)) as f:
             raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise InvalidAdapterError(f"{name}: {ADAPTER_CONFIG} must hold a JSON object")
+        rank, alpha = raw.get("r", 8), raw.get("lora_alpha")
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise InvalidAdapterError(f"{name}: {ADAPTER_CONFIG} 'r' must be an integer, got {rank!r}")
+        if alpha is not None and (
+            isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha)
+        ):
+            raise InvalidAdapterError(
+                f"{name}: {ADAPTER_CONFIG} 'lora_alpha' must be a finite number, got {alpha!r}"
+            )
         peft_type = raw.get("peft_type", "LORA")
         if str(peft_type).upper() != "LORA":
             raise InvalidAdapterError(f"{name}: peft_type {peft_type!r} is not LoRA")
@@ -155,6 +192,9 @@ class LLMAdapterValidator:
                 dtype = sl.get_dtype()
                 if dtype not in ("F32", "F16", "BF16", "F64"):
                     problems.append(f"{key}: dtype {dtype} is not floating point")
+                elif not torch.isfinite(f.get_tensor(key)).all():
+                    # NaN / inf weights also corrupt the other adapters sharing the engine's LoRA slots
+                    problems.append(f"{key}: holds NaN or inf values")
                 seen.setdefault(match["module"], {})[match["kind"]] = torch.Size(sl.get_shape())
         for module, parts in sorted(seen.items()):
             if set(parts) != {"A", "B"}:

@@ -51,6 +51,7 @@ class Orchestrator:
         self.config = config
         self.runtimes: list[Any] = []
         self._ids = itertools.count()
+        self._closed = False
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s", stage.label, stage.model)
@@ -81,6 +82,7 @@ class Orchestrator:
 
         Raises (synchronously): errors of the entry stage's ``submit`` (e.g. invalid adapter).
         """
+        self.check_open()
         request_id = f"omni-{next(self._ids)}"
         done: Future = Future()
         finals: list[OmniRequestOutput] = []
@@ -170,6 +172,7 @@ class Orchestrator:
             KeyError: no stage ``stage_id``.
             LoRANotEnabledError: no (selected) stage of the pipeline has LoRA enabled (message lists them).
         """
+        self.check_open()
         results: dict[int, Any] = {}
         skipped: list[str] = []
         if stage_id is not None:
@@ -190,7 +193,14 @@ class Orchestrator:
             )
         return results
 
+    def check_open(self) -> None:
+        if self._closed:
+            raise StageEngineError(
+                f"pipeline {self.config.pipeline.name!r} is shut down; create a new engine"
+            )
+
     def shutdown(self) -> None:
+        self._closed = True
         for runtime in self.runtimes:
             try:
                 runtime.shutdown()

@@ -62,9 +62,15 @@ class Omni(OmniBase):
         prompts = prompt if prompts is None else prompts
         if prompts is None:
             raise ValueError("generate() needs a prompt (prompts=... or prompt=...)")
+        self._orchestrator.check_open()
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
+        if not single and not isinstance(prompts, list | tuple):
+            raise ValueError(
+                "prompts must be a string, a list of token ids, a prompt dict or a list of those, "
+                f"got {type(prompts).__name__}"
+            )
         prompt_list = [prompts] if single else list(prompts)
         n = len(prompt_list)
         if isinstance(lora_request, list):

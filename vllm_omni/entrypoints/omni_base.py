@@ -85,13 +85,23 @@ class OmniBase:
                 f"sampling_params has {len(sampling_params)} entries but pipeline "
                 f"{self.config.pipeline.name!r} has {len(stages)} stages; pass one per stage or a single object"
             )
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+        if not per_stage and sampling_params is not None:
+            kinds = {SamplingParams if s.is_llm else OmniDiffusionSamplingParams for s in stages}
+            if not isinstance(sampling_params, tuple(kinds)):
+                names = " or ".join(sorted(k.__name__ for k in kinds))
+                raise ValueError(
+                    f"sampling_params must be {names} (or one per stage) for pipeline "
+                    f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
+                )
         out = []
         for i, stage in enumerate(stages):
             params = sampling_params[i] if per_stage else sampling_params
             if stage.is_llm:
                 kind = SamplingParams
             else:
-                from vllm_omni.inputs.data import OmniDiffusionSamplingParams as kind
+                kind = OmniDiffusionSamplingParams
             if isinstance(params, kind):
                 out.append(params)
             elif params is None or not per_stage:
