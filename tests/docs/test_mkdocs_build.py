@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def test_mkdocs_build_strict(tmp_path):
         text=True,
         timeout=300,
         check=False,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "index.html").exists()
