@@ -382,8 +382,11 @@ class DiffusionLoRAManager:
             return batch_ids
 
     def _fill_slots(self, batch_ids: list[int]) -> None:
-        pinned = [i for i in self._cache.ids() if self._cache.get(i).pinned]
-        plan = self._slots.plan(batch_ids, prefer_keep=pinned)
+        if all(self._slots.slot_of(i) is not None for i in batch_ids):
+            plan = {}  # all resident: nothing to plan (keeps switching O(batch), not O(cache size))
+        else:
+            pinned = [i for i in self._cache.ids() if self._cache.get(i).pinned]
+            plan = self._slots.plan(batch_ids, prefer_keep=pinned)
         for lora_id, (slot, previous) in plan.items():
             payload = self._cache.get(lora_id).payload
             if previous is not None:
@@ -405,27 +408,32 @@ class DiffusionLoRAManager:
             self._slots.touch(lora_id)
 
     def _publish(self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool) -> None:
+        # Plain Python on a [batch, max_loras] table: a switch costs a few microseconds, not a
+        # handful of tiny tensor ops per slot; device tensors are made only for mixed batches.
         batch = len(reqs)
-        matrix = torch.zeros(batch, self.max_loras, dtype=torch.float32)
+        table = [[0.0] * self.max_loras for _ in range(batch)]
         for n, (sample, values) in enumerate(zip(reqs, scales, strict=True)):
             for request, value in zip(sample, values, strict=True):
-                matrix[n, self._slots.slot_of(request.lora_int_id)] = value
+                table[n][self._slots.slot_of(request.lora_int_id)] = value
+        matrix = torch.tensor(table, dtype=torch.float32)
+        table = matrix.tolist()  # the float32-rounded scales the forward uses
         device = next(iter(self.wrappers.values())).lora_device if self.wrappers else torch.device("cpu")
         acts: list[SlotActivation] = []
         for slot in range(self.max_loras):
-            column = matrix[:, slot]
-            nonzero = torch.nonzero(column).flatten()
-            if nonzero.numel() == 0:
+            full = tuple(row[slot] for row in table)
+            nonzero = [n for n, v in enumerate(full) if v != 0.0]
+            if not nonzero:
                 continue
-            values = column[nonzero]
-            uniform = bool((values == values[0]).all())
-            rows = None if (broadcast or nonzero.numel() == batch) else nonzero.to(device)
-            full = tuple(float(v) for v in column.tolist())
-            runs = None if (rows is None and uniform) else scale_runs(full)
+            values = [full[n] for n in nonzero]
+            uniform = all(v == values[0] for v in values)
+            every_row = broadcast or len(nonzero) == batch
+            rows = None if every_row else torch.tensor(nonzero, dtype=torch.long).to(device)
+            runs = None if (every_row and uniform) else scale_runs(full)
             if uniform:
-                acts.append(SlotActivation(slot, rows, float(values[0]), None, full, runs))
+                acts.append(SlotActivation(slot, rows, values[0], None, full, runs))
             else:
-                acts.append(SlotActivation(slot, rows, None, values.to(device), full, runs))
+                row_scales = torch.tensor(values, dtype=torch.float32).to(device)
+                acts.append(SlotActivation(slot, rows, None, row_scales, full, runs))
         self.scale_matrix = matrix
         self._state.set(0 if broadcast else batch, tuple(acts))
 
