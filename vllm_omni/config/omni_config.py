@@ -67,6 +67,26 @@ def _suggest(key: str, candidates: set[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+def _check_meta_types(label: str, meta: dict[str, Any]) -> None:
+    """Stage-level keys must have their own types (``bool("no")`` would be ``True``)."""
+    for key in ("model", "model_arch"):
+        value = meta.get(key)
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise ValueError(f"{label}: {key} must be a string, got {type(value).__name__}: {value!r}")
+    if "model" in meta and meta["model"] is not None:
+        meta["model"] = os.fspath(meta["model"])
+    if "final_output" in meta and not isinstance(meta["final_output"], bool):
+        raise ValueError(f"{label}: final_output must be true or false, got {meta['final_output']!r}")
+    if "engine_input_source" in meta:
+        source = meta["engine_input_source"]
+        if not isinstance(source, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in source
+        ):
+            raise ValueError(
+                f"{label}: engine_input_source must be a list of stage ids (integers >= 0), got {source!r}"
+            )
+
+
 @dataclass
 class VllmOmniConfig:
     """The resolved configuration of a pipeline: one typed stage config per stage.
@@ -235,6 +255,7 @@ class VllmOmniConfig:
             raise ValueError(
                 f"{label} of pipeline {pipeline.name!r} has option(s) that no structured stage config owns: {hints}"
             )
+        _check_meta_types(label, meta)
         source = meta.get("engine_input_source", list(spec.engine_input_source))
         model = meta.get("model") or default_model
         if model is not None and spec.model_subfolder and not meta.get("model"):

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 _STAGE_KEY = re.compile(r"^stage_(\d+)_(.+)$")
 
@@ -22,7 +22,7 @@ def _stage_id(key: Any, source: str) -> int:
         raise ValueError(f"{source}: stage id must be an integer, got {key!r}")
     if isinstance(key, int):
         stage_id = key
-    elif isinstance(key, str) and key.strip().isdigit():
+    elif isinstance(key, str) and key.strip().isascii() and key.strip().isdecimal():
         stage_id = int(key)
     else:
         raise ValueError(f'{source}: keys must be stage ids (integers such as "0"), got {key!r}')
@@ -65,6 +65,9 @@ def parse_stage_overrides(value: Any, source: str = "stage_overrides") -> dict[i
                 f"{source}[{key!r}] must be an object of options for stage {stage_id}, "
                 f"got {type(options).__name__}: {options!r}"
             )
+        bad_keys = [k for k in options if not isinstance(k, str)]
+        if bad_keys:
+            raise ValueError(f"{source}[{key!r}]: option names must be strings, got {bad_keys!r}")
         if stage_id in out:
             raise ValueError(f"{source}: stage {stage_id} is given twice")
         out[stage_id] = dict(options)
@@ -95,6 +98,13 @@ class DeployStageEntry(BaseModel):
 
     stage_id: int = Field(ge=0)
     engine_extras: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("stage_id", mode="before")
+    @classmethod
+    def _no_bool_stage_id(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # YAML `true` would otherwise become stage 1
+            raise ValueError(f"stage_id must be an integer, got {value!r}")
+        return value
 
     def options(self) -> dict[str, Any]:
         """Top-level fields merged with ``engine_extras`` (a key in both is an error)."""
@@ -145,6 +155,8 @@ def load_deploy_config(source: str | os.PathLike | dict | DeployConfig | None) -
             raise ValueError(f"cannot read {name}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
             raise ValueError(f"{name} is not valid YAML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name} is not UTF-8 text: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{name} must be a mapping with a 'stages:' list, got {type(data).__name__}")
     try:

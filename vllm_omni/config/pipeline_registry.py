@@ -212,14 +212,17 @@ def read_model_dir_config(model: str) -> tuple[str, dict]:
     Raises:
         ValueError: when the directory holds neither ``model_index.json`` nor ``config.json``.
     """
-    index = os.path.join(model, DIFFUSION_INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            return "diffusion", json.load(f)
-    cfg = os.path.join(model, HF_CONFIG)
-    if os.path.isfile(cfg):
-        with open(cfg) as f:
-            return "llm", json.load(f)
+    for kind, name in (("diffusion", DIFFUSION_INDEX), ("llm", HF_CONFIG)):
+        path = os.path.join(model, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ValueError(f"model directory {model!r}: cannot read {name}: {exc}") from exc
+            if not isinstance(data, dict):
+                raise ValueError(f"model directory {model!r}: {name} must hold a JSON object")
+            return kind, data
     raise ValueError(
         f"model directory {model!r} has neither {DIFFUSION_INDEX} (diffusers pipeline) nor {HF_CONFIG} "
         "(transformers model); pass pipeline=<name> to choose a registered pipeline"
@@ -233,9 +236,22 @@ def pipeline_for_model(model: str) -> PipelineConfig:
     ``model_index.json`` -> one diffusion stage of its ``_class_name``.
     """
     path = model
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be a model directory or hub id string, got {model!r}")
     if not os.path.isdir(path):
+        looks_local = os.path.isabs(model) or model.startswith((".", "~")) or os.path.exists(model)
+        if os.path.exists(model):
+            raise ValueError(f"model {model!r} is a file, not a model directory")
+        if looks_local or model.count("/") > 1:
+            raise ValueError(f"model directory {model!r} does not exist")
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(model, allow_patterns=[HF_CONFIG, DIFFUSION_INDEX])
+        try:
+            path = snapshot_download(model, allow_patterns=[HF_CONFIG, DIFFUSION_INDEX])
+        except Exception as exc:  # offline, unknown repo, bad id
+            raise ValueError(
+                f"model {model!r} is not a local directory and could not be fetched from the hub: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     kind, cfg = read_model_dir_config(path)
     return resolve_pipeline_config("default_diffusion" if kind == "diffusion" else "default_llm", cfg)

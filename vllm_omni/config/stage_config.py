@@ -18,6 +18,7 @@ on the receiving side, so both sides hold equal objects.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -124,7 +125,11 @@ class LLMStageConfig(BaseVllmOmniStageConfig):
         self.load_config = self._build("load", OmniStageLoadConfig, concerns["load"])
         self.cache_config = self._build("cache", OmniStageCacheConfig, concerns["cache"])
         self.lora_config = None
-        if self.options.get("enable_lora"):
+        enable = self.options.get("enable_lora")
+        if enable is not None and not isinstance(enable, bool):
+            # a string such as "false" is truthy and would silently turn LoRA on
+            raise ValueError(f"{self.label}: enable_lora must be true or false, got {enable!r}")
+        if enable:
             try:
                 self.lora_config = OmniStageLoRAConfig.from_engine_options(self.options)
             except Exception as exc:  # pydantic.ValidationError or ValueError
@@ -164,6 +169,7 @@ class DiffusionStageConfig(BaseVllmOmniStageConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_diffusion_option_types(self.label, self.options)
         backend = self.options.get("lora_backend", "peft")
         if backend not in ("peft", "distill"):
             raise ValueError(f"{self.label}: lora_backend must be 'peft' or 'distill', got {backend!r}")
@@ -176,6 +182,49 @@ class DiffusionStageConfig(BaseVllmOmniStageConfig):
     def lora_config(self) -> None:
         """Diffusion stages never carry a vLLM LoRAConfig."""
         return None
+
+
+# Diffusion options that must be integers >= 1 (None allowed for the optional ones).
+_DIFFUSION_POSITIVE_INTS = ("max_loras", "max_lora_rank", "max_batch_size", "tensor_parallel_size")
+_DIFFUSION_BOOLS = ("enable_progress_bar", "enforce_eager")
+_DIFFUSION_STRINGS = ("dtype", "device", "pipeline_backend", "lora_backend")
+
+
+def _check_diffusion_option_types(label: str, options: dict[str, Any]) -> None:
+    """Type checks of a diffusion stage's options, so that a bad value fails at resolution
+    (``--dry-run`` included) naming the stage and option, not at engine start."""
+
+    def bad(key: str, want: str) -> ValueError:
+        value = options[key]
+        return ValueError(f"{label}: {key} must be {want}, got {type(value).__name__}: {value!r}")
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for key in _DIFFUSION_POSITIVE_INTS:
+        if key in options and not (is_int(options[key]) and options[key] >= 1):
+            raise bad(key, "an integer >= 1")
+    if options.get("max_cpu_loras") is not None and not (
+        is_int(options["max_cpu_loras"]) and options["max_cpu_loras"] >= 1
+    ):
+        raise bad("max_cpu_loras", "an integer >= 1 (or unset)")
+    if options.get("seed") is not None and not is_int(options["seed"]):
+        raise bad("seed", "an integer (or unset)")
+    if "lora_scale" in options:
+        scale = options["lora_scale"]
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise bad("lora_scale", "a finite number")
+    for key in _DIFFUSION_BOOLS:
+        if key in options and not isinstance(options[key], bool):
+            raise bad(key, "true or false")
+    for key in _DIFFUSION_STRINGS:
+        if options.get(key) is not None and not isinstance(options[key], str):
+            raise bad(key, "a string")
+    paths = options.get("lora_path")
+    if paths is not None:
+        items = [paths] if isinstance(paths, str) else paths
+        if not isinstance(items, list) or not items or not all(isinstance(p, str) and p for p in items):
+            raise bad("lora_path", "a path string or a non-empty list of path strings")
 
 
 _STAGE_CLASSES: dict[str, type[BaseVllmOmniStageConfig]] = {

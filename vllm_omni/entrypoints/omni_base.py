@@ -28,6 +28,10 @@ def build_omni_config(
     The pipeline is, in order: ``pipeline=`` (a registered name), the deploy config's
     ``pipeline:``, or the single-stage default derived from ``model``'s directory.
     """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a model directory or hub id string, got {type(model).__name__}")
     deploy = load_deploy_config(deploy_config)
     name = pipeline or (deploy.pipeline if deploy is not None else None)
     model = model or (deploy.model if deploy is not None else None)
