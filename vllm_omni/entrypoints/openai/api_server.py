@@ -400,7 +400,19 @@ def _diffusion_lora(state: ServerState, adapters: list[tuple[LoRARequest, float 
     """``(lora_requests, lora_scales)`` for a diffusion entry stage; no scales given -> stage defaults."""
     if state.entry.is_llm:  # the adapter goes to the entry LLM stage, not the diffusion stage
         return [], []
-    scales = [] if all(s is None for _, s in adapters) else [1.0 if s is None else s for _, s in adapters]
+    if all(s is None for _, s in adapters):
+        return [r for r, _ in adapters], []
+    # some scales given: an unset one is the stage's lora_scale for its start-up (lora_path) adapters,
+    # as when none is given, and 1.0 otherwise
+    options = state.entry.options
+    paths = options.get("lora_path")
+    startup_ids = (
+        {stable_lora_int_id(p) for p in ([paths] if isinstance(paths, str) else list(paths or []))}
+        if options.get("lora_backend", "peft") == "peft"
+        else set()
+    )
+    default = float(options.get("lora_scale", 1.0))
+    scales = [s if s is not None else (default if r.lora_int_id in startup_ids else 1.0) for r, s in adapters]
     return [r for r, _ in adapters], scales
 
 
