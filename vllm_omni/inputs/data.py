@@ -9,6 +9,13 @@ from typing import Any
 import torch
 
 OUTPUT_TYPES = ("pil", "latent", "np", "pt")
+#: Upper bounds that keep one request from exhausting host memory (noise and prompt padding).
+MAX_IMAGES_PER_PROMPT = 64
+MAX_SEQUENCE_LENGTH = 4096
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -20,15 +27,16 @@ class OmniDiffusionSamplingParams:
             (1024 for Z-Image). Must be positive and a multiple of the pipeline's spatial
             factor (16 for Z-Image / SD3-style 8x VAEs with 2x2 patches); the pipeline checks the factor.
         num_inference_steps: denoising steps, ``>= 1``.
-        guidance_scale: classifier-free guidance weight, ``>= 0``; ``None`` takes the
+        guidance_scale: classifier-free guidance weight, finite and ``>= 0``; ``None`` takes the
             pipeline default. For Z-Image CFG runs when it is ``> 0``.
         negative_prompt: text (or one text per prompt) for the unconditional branch.
         seed: seeds a fresh ``torch.Generator`` per prompt, so a prompt gets the same
             noise alone or in a batch. Ignored when ``generator`` is given.
         generator: explicit generator(s), diffusers semantics (one draws the whole batch).
-        num_images_per_prompt: images per prompt, ``>= 1``.
+        num_images_per_prompt: images per prompt, 1 to :data:`MAX_IMAGES_PER_PROMPT`.
         output_type: ``"pil"`` (PIL images), ``"latent"`` (no decode), ``"np"`` or ``"pt"``.
-        max_sequence_length: caption token limit of the text encoder.
+        max_sequence_length: caption token limit of the text encoder (prompts are padded to
+            it), 1 to :data:`MAX_SEQUENCE_LENGTH`.
         lora_requests: ``vllm_omni.lora.request.LoRARequest`` objects to activate for
             this request (consumed by the diffusion LoRA manager).
         lora_scales: one scale per entry of ``lora_requests``; empty means 1.0 each (or the
@@ -37,8 +45,9 @@ class OmniDiffusionSamplingParams:
         extra_args: pipeline-specific keyword arguments passed through unchanged.
 
     Raises:
-        ValueError: (on construction) for a non-positive size or step count, negative
-            guidance, ``num_images_per_prompt < 1``, an unknown ``output_type``, mismatched
+        ValueError: (on construction) for a non-positive size or step count, negative or
+            non-finite guidance, ``num_images_per_prompt`` or ``max_sequence_length`` out of
+            range, a non-integer value, an unknown ``output_type``, mismatched
             LoRA list lengths, an adapter listed twice or a non-finite scale; the message names
             the field and allowed values (see :func:`check_lora_lists`).
     """
@@ -60,22 +69,37 @@ class OmniDiffusionSamplingParams:
     def __post_init__(self) -> None:
         for name in ("height", "width"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not _is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer (multiple of 16), got {value!r}")
-        if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
+        if not _is_int(self.num_inference_steps) or self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an integer >= 1, got {self.num_inference_steps!r}")
-        if self.guidance_scale is not None and self.guidance_scale < 0:
+        g = self.guidance_scale
+        if g is not None and (
+            isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g < 0
+        ):
+            raise ValueError(f"guidance_scale must be >= 0 and finite (0 disables guidance), got {g!r}")
+        n = self.num_images_per_prompt
+        if not _is_int(n) or not 1 <= n <= MAX_IMAGES_PER_PROMPT:
             raise ValueError(
-                f"guidance_scale must be >= 0 (0 disables guidance), got {self.guidance_scale!r}"
-            )
-        if not isinstance(self.num_images_per_prompt, int) or self.num_images_per_prompt < 1:
-            raise ValueError(
-                f"num_images_per_prompt must be an integer >= 1, got {self.num_images_per_prompt!r}"
+                f"num_images_per_prompt must be an integer >= 1 and <= {MAX_IMAGES_PER_PROMPT}, got {n!r}"
             )
         if self.output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
-        if self.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length!r}")
+        msl = self.max_sequence_length
+        if not _is_int(msl) or not 1 <= msl <= MAX_SEQUENCE_LENGTH:
+            # prompts are padded to this length: a huge value exhausts host memory
+            raise ValueError(
+                f"max_sequence_length must be an integer in [1, {MAX_SEQUENCE_LENGTH}], got {msl!r}"
+            )
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        neg = self.negative_prompt
+        if neg is not None and not (
+            isinstance(neg, str) or (isinstance(neg, list | tuple) and all(isinstance(x, str) for x in neg))
+        ):
+            raise ValueError(f"negative_prompt must be a string or a list of strings, got {neg!r:.200}")
+        if not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         check_lora_lists(self.lora_requests, self.lora_scales)
 
     def make_generators(

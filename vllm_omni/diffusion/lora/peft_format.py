@@ -96,7 +96,7 @@ def split_lora_state_dict(
     Raises:
         LoRAFormatError: anything :func:`.formats.layouts.screen_state_dict` refuses (DoRA, bias,
             modules_to_save, quantised tensors, ...), unknown keys (all named), a module with only
-            one of A/B, several adapter names, bad shapes.
+            one of A/B, several adapter names, bad shapes, NaN / inf weights.
     """
     screen_state_dict(state_dict, source)
     a_parts: dict[str, torch.Tensor] = {}
@@ -139,6 +139,8 @@ def split_lora_state_dict(
     for module, lora_a in a_parts.items():
         lora_b = b_parts[module]
         check_pair(module, lora_a, lora_b, source)
+        if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
+            raise LoRAFormatError(f"{source}: module {module!r} holds NaN or inf weights")
         pairs[module] = (lora_a, lora_b)
     stray_alphas = sorted(set(alphas) - set(pairs))
     if stray_alphas:
