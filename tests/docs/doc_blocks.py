@@ -30,6 +30,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -248,6 +249,8 @@ class LiveServer:
 
 def run_curl(command: str, cwd: Path, expect_error: bool, where: str) -> list[Any]:
     """Run one curl command; every JSON document it prints is checked (error object or not)."""
+    if shutil.which("curl") is None:
+        raise AssertionError(f"{where}: curl is not installed (apt-get install curl)")
     proc = subprocess.run(
         ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
     )
@@ -365,10 +368,9 @@ class PageRunner:
         if self.server is not None:
             self.server.stop()
             self.server = None
-        from vllm_omni.entrypoints.omni_base import OmniBase
-
-        for value in list(self.namespace.values()):  # engines a page left running
-            if isinstance(value, OmniBase):
+        module = sys.modules.get("vllm_omni.entrypoints.omni_base")  # not imported: no engine ran
+        for value in list(self.namespace.values()) if module else ():  # engines a page left running
+            if isinstance(value, module.OmniBase):
                 with contextlib.suppress(Exception):
                     value.shutdown()
         self.namespace.clear()
