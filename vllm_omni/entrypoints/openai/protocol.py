@@ -97,9 +97,11 @@ class SamplingFields(_Body):
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         kwargs["ignore_eos"] = self.ignore_eos
+        from vllm.exceptions import VLLMClientError
+
         try:
             return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, VLLMClientError) as exc:  # e.g. n > 1 with greedy sampling
             raise bad_request(f"invalid sampling parameters: {exc}") from exc
 
 

@@ -1,0 +1,22 @@
+"""Request bodies whose values vLLM refuses become 400s naming the problem, never 500s."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_omni.entrypoints.openai.errors import OpenAIError
+from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_n_above_one_with_greedy_sampling_is_a_400(model):
+    body = {"n": 2, "temperature": 0.0, "max_tokens": 3}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]}
+        if model is ChatCompletionRequest
+        else {"prompt": "hi"}
+    )
+    req = parse_body(model, body)
+    with pytest.raises(OpenAIError) as info:
+        req.sampling_params()
+    assert info.value.status == 400 and "n must be 1 when using greedy sampling" in info.value.message
