@@ -120,6 +120,14 @@ def test_wrong_argument_types_are_named(omni):
         omni.generate(5, greedy())
 
 
+def test_seed_outside_int64_is_refused_and_the_stage_keeps_serving(omni, tiny_llm_assets):
+    """Such a seed failed the engine step, which killed the stage for every later request."""
+    for seed in (2**80, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed must fit in int64"):
+            omni.generate(PROMPT, SamplingParams(max_tokens=2, seed=seed))
+    assert omni.generate(PROMPT, greedy())[0].token_ids == _ref(tiny_llm_assets, None)
+
+
 def test_lora_call_waiting_while_the_stage_shuts_down_does_not_hang(tiny_llm_assets):
     """A LoRA call queued while the driver is inside a step, then shutdown: the call fails."""
     from vllm_omni import Omni

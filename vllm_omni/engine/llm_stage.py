@@ -171,6 +171,10 @@ class LLMStageEngine:
             raise ValueError(
                 f"{self.stage.label} takes vllm.SamplingParams, got {type(params).__name__}: {params!r:.200}"
             )
+        seed = params.seed
+        if seed is not None and not -(2**63) <= seed < 2**63:
+            # out of int64 the engine step fails, and a failed step kills the whole stage
+            raise ValueError(f"{self.stage.label}: SamplingParams.seed must fit in int64, got {seed}")
         if lora_request is not None:
             self._require_lora()
             self.validator.validate(lora_request)

@@ -67,7 +67,7 @@ class SamplingFields(_Body):
     top_k: int | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # the engine's generator is int64
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -158,7 +158,7 @@ class ChatCompletionRequest(SamplingFields, DiffusionFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
 
 
 class CompletionRequest(SamplingFields):
