@@ -43,12 +43,12 @@ def test_llm_stage_option_types(llm_dir, kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_loras": "2"}, "max_loras must be an integer >= 1, got str"),
-        ({"max_cpu_loras": "2"}, "max_cpu_loras must be an integer >= 1"),
-        ({"max_batch_size": "abc"}, "max_batch_size must be an integer >= 1"),
-        ({"max_batch_size": 0}, "max_batch_size must be an integer >= 1"),
-        ({"max_batch_size": 2.5}, "max_batch_size must be an integer >= 1"),
-        ({"tensor_parallel_size": True}, "tensor_parallel_size must be an integer >= 1"),
+        ({"max_loras": "2"}, r"max_loras must be >= 1 \(an integer\), got str"),
+        ({"max_cpu_loras": "2"}, r"max_cpu_loras must be >= 1 \(an integer"),
+        ({"max_batch_size": "abc"}, r"max_batch_size must be >= 1 \(an integer\)"),
+        ({"max_batch_size": 0}, r"max_batch_size must be >= 1 \(an integer\)"),
+        ({"max_batch_size": 2.5}, r"max_batch_size must be >= 1 \(an integer\)"),
+        ({"tensor_parallel_size": True}, r"tensor_parallel_size must be >= 1 \(an integer\)"),
         ({"lora_scale": "big"}, "lora_scale must be a finite number"),
         ({"lora_scale": float("nan")}, "lora_scale must be a finite number"),
         ({"lora_path": 5}, "lora_path must be a path string"),

@@ -203,11 +203,11 @@ def _check_diffusion_option_types(label: str, options: dict[str, Any]) -> None:
 
     for key in _DIFFUSION_POSITIVE_INTS:
         if key in options and not (is_int(options[key]) and options[key] >= 1):
-            raise bad(key, "an integer >= 1")
+            raise bad(key, ">= 1 (an integer)")
     if options.get("max_cpu_loras") is not None and not (
         is_int(options["max_cpu_loras"]) and options["max_cpu_loras"] >= 1
     ):
-        raise bad("max_cpu_loras", "an integer >= 1 (or unset)")
+        raise bad("max_cpu_loras", ">= 1 (an integer, or unset)")
     if options.get("seed") is not None and not is_int(options["seed"]):
         raise bad("seed", "an integer (or unset)")
     if "lora_scale" in options:
