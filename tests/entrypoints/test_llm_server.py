@@ -93,7 +93,9 @@ def server(paths, tmp_path_factory):
         "--disable-uvicorn-access-log",
     ]
     log = tmp_path_factory.mktemp("serve_llm_log") / "server.log"
-    srv = start_server(cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"))
+    srv = start_server(
+        cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_OMNI_MAX_REQUEST_BODY_MB="1")
+    )
     yield srv
     srv.stop()
 
@@ -368,3 +370,26 @@ def test_property_malformed_lora_never_500_on_the_live_server(server):
 
     check()
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_oversized_bodies_are_413_and_the_server_keeps_serving(server):
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = httpx.post(server.url("/v1/chat/completions"), json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
+
+    def chunks():  # no Content-Length: the streamed size is counted
+        for _ in range(3):
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(
+        server.url("/v1/completions"),
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    ok = httpx.post(
+        server.url("/v1/completions"), json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=60
+    )
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) > 0

@@ -34,6 +34,7 @@ from vllm_omni.entrypoints.openai.errors import (
     install_error_handlers,
     not_found,
 )
+from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_body_bytes
 from vllm_omni.entrypoints.openai.lora import AdapterRegistry, parse_lora_field
 from vllm_omni.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -222,6 +223,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="vllm-omni", version="0.1")
     app.state.omni_state = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes())
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
