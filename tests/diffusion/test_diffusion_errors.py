@@ -105,3 +105,15 @@ def test_negative_prompt_count_mismatch(z_image_engine):
     )
     with pytest.raises(ValueError, match="negative_prompt has 3 entries for 2 prompts"):
         z_image_engine.generate(["x", "y"], sp)
+
+
+def test_in_tree_pipeline_refuses_extra_args_it_would_ignore(z_image_engine):
+    sp = OmniDiffusionSamplingParams(
+        height=32, width=32, num_inference_steps=1, extra_args={"cfg_truncation": 0.5}
+    )
+    with pytest.raises(
+        ValueError, match=r"extra_args \['cfg_truncation'\] are not used by the in-tree Z-Image"
+    ):
+        z_image_engine.generate(["x"], sp)
+    sp = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=1, guidance_scale=1.0)
+    assert len(z_image_engine.generate(["x"], sp)[0].images) == 1

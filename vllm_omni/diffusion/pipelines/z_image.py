@@ -196,6 +196,11 @@ class ZImagePipeline:
             prompts = [prompts]
         if not prompts:
             return []
+        if sp.extra_args:  # never ignore an argument silently
+            raise ValueError(
+                f"extra_args {sorted(sp.extra_args)} are not used by the in-tree Z-Image pipeline; "
+                "run the stage with pipeline_backend='diffusers' to pass pipeline-specific arguments"
+            )
         height, width = self.resolve_size(sp)
         guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
         cfg = guidance > 0
