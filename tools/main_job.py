@@ -4,9 +4,10 @@
    real formats) under ``--assets`` if they are absent, starts one real vLLM engine
    through ``Omni(...)`` with LoRA enabled, and prints the greedy continuation of the
    prompt with adapter A, adapter B and no adapter.
-2. Diffusion stage: generates an image with ``Omni(model=<diffusers directory>)`` and
-   writes it as a PNG (``--image-model``; default: the tiny Z-Image directory written
-   by ``tools/make_tiny_diffusion.py``).
+2. Diffusion stage: generates a 3x3 grid with ``Omni`` on the demo model shipped in
+   ``examples/demo_model`` (a tiny Z-Image-architecture model trained on coloured
+   shapes), composing its ``warm`` and ``stripes`` adapters at scales 0 / 0.5 / 1, and
+   writes it as a PNG (``--out``/demo_grid.png).
 
 Run from the repository root::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,29 +32,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--assets", default=os.environ.get("VLLM_OMNI_TEST_ASSETS") or str(REPO / ".cache" / "test_assets")
     )
-    p.add_argument("--image-model", default=None, help="diffusers-format directory (default: tiny Z-Image)")
-    p.add_argument("--image-prompt", default="a red circle")
+    p.add_argument(
+        "--image-model", default=None, help="diffusers-format directory (default: examples/demo_model)"
+    )
+    p.add_argument("--image-prompt", default="a blue circle")
     p.add_argument("--out", default=str(REPO / "outputs"))
     return p.parse_args(argv)
 
 
 def run_image(args) -> Path:
-    """Generate one image through ``Omni`` on a diffusion stage and write it as a PNG."""
-    from tools.make_tiny_diffusion import ensure_tiny_diffusion_assets
-    from vllm_omni import Omni
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+    """Generate the demo XY grid through ``Omni`` on a diffusion stage and write it as a PNG.
 
-    model = args.image_model or str(ensure_tiny_diffusion_assets(args.assets)["z_image"])
-    params = OmniDiffusionSamplingParams(
-        height=64, width=64, num_inference_steps=8, guidance_scale=1.0, seed=0
-    )
-    with Omni(model=model, enable_progress_bar=False) as omni:
-        (out,) = omni.generate(prompt=args.image_prompt, sampling_params=params)
-    path = Path(args.out) / "main_job.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out.images[0].save(path)
+    The demo model (``examples/demo_model``, trained by ``tools/train_demo_model.py``) and
+    its two adapters are composed per request at scales 0 / 0.5 / 1 on each axis, by
+    ``examples/offline_inference/text_to_image/text_to_image.py``.
+    """
+    import importlib.util
+
+    script = REPO / "examples" / "offline_inference" / "text_to_image" / "text_to_image.py"
+    spec = importlib.util.spec_from_file_location("text_to_image_example", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    adapters = REPO / "examples" / "demo_model" / "adapters"
+    path = Path(args.out) / "demo_grid.png"
+    argv = ["--prompt", args.image_prompt, "--output", str(path)]
+    argv += ["--lora-paths", str(adapters / "warm"), str(adapters / "stripes")]
+    argv += ["--axis", "x=lora_scale[0]:0,0.5,1", "y=lora_scale[1]:0,0.5,1"]
+    if args.image_model:
+        argv += ["--model", args.image_model]
+    module.main(argv)
     print(
-        f"\nimage: {args.image_prompt!r} with {model} -> {path} ({out.images[0].size[0]}x{out.images[0].size[1]})"
+        f"\nimage grid: {args.image_prompt!r}, warm adapter scale across x stripes adapter scale down -> {path}"
     )
     return path
 

@@ -15,10 +15,12 @@ kind starves). Set ``VLLM_OMNI_LORA_BATCH_GUARD=0``/``1`` to force it off/on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -106,13 +108,6 @@ class LLMStageEngine:
         self.stage = stage
         check_model_class(stage)
         engine_args = project_stage_engine_args(stage)
-        try:
-            self._engine = LLMEngine.from_engine_args(engine_args)
-        except Exception as exc:
-            raise StageEngineError(f"{stage.label}: vLLM engine failed to start: {exc}") from exc
-        global _LIVE_ENGINES
-        with _LIVE_LOCK:
-            _LIVE_ENGINES += 1
         self.validator = (
             LLMAdapterValidator(stage.label, stage.model, stage.lora_config) if stage.lora_config else None
         )
@@ -124,8 +119,34 @@ class LLMStageEngine:
         self._running: dict[str, tuple[_Pending, bool]] = {}
         self._dead: BaseException | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
+        self._holds = 0
+        self._engine = None
+        # The engine is built on the driver thread, the one that runs every forward pass:
+        # vLLM's CPU worker sets its thread count and affinity on the thread that builds it.
+        started: Future = Future()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(LLMEngine, engine_args, started),
+            name=f"omni-stage-{stage.stage_id}",
+            daemon=True,
+        )
         self._thread.start()
+        try:
+            started.result()
+        except Exception as exc:
+            raise StageEngineError(f"{stage.label}: vLLM engine failed to start: {exc}") from exc
+        global _LIVE_ENGINES
+        with _LIVE_LOCK:
+            _LIVE_ENGINES += 1
+
+    def _run(self, engine_cls, engine_args, started: Future) -> None:
+        try:
+            self._engine = engine_cls.from_engine_args(engine_args)
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(None)
+        self._drive()
 
     # ---------------------------------------------------------------- public API
     @property
@@ -178,6 +199,19 @@ class LLMStageEngine:
         if lora_request is not None:
             self._require_lora()
             self.validator.validate(lora_request)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Requests submitted inside this block are admitted together when it exits, so they
+        start in the same engine step (as ``vllm.LLM.generate`` adds a whole list first)."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate then register an adapter in the engine's CPU cache."""
@@ -257,6 +291,9 @@ class LLMStageEngine:
 
     def _admit(self) -> None:
         """Move queued requests into the engine, keeping adapter/no-adapter apart if guarded."""
+        if self._holds:
+            return
+        loaded: set[int] | None = None  # adapters in the engine's cache, read once per admission round
         while self._queue:
             item = self._queue[0]
             has_lora = item.lora_request is not None
@@ -268,8 +305,12 @@ class LLMStageEngine:
             if item.future.cancelled():
                 continue
             try:
-                if has_lora and item.lora_request.lora_int_id not in self._engine.list_loras():
-                    self._engine.add_lora(item.lora_request)
+                if has_lora:
+                    if loaded is None:
+                        loaded = set(self._engine.list_loras())
+                    if item.lora_request.lora_int_id not in loaded:
+                        self._engine.add_lora(item.lora_request)
+                        loaded.add(item.lora_request.lora_int_id)
                 # outputs carry this external id (add_request returns an internal one)
                 self._engine.add_request(
                     item.request_id, item.prompt, item.params, lora_request=item.lora_request
@@ -285,7 +326,9 @@ class LLMStageEngine:
     def _drive(self) -> None:
         while True:
             with self._cv:
-                while not (self._closed or self._commands or self._running or self._queue):
+                while not (
+                    self._closed or self._commands or self._running or (self._queue and not self._holds)
+                ):
                     self._cv.wait()
                 if self._closed:
                     return
