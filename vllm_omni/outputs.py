@@ -13,10 +13,12 @@ class OmniRequestOutput:
     Attributes:
         request_id: id of the pipeline request (shared by all its stages).
         stage_id: the stage that produced this output.
-        final_output_type: ``"text"`` (LLM stage) or ``"image"`` (diffusion stage).
+        final_output_type: ``"text"`` (LLM stage), ``"image"`` (diffusion stage) or ``"video"``
+            (diffusion stage running a video pipeline).
         prompt: the prompt this stage received.
         request_output: the stage's vLLM ``RequestOutput`` (LLM stages), else ``None``.
-        images: PIL images (diffusion stages), else empty.
+        images: PIL images (diffusion stages), else empty (also for video pipelines).
+        videos: video pipelines: one list of PIL frames per video, else empty.
         latents: final latents of a diffusion stage, float32 CPU ``(num_images_per_prompt, C, h, w)``
             when the pipeline exposes them (in-tree always; diffusers fallback for ``output_type="latent"``).
         stage_outputs: every stage's raw output for this request, by stage id.
@@ -29,6 +31,7 @@ class OmniRequestOutput:
     request_output: Any = None
     images: list = field(default_factory=list)
     latents: Any = None
+    videos: list = field(default_factory=list)
     stage_outputs: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @property

@@ -202,10 +202,14 @@ class DiffusionOutput:
         latents: final denoised latents ``(num_images_per_prompt, C, h, w)`` float32 on CPU
             when the pipeline exposes them (always in-tree; fallback only for ``"latent"``).
         array: decoded images as ``np.ndarray`` ``(N, H, W, 3)`` float in ``[0, 1]`` (``"np"``) or
-            ``torch.Tensor`` ``(N, 3, H, W)`` (``"pt"``); ``None`` otherwise.
+            ``torch.Tensor`` ``(N, 3, H, W)`` (``"pt"``); ``None`` otherwise. Video pipelines:
+            whatever diffusers returns as ``frames``, ``(N, frames, ...)``.
+        videos: video pipelines with ``output_type="pil"``: ``num_images_per_prompt`` videos,
+            each a list of PIL frames; empty otherwise (``images`` stays empty for videos).
     """
 
     prompt: str
     images: list[Any] = field(default_factory=list)
     latents: torch.Tensor | None = None
     array: Any = None
+    videos: list[list[Any]] = field(default_factory=list)

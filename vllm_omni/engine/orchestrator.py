@@ -148,12 +148,14 @@ class Orchestrator:
                 request_id, stage.stage_id, "text", prompt, request_output=result, stage_outputs=raw
             )
         images = getattr(result, "images", None) or []
+        videos = getattr(result, "videos", None) or []
         return OmniRequestOutput(
             request_id,
             stage.stage_id,
-            "image",
+            "video" if videos else "image",
             prompt,
             images=list(images),
+            videos=[list(v) for v in videos],
             latents=getattr(result, "latents", None),
             stage_outputs=raw,
         )

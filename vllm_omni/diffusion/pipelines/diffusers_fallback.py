@@ -1,4 +1,4 @@
-"""Generic fallback: any diffusers text-to-image pipeline (SD3, Flux, ...) run as-is.
+"""Generic fallback: any diffusers text-to-image or text-to-video pipeline (SD3, Flux, Wan, ...) run as-is.
 
 No tensor parallelism; the denoiser is whatever diffusers loads (``transformer`` or
 ``unet``), exposed as :attr:`DiffusersFallbackPipeline.transformer` for patching.
@@ -24,7 +24,9 @@ class DiffusersFallbackPipeline:
 
     Components stored as ``[null, null]`` in ``model_index.json`` (e.g. SD3 without T5)
     are passed as ``None``. Sampling parameters map to the diffusers call arguments of
-    the same name; those the pipeline does not accept are left out when unset.
+    the same name; those the pipeline does not accept are left out when unset. Video
+    pipelines (whose output carries ``.frames``, e.g. Wan) take ``num_images_per_prompt``
+    as ``num_videos_per_prompt`` and return their frames in :attr:`DiffusionOutput.videos`.
     """
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
@@ -50,7 +52,11 @@ class DiffusersFallbackPipeline:
 
     @property
     def vae_scale_factor(self) -> int:
-        return int(getattr(self.pipe, "vae_scale_factor", 8))
+        """Spatial VAE compression (``vae_scale_factor``, or ``vae_scale_factor_spatial`` of video pipelines)."""
+        value = getattr(self.pipe, "vae_scale_factor", None)
+        if value is None:
+            value = getattr(self.pipe, "vae_scale_factor_spatial", 8)
+        return int(value)
 
     def _kwargs(self, sp: OmniDiffusionSamplingParams) -> dict:
         wanted = {
@@ -63,6 +69,8 @@ class DiffusersFallbackPipeline:
             "output_type": sp.output_type,
             **sp.extra_args,
         }
+        if "num_images_per_prompt" not in self._accepted and "num_videos_per_prompt" in self._accepted:
+            wanted["num_videos_per_prompt"] = wanted.pop("num_images_per_prompt")
         kwargs = {}
         for key, value in wanted.items():
             if value is None:
@@ -90,7 +98,9 @@ class DiffusersFallbackPipeline:
 
         With ``seed`` set each prompt gets its own generator seeded identically (so a
         prompt's result does not depend on its batch). ``latents`` is filled only for
-        ``output_type="latent"`` (``(n, C, h, w)``, float32 CPU).
+        ``output_type="latent"`` (``(n, C, h, w)``, float32 CPU; video pipelines
+        ``(n, C, f, h, w)``). Video pipelines fill ``videos`` (one list of PIL frames per
+        video) for ``output_type="pil"`` and ``array`` (``(n, frames, ...)``) otherwise.
 
         Raises:
             ValueError: height/width not multiples of ``vae_scale_factor * 2`` or an argument
@@ -120,13 +130,17 @@ class DiffusersFallbackPipeline:
             kwargs["generator"] = gens
         adapters = lora_context(None) if lora_context is not None else contextlib.nullcontext()
         with adapters:
-            images = self.pipe(prompt=list(prompts), **kwargs).images
+            out = self.pipe(prompt=list(prompts), **kwargs)
+        is_video = getattr(out, "images", None) is None and getattr(out, "frames", None) is not None
+        images = out.frames if is_video else out.images
         results = []
         for i, prompt in enumerate(prompts):
             chunk = images[i * n : (i + 1) * n]
             res = DiffusionOutput(prompt=prompt)
             if sp.output_type == "latent":
                 res.latents = chunk.float().cpu()
+            elif sp.output_type == "pil" and is_video:
+                res.videos = [list(frames) for frames in chunk]
             elif sp.output_type == "pil":
                 res.images = list(chunk)
             else:

@@ -78,7 +78,11 @@ class ServerState:
 
     @property
     def outputs_images(self) -> bool:
-        return any(s.final_output and not s.is_llm for s in self.config.stages)
+        """Whether a final diffusion stage runs an image (not a video) pipeline."""
+        return any(
+            s.final_output and not s.is_llm and not _VIDEO_CLASS.search(s.model_arch or "")
+            for s in self.config.stages
+        )
 
     @property
     def outputs_text(self) -> bool:
@@ -372,13 +376,13 @@ def build_app(state: ServerState) -> FastAPI:
         sp = _default_llm_params(state)
         outputs = await run_pipeline(state, req.prompt, stage_params(state, sp, dparams), adapters)
         frames = media.video_frames(outputs)
-        data, fmt = media.encode_video(frames, req.fps)
-        return JSONResponse(
-            {
-                "created": int(time.time()),
-                "data": [{"b64_json": data, "format": fmt, "num_frames": len(frames), "fps": req.fps}],
-            }
-        )
+        item: dict[str, Any] = {"num_frames": len(frames), "fps": req.fps}
+        if req.video_format == "png":  # lossless: one base64 PNG per frame
+            item.update(b64_json=None, format="png", frames=[media.png_b64(f) for f in frames])
+        else:
+            data, fmt = media.encode_video(frames, req.fps, req.video_format)
+            item.update(b64_json=data, format=fmt)
+        return JSONResponse({"created": int(time.time()), "data": [item]})
 
     if runtime_lora_updating_allowed():
         _add_lora_admin_routes(app, state)

@@ -60,9 +60,17 @@ def video_frames(outputs: list[Any]) -> list[Any]:
     raise OpenAIError("the pipeline returned no video", 500)
 
 
-def encode_video(frames: list[Any], fps: int) -> tuple[str, str]:
-    """``(base64, format)``: MP4 when OpenCV can write it, else an animated GIF."""
+def encode_video(frames: list[Any], fps: int, fmt: str | None = None) -> tuple[str, str]:
+    """``(base64, format)`` of ``frames`` as ``fmt`` (``"mp4"`` or ``"gif"``).
+
+    ``fmt=None``: MP4 when OpenCV can write it, else an animated GIF.
+
+    Raises:
+        OpenAIError: (400) ``"mp4"`` asked for but OpenCV cannot write it here.
+    """
     pil = [_to_pil(f).convert("RGB") for f in frames]
+    if fmt == "gif":
+        return _gif_b64(pil, fps), "gif"
     try:
         import cv2
         import numpy as np
@@ -81,9 +89,15 @@ def encode_video(frames: list[Any], fps: int) -> tuple[str, str]:
                     return base64.b64encode(data).decode("ascii"), "mp4"
     except ImportError:
         pass
+    if fmt == "mp4":
+        raise bad_request("video_format 'mp4' is not available on this server (no OpenCV MP4 writer)")
+    return _gif_b64(pil, fps), "gif"
+
+
+def _gif_b64(pil: list[Any], fps: int) -> str:
     buf = io.BytesIO()
     pil[0].save(buf, format="GIF", save_all=True, append_images=pil[1:], duration=int(1000 / fps), loop=0)
-    return base64.b64encode(buf.getvalue()).decode("ascii"), "gif"
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:

@@ -193,6 +193,8 @@ class VideoGenerationRequest(DiffusionFields):
     model: str | None = None
     prompt: str = Field(min_length=1)
     fps: int = Field(default=8, ge=1, le=120)
+    # None: MP4 when OpenCV can write it, else GIF; "png": lossless, one PNG per frame in ``frames``
+    video_format: Literal["mp4", "gif", "png"] | None = None
 
 
 class LoadLoRAAdapterRequest(_Body):

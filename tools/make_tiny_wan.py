@@ -1,0 +1,160 @@
+"""Write a tiny, randomly initialised Wan text-to-video directory for tests.
+
+``tiny-wan`` is in the on-disk layout ``diffusers.WanPipeline`` reads with
+``DiffusionPipeline.from_pretrained(path)``: a 2-layer ``WanTransformer3DModel``, a
+minimal ``AutoencoderKLWan`` (8x spatial, 4x temporal compression), a 2-layer
+``UMT5EncoderModel`` and a T5-style unigram tokenizer built locally with the
+``tokenizers`` library (a fixed character/word vocabulary; nothing is downloaded), plus
+``FlowMatchEulerDiscreteScheduler``.
+
+Every weight comes from a fixed seed, so rebuilding gives identical files. Run as a
+script (``python tools/make_tiny_wan.py OUT_DIR``) or call :func:`ensure_tiny_wan`; it
+builds under a file lock, in a temporary directory renamed into place once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+
+WAN_DIR = "tiny-wan"
+# Bump when the layout or any size changes so stale caches are rebuilt.
+WAN_ASSET_VERSION = "1"
+
+_WORDS = ("a", "the", "red", "blue", "green", "cat", "dog", "on", "mat", "ball", "video", "of", "running")
+
+
+def _tokenizer():
+    """A T5-style fast tokenizer over a small unigram vocabulary (pad=0, eos=1, unk=2)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [("\u2581" + w, -2.0) for w in _WORDS]
+    vocab += [("\u2581", -3.0)]
+    vocab += [(c, -5.0) for c in string.ascii_lowercase + string.digits + string.punctuation]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.Replace("  ", " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return T5TokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=512,
+    )
+
+
+def build_tiny_wan(out: Path) -> None:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    out.mkdir(parents=True)
+    tokenizer = _tokenizer()
+    tokenizer.save_pretrained(out / "tokenizer")
+
+    torch.manual_seed(0)
+    text_dim = 32
+    enc_config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=text_dim,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    UMT5EncoderModel(enc_config).eval().save_pretrained(out / "text_encoder", safe_serialization=True)
+
+    torch.manual_seed(1)
+    WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=16,
+        out_channels=16,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).save_pretrained(out / "transformer", safe_serialization=True)
+
+    torch.manual_seed(2)
+    AutoencoderKLWan(
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ).save_pretrained(out / "vae", safe_serialization=True)
+
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(out / "scheduler")
+    index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": "0.42.1",
+        "boundary_ratio": None,
+        "expand_timesteps": False,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def ensure_tiny_wan(root: str | os.PathLike) -> Path:
+    """Build (if missing or stale) and return ``root / "tiny-wan"``.
+
+    Safe to call from several processes at once: a file lock serialises builders, the
+    directory is written to a temporary sibling and renamed into place, and a version
+    stamp triggers a rebuild after the layout changes.
+    """
+    from filelock import FileLock
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / WAN_DIR
+    with FileLock(str(root / ".tiny_wan.lock")):
+        stamp = final / ".asset_version"
+        if not (stamp.is_file() and stamp.read_text().strip() == WAN_ASSET_VERSION):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{WAN_DIR}-", dir=root))
+            try:
+                build_tiny_wan(tmp / WAN_DIR)
+                (tmp / WAN_DIR / ".asset_version").write_text(WAN_ASSET_VERSION + "\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp / WAN_DIR, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="directory to write tiny-wan/ into")
+    args = parser.parse_args()
+    print(ensure_tiny_wan(args.out))
+
+
+if __name__ == "__main__":
+    main()
