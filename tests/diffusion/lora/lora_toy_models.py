@@ -192,7 +192,6 @@ def tp_worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
     from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_into_model
     from vllm_omni.lora.request import LoRARequest
 
-    os.environ["VLLM_DIST_IDENT"] = os.path.basename(init_file)  # vLLM's CPU communicator reads it
     init_diffusion_parallel_state(world_size, rank, f"file://{init_file}", backend="gloo")
     state_dict = torch.load(job["state_dict"])
     x, c = inputs(batch=len(job["sets"]), seed=21)

@@ -9,6 +9,7 @@ itself exactly as it would inside a vLLM LLM engine.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 
@@ -63,6 +64,12 @@ def init_diffusion_parallel_state(
         os.close(fd)
         os.unlink(path)
         distributed_init_method = f"file://{path}"
+    # vLLM's CPU communicator names its shared-memory segments after VLLM_DIST_IDENT; derive
+    # it from the (shared) init method so every rank agrees and two process groups never
+    # collide (a fixed or inherited name made concurrent/consecutive TP groups fail with
+    # "create shm in SHMManager failed. errno: 17").
+    digest = hashlib.sha1(distributed_init_method.encode()).hexdigest()[:16]
+    os.environ["VLLM_DIST_IDENT"] = f"omni-diffusion-{digest}"
     _VLLM_CONFIG = VllmConfig()
     with set_current_vllm_config(_VLLM_CONFIG):
         vllm_ps.init_distributed_environment(
