@@ -246,8 +246,7 @@ class VllmOmniConfig:
             if vllm_lora:
                 raise ValueError(
                     f"{label} does not accept vLLM LoRA option(s) {vllm_lora}: diffusion stages use the "
-                    f"diffusion LoRA manager; set lora_path / lora_backend / lora_scale / max_loras / "
-                    f"max_cpu_loras on this stage instead"
+                    f"diffusion LoRA manager; set {' / '.join(sorted(DIFFUSION_LORA_FIELDS))} on this stage instead"
                 )
         unknown = sorted(k for k in merged if k not in allowed)
         if unknown:
