@@ -26,14 +26,13 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.config.stage_config import DiffusionStageConfig
-from vllm_omni.engine.llm_stage import StageEngineError
+from vllm_omni.engine.stage_driver import StageDriver, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams, check_lora_lists
 from vllm_omni.lora.request import LoRARequest
 
@@ -116,7 +115,7 @@ def _shared_negative(items: list[_Pending]) -> str | list[str] | None:
     return ["" if n is None else n for n in negs]
 
 
-class DiffusionStageEngine:
+class DiffusionStageEngine(StageDriver):
     """Runs one diffusion stage (in this process for TP=1, spawned ranks for TP>1).
 
     Args:
@@ -155,12 +154,7 @@ class DiffusionStageEngine:
         self.startup_lora_ids: list[int] = list(info["startup_loras"])
         #: sizes of the denoiser batches run so far, in prompts (observability / tests).
         self.batch_sizes: list[int] = []
-        self._cv = threading.Condition()
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._commands: list[tuple[Any, Future]] = []
-        self._holds = 0
-        self._dead: BaseException | None = None
-        self._closed = False
+        self._init_driver()
         self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
         self._thread.start()
 
@@ -247,18 +241,6 @@ class DiffusionStageEngine:
             seed = random.randrange(2**31 - 1)
         return _Pending(prompt, params, requests, [float(s) for s in scales], seed, Future())
 
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        """Submissions inside this block are batched together: no batch starts until it exits."""
-        with self._cv:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify()
-
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into every worker's host cache; ``True`` if it was newly loaded.
 
@@ -267,55 +249,32 @@ class DiffusionStageEngine:
                 workers (their caches are unchanged).
         """
         check_lora_lists([lora_request], [])
-        return self._call("add_lora", lora_request)
+        return self._call_all_ranks("add_lora", lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Remove an adapter everywhere (waits for a running batch); ``False`` if not cached."""
-        return self._call("remove_lora", lora_int_id)
+        return self._call_all_ranks("remove_lora", lora_int_id)
 
     def list_loras(self) -> set[int]:
         """Ids of the adapters cached on this stage."""
-        return set(self._call("list_loras"))
+        return set(self._call_all_ranks("list_loras"))
 
     def pin_lora(self, lora_int_id: int) -> bool:
         """Pin a cached adapter on every worker (``ValueError`` when it is not cached)."""
-        return self._call("pin_lora", lora_int_id)
+        return self._call_all_ranks("pin_lora", lora_int_id)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Run a worker method on every rank (on the driver thread, between batches)."""
-        fut: Future = Future()
-        with self._cv:
-            self._raise_if_unusable()
-            self._commands.append((lambda: self._engine.collective_rpc(method, *args), fut))
-            self._cv.notify()
-        return fut.result()
+        return self._call(lambda: self._engine.collective_rpc(method, *args))
 
     def shutdown(self) -> None:
         """Stop the driver and the workers; queued requests fail with ``StageEngineError``."""
-        with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            self._cv.notify()
-        self._thread.join(timeout=60)
-        err = StageEngineError(f"{self.stage.label}: shut down")
-        for item in list(self._queue):
-            if not item.future.done():
-                item.future.set_exception(err)
-        for _, fut in self._commands:
-            if not fut.done():
-                fut.set_exception(err)
-        self._queue.clear()
+        if not self._stop_driver(self._thread, 60):
+            return
         self._engine.shutdown()
 
     # ---------------------------------------------------------------- internals
-    def _raise_if_unusable(self) -> None:
-        if self._closed:
-            raise StageEngineError(f"{self.stage.label} is shut down")
-        if self._dead is not None:
-            raise StageEngineError(f"{self.stage.label} failed earlier and cannot serve: {self._dead}")
-
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call_all_ranks(self, method: str, *args: Any) -> Any:
         results = self.collective_rpc(method, *args)
         first = results[0]
         if any(r != first for r in results[1:]):
@@ -388,10 +347,6 @@ class DiffusionStageEngine:
                     return
                 commands, self._commands = self._commands, []
                 batch = self._take_batch() if self._holds == 0 else []
-            for fn, fut in commands:
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:
-                    fut.set_exception(exc)
+            self._run_commands(commands)
             if batch:
                 self._run_batch(batch)

@@ -14,13 +14,10 @@ kind starves). Set ``VLLM_OMNI_LORA_BATCH_GUARD=0``/``1`` to force it off/on.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +28,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine.lora_validation import InvalidAdapterError, LLMAdapterValidator
+from vllm_omni.engine.stage_driver import StageDriver, StageEngineError
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
 from vllm_omni.lora.request import LoRARequest
 
@@ -43,10 +41,6 @@ logger = logging.getLogger(__name__)
 _LIVE_ENGINES = 0
 _PARKED: list[Any] = []
 _LIVE_LOCK = threading.Lock()
-
-
-class StageEngineError(RuntimeError):
-    """A stage engine failed; the message names the stage."""
 
 
 class LoRANotEnabledError(ValueError):
@@ -92,7 +86,7 @@ class _Pending:
     future: Future
 
 
-class LLMStageEngine:
+class LLMStageEngine(StageDriver):
     """Runs one LLM stage on a vLLM engine in this process.
 
     Args:
@@ -113,13 +107,8 @@ class LLMStageEngine:
         )
         self._guard = stage.lora_config is not None and mixed_batch_guard_enabled()
         self._ids = itertools.count()
-        self._cv = threading.Condition()
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._commands: list[tuple[Any, Future]] = []
+        self._init_driver()
         self._running: dict[str, tuple[_Pending, bool]] = {}
-        self._dead: BaseException | None = None
-        self._closed = False
-        self._holds = 0
         self._engine = None
         # The engine is built on the driver thread, the one that runs every forward pass:
         # vLLM's CPU worker sets its thread count and affinity on the thread that builds it.
@@ -200,19 +189,6 @@ class LLMStageEngine:
             self._require_lora()
             self.validator.validate(lora_request)
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Requests submitted inside this block are admitted together when it exits, so they
-        start in the same engine step (as ``vllm.LLM.generate`` adds a whole list first)."""
-        with self._cv:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify()
-
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate then register an adapter in the engine's CPU cache."""
         self._require_lora()
@@ -234,17 +210,8 @@ class LLMStageEngine:
 
     def shutdown(self) -> None:
         """Stop the driver thread and release the engine; pending requests fail."""
-        with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            self._cv.notify()
-        self._thread.join(timeout=30)
-        err = StageEngineError(f"{self.stage.label}: shut down")
-        for item in list(self._queue) + [p for p, _ in self._running.values()]:
-            if not item.future.done():
-                item.future.set_exception(err)
-        self._fail_commands(err)
+        if not self._stop_driver(self._thread, 30, [p for p, _ in self._running.values()]):
+            return
         global _LIVE_ENGINES
         with _LIVE_LOCK:
             _LIVE_ENGINES -= 1
@@ -266,28 +233,6 @@ class LLMStageEngine:
                 f"(Omni(..., enable_lora=True) for a single-stage pipeline, or "
                 f'stage_overrides={{"{self.stage.stage_id}": {{"enable_lora": true}}}})'
             )
-
-    def _raise_if_unusable(self) -> None:
-        if self._closed:
-            raise StageEngineError(f"{self.stage.label} is shut down")
-        if self._dead is not None:
-            raise StageEngineError(f"{self.stage.label} failed earlier and cannot serve: {self._dead}")
-
-    def _fail_commands(self, err: BaseException) -> None:
-        """Answer the LoRA calls the driver will never run (it stopped), so no caller waits forever."""
-        with self._cv:
-            commands, self._commands = self._commands, []
-        for _, fut in commands:
-            if not fut.done():
-                fut.set_exception(err)
-
-    def _call(self, fn) -> Any:
-        fut: Future = Future()
-        with self._cv:
-            self._raise_if_unusable()
-            self._commands.append((fn, fut))
-            self._cv.notify()
-        return fut.result()
 
     def _admit(self) -> None:
         """Move queued requests into the engine, keeping adapter/no-adapter apart if guarded."""
@@ -333,11 +278,7 @@ class LLMStageEngine:
                 if self._closed:
                     return
                 commands, self._commands = self._commands, []
-            for fn, fut in commands:
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:
-                    fut.set_exception(exc)
+            self._run_commands(commands)
             with self._cv:
                 self._admit()
             cancelled = [rid for rid, (item, _) in self._running.items() if item.future.cancelled()]
