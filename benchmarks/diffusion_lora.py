@@ -456,7 +456,8 @@ def main(argv=None) -> int:
     # 2./3. adapter switch -------------------------------------------------------------------
     if "switch" not in args.skip:
         manager.deactivate()
-        ref.disable_adapters()
+        if getattr(ref, "peft_config", None):  # adapters were loaded by the step section
+            ref.disable_adapters()
         step_s = median([timer(ours_step) for _ in range(2)])
         ref_step_s = median([timer(ref_step) for _ in range(2)])
         manager.deactivate()
@@ -581,12 +582,11 @@ def main(argv=None) -> int:
         held = 0
         for rid in manager.list_loras():
             for weights in manager.cache_entry(rid).payload.values():
-                for pair in weights.slices:
-                    for tensor in pair or ():
-                        storage = tensor.untyped_storage()
-                        if storage.data_ptr() not in seen:
-                            seen.add(storage.data_ptr())
-                            held += storage.nbytes()
+                for tensor in weights.tensors():
+                    storage = tensor.untyped_storage()
+                    if storage.data_ptr() not in seen:
+                        seen.add(storage.data_ptr())
+                        held += storage.nbytes()
         lora_bytes = sum(4 * r0 * (d_in + d_out) for d_in, d_out in lora_shapes(cfg).values()) * len(paths)
         result["memory"] = {
             "adapters": len(paths),

@@ -113,7 +113,8 @@ def test_adapter_on_fused_layer_name_applies_whole(toy_base):
     manager = DiffusionLoRAManager(model, max_loras=1, max_rank=8, adapter_loader=lambda path: adapter)
     manager.set_active_adapters([LoRARequest("fused", 1, "/virtual/fused")], [1.25])
     wrapper = manager.wrappers["blocks.0.attn.to_qkv"]
-    assert wrapper.slot_ranks(0) == (4, 4, 4) and wrapper._shared_a[0]
+    held = wrapper.slot_weights(0)
+    assert wrapper.slot_ranks(0) == (4, 4, 4) and held.shared_a and held.a.shape[0] == 4
     h = torch.randn(2, 5, DIM, generator=gen)
     ours = wrapper(h)[0]
     manager.deactivate()

@@ -7,13 +7,15 @@ the LoRA update of every active device slot:
 
 where ``n`` is the sample (leading dimension of ``x``), ``j`` a device slot, ``lambda`` the
 per-request scale matrix ``[batch, max_loras]`` held in the shared :class:`LoRABatchState`, and the
-adapter scaling ``s_j`` (``lora_alpha / r``) is folded into ``B`` when a slot is written.
+adapter scaling ``s_j`` (``lora_alpha / r``) is folded into ``B`` when the adapter is loaded.
 
-Device buffers (allocated on the first slot write, so untargeted layers cost nothing):
-
-* ``lora_a``: ``[n_slices, max_loras, max_rank, in_local]``: one ``A`` per output slice, because a
-  packed layer (``to_qkv``, ``w13``) may receive separate adapters for each sub-layer;
-* ``lora_b``: ``[max_loras, out_local, max_rank]``: ``s * B``, rows laid out like the local output.
+Slot storage: every wrapper keeps, per device slot, the :class:`SlotWeights` of the adapter in
+that slot: ``A`` of all parts stacked ``[sum r, in_local]`` and ``(s B)^T`` per output part
+``[r, out_part]``, cut to this rank and laid out once when the adapter enters the host cache
+(:meth:`BaseLayerWithLoRA.prepare`). When the LoRA device is the host (CPU models) a slot refers
+to the cached tensors, so writing an adapter into a slot copies nothing; on an accelerator it is
+one host-to-device copy per tensor. A packed layer (``to_qkv``, ``w13``) may receive separate
+adapters for each sub-layer; the shrink ``h = x A^T`` is still one GEMM for all of them.
 
 Sharding follows :mod:`.geometry`. Row-parallel layers add their partial delta *before* the layer's
 all-reduce, so the sum over ranks is exactly ``B (A x)``; column-parallel layers add before the
@@ -186,6 +188,43 @@ class LayerLoRAWeights:
         )
 
 
+@dataclass(frozen=True)
+class SlotWeights:
+    """One adapter's LoRA for one layer on this rank, laid out for the forward pass.
+
+    Built once by :meth:`BaseLayerWithLoRA.prepare` when the adapter enters the host cache.
+
+    Attributes:
+        a: ``[sum of the parts' ranks, in_local]``: the ``A`` rows of every part stacked, so one
+            GEMM ``h = x a^T`` serves all parts (a shared ``A`` appears once).
+        parts: per part ``(h_start, rank, out_offset, out_size)``: columns ``h[:, h_start:h_start +
+            rank]`` update the local output columns ``out_offset:out_offset + out_size``.
+        bt: per part ``(s B_local)^T``, ``[rank, out_size]``, contiguous (the ``addmm_`` operand).
+        ranks: rank per output slice of the layer (``0``: the slice is left alone).
+        shared_a: the adapter targeted the packed layer by its own name (one ``A`` for all slices).
+    """
+
+    a: torch.Tensor
+    parts: tuple[tuple[int, int, int, int], ...]
+    bt: tuple[torch.Tensor, ...]
+    ranks: tuple[int, ...]
+    shared_a: bool = False
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> SlotWeights:
+        """These weights on ``device`` in ``dtype``; ``self`` (no copy) when already there."""
+        tensors = (self.a, *self.bt)
+        if all(t.device == device and t.dtype == dtype for t in tensors):
+            return self
+        moved = [t.to(device=device, dtype=dtype, non_blocking=True) for t in tensors]
+        return SlotWeights(moved[0], self.parts, tuple(moved[1:]), self.ranks, self.shared_a)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.a, *self.bt)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
 def _default_device_dtype(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
     dtype = getattr(layer, "params_dtype", None)
     device = torch.device("cpu")
@@ -237,10 +276,7 @@ class BaseLayerWithLoRA(nn.Module):
         default_device, default_dtype = _default_device_dtype(base_layer)
         self.lora_device = torch.device(device) if device is not None else default_device
         self.lora_dtype = dtype or default_dtype
-        self.register_buffer("lora_a", None, persistent=False)
-        self.register_buffer("lora_b", None, persistent=False)
-        self._ranks: list[tuple[int, ...] | None] = [None] * self.max_loras
-        self._shared_a: list[bool] = [False] * self.max_loras
+        self._slot_weights: list[SlotWeights | None] = [None] * self.max_loras
         # Keep checkpoint names stable: "<layer>.weight", not "<layer>.base_layer.weight".
         self.register_state_dict_post_hook(_hide_base_prefix)
         self.register_load_state_dict_pre_hook(_restore_base_prefix)
@@ -254,38 +290,16 @@ class BaseLayerWithLoRA(nn.Module):
             return getattr(super().__getattr__("base_layer"), name)
 
     # ----------------------------------------------------------------- slots
-    def _ensure_buffers(self) -> None:
-        if self.lora_a is not None:
-            return
-        g = self.geometry
-        self.lora_a = torch.zeros(
-            len(g.slices),
-            self.max_loras,
-            self.max_rank,
-            g.in_local,
-            device=self.lora_device,
-            dtype=self.lora_dtype,
-        )
-        self.lora_b = torch.zeros(
-            self.max_loras, g.out_local, self.max_rank, device=self.lora_device, dtype=self.lora_dtype
-        )
+    def prepare(self, weights: LayerLoRAWeights) -> SlotWeights:
+        """Cut one adapter's unsharded host weights to this rank and lay them out for the forward.
 
-    def slot_ranks(self, slot: int) -> tuple[int, ...] | None:
-        """Per-slice ranks written into ``slot`` (``None`` when the slot leaves this layer alone)."""
-        return self._ranks[slot]
-
-    def set_slot(self, slot: int, weights: LayerLoRAWeights | None) -> None:
-        """Write one adapter's weights into device slot ``slot`` (``None`` clears it).
-
-        The unsharded host tensors are cut to this rank's rows / columns (see :mod:`.geometry`) and
-        cast to the buffer dtype. Slices the adapter does not target are zero.
+        Runs once per adapter when it enters the host cache, so that making it active later is a
+        reference (same device and dtype) or one host-to-device copy per tensor, never a re-layout.
+        The result lives on the host, in the layer's LoRA dtype (pinned when the LoRA device is CUDA).
 
         Raises:
             ValueError: wrong number of slices, a rank above ``max_rank``, or mismatched shapes.
         """
-        if weights is None:
-            self.clear_slot(slot)
-            return
         g = self.geometry
         if len(weights.slices) != len(g.slices):
             raise ValueError(f"expected {len(g.slices)} output slices, got {len(weights.slices)}")
@@ -300,93 +314,107 @@ class BaseLayerWithLoRA(nn.Module):
                     f"LoRA shapes A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a slice of "
                     f"{sl.global_size} rows x {g.in_features} inputs"
                 )
-        self._ensure_buffers()
-        new_a = [
-            0 if pair is None or (index > 0 and weights.shared_a) else int(pair[0].shape[0])
-            for index, pair in enumerate(weights.slices)
-        ]
-        new_b = [0 if pair is None else int(pair[0].shape[0]) for pair in weights.slices]
-        self._zero_written(slot, new_a, new_b)
-        ranks: list[int] = []
-        for index, (sl, pair) in enumerate(zip(g.slices, weights.slices, strict=True)):
-            if pair is None:
-                ranks.append(0)
-                continue
-            lora_a, lora_b = pair
-            rank = int(lora_a.shape[0])
-            if index == 0 or not weights.shared_a:
-                self.lora_a[index, slot, :rank].copy_(lora_a[:, g.in_start : g.in_start + g.in_local])
-            start, length = sl.rows_within_slice()
-            self.lora_b[slot, sl.local_offset : sl.local_offset + length, :rank].copy_(
-                lora_b[start : start + length]
+        dtype = self.lora_dtype
+        columns = slice(g.in_start, g.in_start + g.in_local)
+        ranks = tuple(0 if pair is None else int(pair[0].shape[0]) for pair in weights.slices)
+        present = [i for i, rank in enumerate(ranks) if rank]
+        if not present:
+            raise ValueError("the adapter leaves every slice of this layer untouched")
+
+        def local_b(index: int) -> torch.Tensor:
+            start, length = g.slices[index].rows_within_slice()
+            return weights.slices[index][1][start : start + length]
+
+        contiguous = all(  # the present slices tile the local output in order
+            g.slices[i].local_offset
+            == (g.slices[i - 1].local_offset + g.slices[i - 1].local_size if i else 0)
+            for i in range(len(g.slices))
+        ) and present == list(range(len(g.slices)))
+        if weights.shared_a and contiguous:
+            a = weights.slices[0][0][:, columns]
+            b = torch.cat([local_b(i) for i in present]) if len(present) > 1 else local_b(present[0])
+            parts = ((0, ranks[0], 0, g.out_local),)
+            bts = (b.t(),)
+        else:
+            shared = weights.shared_a
+            a = (
+                weights.slices[present[0]][0][:, columns]
+                if shared
+                else torch.cat([weights.slices[i][0][:, columns] for i in present])
             )
-            ranks.append(rank)
-        self._shared_a[slot] = bool(weights.shared_a)
-        self._ranks[slot] = tuple(ranks)
+            parts_list, bts_list, h_start = [], [], 0
+            for i in present:
+                sl = g.slices[i]
+                parts_list.append((0 if shared else h_start, ranks[i], sl.local_offset, sl.local_size))
+                bts_list.append(local_b(i).t())
+                h_start += 0 if shared else ranks[i]
+            parts, bts = tuple(parts_list), tuple(bts_list)
+        pin = self.lora_device.type == "cuda"
 
-    def _zero_written(self, slot: int, keep_a: Sequence[int], keep_b: Sequence[int]) -> None:
-        """Zero what the slot's current occupant wrote beyond rank ``keep_a[i]`` / ``keep_b[i]`` of slice ``i``.
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(device="cpu", dtype=dtype).contiguous()
+            return t.pin_memory() if pin else t
 
-        Invariant: outside the regions written by :meth:`set_slot` the buffers are zero, so only
-        the previous occupant's regions need clearing (not the whole ``max_rank``-sized slot).
+        return SlotWeights(host(a), parts, tuple(host(bt) for bt in bts), ranks, bool(weights.shared_a))
+
+    def slot_ranks(self, slot: int) -> tuple[int, ...] | None:
+        """Per-slice ranks written into ``slot`` (``None`` when the slot leaves this layer alone)."""
+        held = self._slot_weights[slot]
+        return None if held is None else held.ranks
+
+    def slot_weights(self, slot: int) -> SlotWeights | None:
+        """What ``slot`` holds for this layer (on the LoRA device), or ``None``."""
+        return self._slot_weights[slot]
+
+    def set_slot(self, slot: int, weights: SlotWeights | LayerLoRAWeights | None) -> None:
+        """Make ``slot`` hold one adapter's weights (``None`` clears it).
+
+        ``weights`` is what :meth:`prepare` returned (or unsharded weights, prepared here). When the
+        LoRA device and dtype are those of the prepared host tensors (a CPU model) the slot refers to
+        them without copying; otherwise each tensor is copied to the device once (asynchronously from
+        pinned memory).
+
+        Raises:
+            ValueError: see :meth:`prepare`.
         """
-        ranks = self._ranks[slot]
-        if ranks is None or self.lora_a is None:
+        if weights is None:
+            self.clear_slot(slot)
             return
-        shared = self._shared_a[slot]
-        for index, (sl, rank) in enumerate(zip(self.geometry.slices, ranks, strict=True)):
-            written_a = 0 if (shared and index > 0) else rank
-            if written_a > keep_a[index]:
-                self.lora_a[index, slot, keep_a[index] : written_a].zero_()
-            if rank > keep_b[index]:
-                rows = self.lora_b[slot, sl.local_offset : sl.local_offset + sl.local_size]
-                rows[:, keep_b[index] : rank].zero_()
+        if isinstance(weights, LayerLoRAWeights):
+            weights = self.prepare(weights)
+        self._slot_weights[slot] = weights.to(self.lora_device, self.lora_dtype)
 
     def clear_slot(self, slot: int) -> None:
-        """Forget ``slot`` on this layer (its buffers are zeroed if allocated)."""
-        n = len(self.geometry.slices)
-        self._zero_written(slot, [0] * n, [0] * n)
-        self._ranks[slot] = None
-        self._shared_a[slot] = False
+        """Forget ``slot`` on this layer."""
+        self._slot_weights[slot] = None
 
     # --------------------------------------------------------------- forward
     def has_active_lora(self) -> bool:
-        if self.lora_a is None:
-            return False
-        return any(self._ranks[act.slot] is not None for act in self.lora_state.slots)
+        held = self._slot_weights
+        return any(held[act.slot] is not None for act in self.lora_state.slots)
 
-    def _lora_rows(
-        self, x: torch.Tensor, y: torch.Tensor, slot: int, ranks: tuple[int, ...], scale: float | None
-    ) -> None:
-        """Add ``scale * B (A x)`` of ``slot`` to ``y`` (same leading shape as ``x``) in place.
+    def _lora_rows(self, x: torch.Tensor, y: torch.Tensor, w: SlotWeights, scale: float | None) -> None:
+        """Add ``scale * B (A x)`` of one slot to ``y`` (same leading shape as ``x``) in place.
 
-        ``y`` is updated by ``addmm_`` when it is contiguous and of the buffers' dtype (no delta
-        tensor, no extra pass over the output); otherwise the delta is computed and added.
+        One GEMM computes ``h = x A^T`` for every part at once (the A rows are stacked); each part
+        then updates its output columns with ``addmm_`` when ``y`` is contiguous and of the LoRA
+        dtype (no delta tensor, no extra pass over the output); otherwise the delta is added.
         """
-        g = self.geometry
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != self.lora_a.dtype:
-            x2 = x2.to(self.lora_a.dtype)
-        y2 = y.view(-1, y.shape[-1]) if (y.is_contiguous() and y.dtype == self.lora_a.dtype) else None
-        scaled = scale is not None and scale != 1.0
-        if self._shared_a[slot]:
-            parts = ((0, max(ranks), 0, g.out_local),)
-        else:
-            parts = tuple(
-                (index, ranks[index], sl.local_offset, sl.local_size)
-                for index, sl in enumerate(g.slices)
-                if ranks[index] != 0
-            )
-        for index, rank, offset, size in parts:
-            h = x2 @ self.lora_a[index, slot, :rank].t()
-            if scaled:
-                h = h * scale
-            lora_b = self.lora_b[slot, offset : offset + size, :rank]
+        if x2.dtype != w.a.dtype:
+            x2 = x2.to(w.a.dtype)
+        h = F.linear(x2, w.a)
+        if scale is not None and scale != 1.0:
+            h.mul_(scale)
+        y2 = y.view(-1, y.shape[-1]) if (y.is_contiguous() and y.dtype == w.a.dtype) else None
+        whole_h = len(w.parts) == 1 and w.parts[0][1] == h.shape[-1]
+        for (h_start, rank, offset, size), bt in zip(w.parts, w.bt, strict=True):
+            hp = h if whole_h else h.narrow(-1, h_start, rank)
             if y2 is not None:
                 target = y2 if (offset == 0 and size == y2.shape[-1]) else y2.narrow(-1, offset, size)
-                target.addmm_(h, lora_b.t())
+                target.addmm_(hp, bt)
                 continue
-            delta = (h @ lora_b.t()).view(*x.shape[:-1], -1).to(y.dtype)
+            delta = (hp @ bt).view(*x.shape[:-1], -1).to(y.dtype)
             target = y if (offset == 0 and size == y.shape[-1]) else y.narrow(-1, offset, size)
             target.add_(delta)
 
@@ -403,23 +431,19 @@ class BaseLayerWithLoRA(nn.Module):
                 batch size set by the manager nor explained by :func:`lora_rows_per_sample`.
         """
         state = self.lora_state
-        if not state.slots or self.lora_a is None:
-            return y
         for act in state.slots:
-            ranks = self._ranks[act.slot]
-            if ranks is None:
+            w = self._slot_weights[act.slot]
+            if w is None:
                 continue
             act = state.for_rows(act, x.shape[0])
             runs = act.runs
             if runs is None and (act.rows is not None or act.row_scales is not None):
                 runs = scale_runs(act.column)  # built by hand without runs: derive them
             if runs is None:
-                self._lora_rows(x, y, act.slot, ranks, act.scale)
+                self._lora_rows(x, y, w, act.scale)
                 continue
             for start, length, scale in runs:
-                self._lora_rows(
-                    x.narrow(0, start, length), y.narrow(0, start, length), act.slot, ranks, scale
-                )
+                self._lora_rows(x.narrow(0, start, length), y.narrow(0, start, length), w, scale)
         return y
 
     def extra_repr(self) -> str:

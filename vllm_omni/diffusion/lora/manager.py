@@ -7,9 +7,11 @@ Lifecycle:
    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and ``torch.nn.Linear``) by a wrapper from
    :mod:`.layers`. Packed layers are described by the model's ``stacked_params_mapping``.
 2. :meth:`DiffusionLoRAManager.add_lora` reads an adapter into the host LRU cache (``max_cpu_loras``
-   entries, float32 CPU tensors, already bound to layers and checked against them).
-3. :meth:`DiffusionLoRAManager.set_active_adapters` (or the :meth:`activate` context manager) copies
-   the batch's adapters into the ``max_loras`` device slots (reusing slots that already hold them)
+   entries), checks it against the layers and stores it cut to this rank and laid out for the
+   forward (:class:`~.layers.SlotWeights`, in the LoRA dtype).
+3. :meth:`DiffusionLoRAManager.set_active_adapters` (or the :meth:`activate` context manager) puts
+   the batch's adapters into the ``max_loras`` device slots (reusing slots that already hold them;
+   on a CPU model a slot refers to the cached tensors, elsewhere they are copied to the device)
    and publishes the per-sample scale matrix ``[batch, max_loras]`` that every wrapper reads.
 
 Rules: pinned adapters are never evicted; adapters held by in-flight requests (:meth:`activate`,
@@ -27,6 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from vllm_omni.diffusion.lora.adapter import LoRAFormatError
 from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, LoRACacheError, SlotTable
 from vllm_omni.diffusion.lora.layers import (
     BaseLayerWithLoRA,
@@ -143,6 +146,7 @@ class DiffusionLoRAManager:
         self._active_key: tuple | None = None
         self.scale_matrix: torch.Tensor | None = None
         self.slot_writes = 0
+        self._slot_layers: list[tuple[str, ...]] = [()] * self.max_loras
         self.wrappers: dict[str, BaseLayerWithLoRA] = {}
         for name, target in self._index.targets.items():
             current = getattr(target.parent, target.attr)
@@ -173,14 +177,20 @@ class DiffusionLoRAManager:
         lora_id, path = _check_request(request)
         adapter = self._loader(path)
         bound = bind_adapter(adapter, self._index, self.max_rank)
-        return CacheEntry(lora_id, path, bound, name=getattr(request, "lora_name", "") or "")
+        prepared = {}
+        for name, weights in bound.items():
+            try:
+                prepared[name] = self.wrappers[name].prepare(weights)
+            except ValueError as exc:
+                raise LoRAFormatError(f"{path}: layer {name!r}: {exc}") from exc
+        return CacheEntry(lora_id, path, prepared, name=getattr(request, "lora_name", "") or "")
 
     def _free_slot(self, lora_int_id: int) -> None:
         slot = self._slots.release(lora_int_id)
         if slot is not None:
-            for wrapper in self.wrappers.values():
-                if wrapper.slot_ranks(slot) is not None:
-                    wrapper.clear_slot(slot)
+            for name in self._slot_layers[slot]:
+                self.wrappers[name].clear_slot(slot)
+            self._slot_layers[slot] = ()
 
     def _ensure_cached(
         self, requests: Sequence[LoRARequest], protected: set[int], *, keep_active: bool = True
@@ -391,17 +401,22 @@ class DiffusionLoRAManager:
             payload = self._cache.get(lora_id).payload
             if previous is not None:
                 self._slots.release(previous)
+            # Only the layers the adapter targets are written and only those the previous occupant
+            # touched are cleared: a switch costs O(targeted layers); on a CPU model each write is a
+            # reference to the host cache's tensors (see BaseLayerWithLoRA.set_slot).
+            wrappers = self.wrappers
             try:
-                for name, wrapper in self.wrappers.items():
-                    weights = payload.get(name)
-                    if weights is not None:
-                        wrapper.set_slot(slot, weights)
-                    elif wrapper.slot_ranks(slot) is not None:
-                        wrapper.clear_slot(slot)
+                for name in self._slot_layers[slot]:
+                    if name not in payload:
+                        wrappers[name].clear_slot(slot)
+                self._slot_layers[slot] = ()
+                for name, weights in payload.items():
+                    wrappers[name].set_slot(slot, weights)
             except Exception:
-                for wrapper in self.wrappers.values():
+                for wrapper in wrappers.values():
                     wrapper.clear_slot(slot)
                 raise
+            self._slot_layers[slot] = tuple(payload)
             self._slots.assign(lora_id, slot)
             self.slot_writes += 1
         for lora_id in batch_ids:
