@@ -97,9 +97,9 @@ class DiffusionLoRAManager:
         model_or_pipeline: a denoiser ``nn.Module`` or a pipeline exposing ``transformer`` (and
             optionally ``transformer_2``); see :func:`find_denoisers`.
         max_loras: device slots; also the most adapters one batch (and one request) may use.
-        max_rank: largest LoRA rank accepted; buffers are sized for it.
+        max_rank: largest LoRA rank accepted (adapters above it are refused when loaded).
         max_cpu_loras: host LRU capacity (defaults to ``max_loras``; must be ``>= max_loras``).
-        device, dtype: where / how the A and B buffers live (default: each base layer's own).
+        device, dtype: where the slots' A and B live and their dtype (default: each base layer's own).
         stacked_params_mapping: ``(packed_name, sub_name, shard_id)`` tuples; defaults to the union
             of the denoisers' ``stacked_params_mapping`` attributes.
         target_modules: optional layer-name suffixes to patch (default: every supported linear).
