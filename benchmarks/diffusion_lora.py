@@ -35,209 +35,20 @@ import gc
 import json
 import os
 import platform
-import statistics
-import threading
 import time
 from pathlib import Path
 
+from benchmarks.diffusion_assets import (
+    adapter_metadata,
+    ensure_adapter,
+    ensure_transformer,
+    flop_floor,
+    lora_shapes,
+    model_config,
+)
+from benchmarks.timing import PeakRSS, Timer, lora_op_share, median, paired
+
 REPO = Path(__file__).resolve().parent.parent
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
-ASSET_VERSION = "1"
-
-
-# ----------------------------------------------------------------------------- assets
-def model_config(dim: int, layers: int, refiner: int, cap_dim: int) -> dict:
-    head_dim = 128
-    return dict(
-        all_patch_size=[2],
-        all_f_patch_size=[1],
-        in_channels=16,
-        dim=dim,
-        n_layers=layers,
-        n_refiner_layers=refiner,
-        n_heads=dim // head_dim,
-        n_kv_heads=dim // head_dim,
-        norm_eps=1e-5,
-        qk_norm=True,
-        cap_feat_dim=cap_dim,
-        rope_theta=256.0,
-        t_scale=1000.0,
-        axes_dims=[32, 48, 48],
-        axes_lens=[1024, 512, 512],
-    )
-
-
-def ensure_transformer(root: Path, cfg: dict) -> Path:
-    """Random diffusers-format ``transformer/`` folder for ``cfg`` (built once, seeded)."""
-    import torch
-    from diffusers import ZImageTransformer2DModel
-
-    name = f"z-image-d{cfg['dim']}-L{cfg['n_layers']}-R{cfg['n_refiner_layers']}-c{cfg['cap_feat_dim']}"
-    folder = root / name / "transformer"
-    stamp = root / name / ".asset_version"
-    if stamp.is_file() and stamp.read_text().strip() == ASSET_VERSION:
-        return folder
-    torch.manual_seed(0)
-    model = ZImageTransformer2DModel(**cfg)
-    with torch.no_grad():
-        model.x_pad_token.normal_(0, 0.5)
-        model.cap_pad_token.normal_(0, 0.5)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    stamp.write_text(ASSET_VERSION + "\n")
-    return folder
-
-
-def lora_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """diffusers module name -> (d_in, d_out) of every targeted linear."""
-    dim = cfg["dim"]
-    hidden = int(dim / 3 * 8)
-    blocks = [f"layers.{i}" for i in range(cfg["n_layers"])]
-    for kind in ("noise_refiner", "context_refiner"):
-        blocks += [f"{kind}.{i}" for i in range(cfg["n_refiner_layers"])]
-    shapes = {}
-    for blk in blocks:
-        for proj in ("to_q", "to_k", "to_v", "to_out.0"):
-            shapes[f"{blk}.attention.{proj}"] = (dim, dim)
-        shapes[f"{blk}.feed_forward.w1"] = (dim, hidden)
-        shapes[f"{blk}.feed_forward.w3"] = (dim, hidden)
-        shapes[f"{blk}.feed_forward.w2"] = (hidden, dim)
-    return shapes
-
-
-def ensure_adapter(folder: Path, cfg: dict, r: int, seed: int) -> Path:
-    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-    import torch
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    if (folder / "adapter_model.safetensors").is_file():
-        return folder
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (d_in, d_out) in lora_shapes(cfg).items():
-        key = f"base_model.model.{module}"
-        tensors[f"{key}.lora_A.weight"] = torch.randn(r, d_in, generator=gen) / d_in**0.5
-        tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r, generator=gen) * 0.02
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS, lora_dropout=0.0).save_pretrained(str(tmp))
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    os.replace(tmp, folder)
-    return folder
-
-
-def adapter_metadata(folder: Path) -> dict:
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    keys = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern", "bias")
-    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
-
-
-def flop_floor(cfg: dict, r: int, image_tokens: int, cap_tokens: int) -> tuple[float, float]:
-    """(floor over the patched layers, patched layers' share of the step's matmul+attention FLOPs).
-
-    floor = sum_l T_l r (d_in + d_out) / sum_l T_l d_in d_out with T_l the tokens layer l sees.
-    """
-    tokens = {
-        "layers": image_tokens + cap_tokens,
-        "noise_refiner": image_tokens,
-        "context_refiner": cap_tokens,
-    }
-    lora = base = 0.0
-    for module, (d_in, d_out) in lora_shapes(cfg).items():
-        t = tokens[module.split(".")[0]]
-        lora += t * r * (d_in + d_out)
-        base += t * d_in * d_out
-    dim = cfg["dim"]
-    attn = sum(
-        4 * t * t * dim * (cfg["n_layers"] if k == "layers" else cfg["n_refiner_layers"])
-        for k, t in tokens.items()
-    )
-    return lora / base, base / (base + attn)
-
-
-# ----------------------------------------------------------------------------- timing
-class Timer:
-    """Seconds spent in ``fn``: wall clock (CUDA: after a device sync) or this process's CPU time.
-
-    On a shared CPU box the wall clock mostly measures the neighbours; with one intra-op thread the
-    process CPU time is the work done by this benchmark alone.
-    """
-
-    def __init__(self, device: str, clock: str):
-        import torch
-
-        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        self.now = time.process_time if clock == "cpu" else time.perf_counter
-
-    def __call__(self, fn) -> float:
-        self.sync()
-        t0 = self.now()
-        fn()
-        self.sync()
-        return self.now() - t0
-
-
-def median(xs) -> float:
-    return statistics.median(xs)
-
-
-def paired(timer: Timer, sides: dict, repeats: int, warm_base: bool) -> dict:
-    """Per side, interleaved no-LoRA / LoRA steps; all sides take turns inside each repeat.
-
-    ``sides`` maps a name to ``(step_fn, prepare_base, prepare_lora)``. Interleaving both the two
-    conditions and the two sides means a change in the machine's load hits every number alike.
-    Returns per side the medians of the times, the median of the per-pair ratios (``ratio``) and the
-    ratio of the fastest runs (``ratio_min``, the least disturbed ones).
-    """
-    for step, prepare_base, prepare_lora in sides.values():
-        prepare_lora()
-        step()
-        if warm_base:
-            prepare_base()
-            step()
-    tb = {name: [] for name in sides}
-    tl = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, (step, prepare_base, prepare_lora) in sides.items():
-            prepare_base()
-            tb[name].append(timer(step))
-            prepare_lora()
-            tl[name].append(timer(step))
-    return {
-        name: {
-            "base_s": median(tb[name]),
-            "lora_s": median(tl[name]),
-            "ratio": median([lo / b for lo, b in zip(tl[name], tb[name], strict=True)]),
-            "ratio_min": min(tl[name]) / min(tb[name]),
-            "base_samples_s": tb[name],
-            "lora_samples_s": tl[name],
-        }
-        for name in sides
-    }
-
-
-class PeakRSS:
-    """Peak resident set size sampled every 2 ms while inside the block."""
-
-    def __enter__(self):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.start = self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._poll, daemon=True)
-        self._t.start()
-        return self
-
-    def _poll(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.end = self.proc.memory_info().rss
-        self.peak = max(self.peak, self.end)
 
 
 # ----------------------------------------------------------------------------- main
@@ -432,6 +243,12 @@ def main(argv=None) -> int:
                     warm_base=not result["step"],
                 )
                 o, d = both["ours"], both["diffusers_peft"]
+                kernels = None
+                if not on_cuda:  # the LoRA ops' own CPU time inside a step (see timing.lora_op_share)
+                    ours_on()
+                    kernels = lora_op_share(ours_step, {type(w) for w in manager.wrappers.values()})
+                    kernels["over_floor"] = kernels["lora_over_base"] / (k * floor)
+                    manager.deactivate()
                 row = {
                     "r": r,
                     "K": k,
@@ -442,6 +259,7 @@ def main(argv=None) -> int:
                     "patched_share_of_step_flops": share,
                     "ours_overhead_over_floor": (o["ratio"] - 1) / (k * floor),
                     "ours_overhead_over_floor_min": (o["ratio_min"] - 1) / (k * floor),
+                    "ours_lora_kernels": kernels,
                 }
                 result["step"][f"K{k}_r{r}"] = row
                 print(
@@ -621,6 +439,17 @@ def main(argv=None) -> int:
         print(
             "(overheads = step with LoRA / without - 1; floor = K r (d_in+d_out)/(d_in d_out) over patched layers)"
         )
+        if any(row["ours_lora_kernels"] for row in result["step"].values()):
+            print(
+                f"\nOur LoRA ops in place (torch.profiler, one step): {'K':>2} {'r':>3} {'floor':>8} "
+                f"{'LoRA / base of patched layers':>30} {'/ floor':>8} {'LoRA / step':>12}"
+            )
+            for row in result["step"].values():
+                kern = row["ours_lora_kernels"]
+                print(
+                    f"{'':<49}{row['K']:>2} {row['r']:>3} {row['floor']:>+8.2%} {kern['lora_over_base']:>+30.2%} "
+                    f"{kern['over_floor']:>8.2f} {kern['lora_over_step']:>+12.2%}"
+                )
     s = result["switch"]
     if s:
         print(
