@@ -46,7 +46,7 @@ from benchmarks.diffusion_assets import (
     lora_shapes,
     model_config,
 )
-from benchmarks.timing import PeakRSS, Timer, lora_op_share, median, paired
+from benchmarks.timing import PeakRSS, Timer, lora_op_share, median, paired, trim_heap
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="*", default=[16, 64])
     p.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--goal-repeats", type=int, default=7, help="repeats for the goal case K=1, lowest rank")
+    p.add_argument("--goal-repeats", type=int, default=15, help="repeats for the goal case K=1, lowest rank")
     p.add_argument("--switch-repeats", type=int, default=20)
     p.add_argument("--registered", type=int, default=64)
     p.add_argument("--device", default="cpu")
@@ -390,6 +390,7 @@ def main(argv=None) -> int:
         for rid in before_ids:
             manager.remove_lora(rid)
         gc.collect()
+        trim_heap()  # hand freed heap pages back, or the new loads reuse them and RSS shows nothing
         paths = extra[: args.registered]
         file_bytes = sum((pth / "adapter_model.safetensors").stat().st_size for pth in paths)
         with PeakRSS() as rss:

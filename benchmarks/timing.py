@@ -3,6 +3,7 @@ measurements, a peak-RSS sampler and an in-situ profile of the LoRA ops of a dif
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -66,6 +67,16 @@ def paired(timer: Timer, sides: dict, repeats: int, warm_base: bool) -> dict:
         }
         for name in sides
     }
+
+
+def trim_heap() -> None:
+    """Return freed malloc memory to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(name).malloc_trim(0)
 
 
 class PeakRSS:
