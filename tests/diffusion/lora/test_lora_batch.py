@@ -194,3 +194,83 @@ def test_ragged_concatenated_rows_with_declared_layout():
     manager.deactivate()
     assert worst <= 1e-5
     assert torch.equal(ragged[3:8], holder(x)[3:8])  # the adapter-free sample is untouched
+
+
+@torch.no_grad()
+def test_composed_adapters_stack_into_one_shrink_and_match_the_sum(toy_base):
+    """K adapters with one scale each for every row run as one stacked shrink / expand per layer.
+
+    The three adapters overlap differently on the packed ``to_qkv``: one targets the whole layer
+    (shared ``A``), one ``to_q`` + ``to_v``, one only ``to_k``. The stacked result must equal
+    ``base + sum_j lambda_j s_j B_j A_j x`` slice by slice, and a different activation must rebuild it.
+    """
+    model = make_vllm_dit(toy_base.state_dict(), n_blocks=2)
+    gen = torch.Generator().manual_seed(11)
+    q_out, kv_out = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qkv_out = q_out + 2 * kv_out
+
+    def mod(rank, out, scaling):
+        return LoRAModuleWeights(
+            torch.randn(rank, DIM, generator=gen) * 0.1, torch.randn(out, rank, generator=gen) * 0.1, scaling
+        )
+
+    adapters = {
+        "/virtual/whole": LoRAAdapterWeights({"transformer.blocks.0.attn.to_qkv": mod(4, qkv_out, 0.5)}),
+        "/virtual/qv": LoRAAdapterWeights(
+            {"blocks.0.attn.to_q": mod(2, q_out, 1.0), "blocks.0.attn.to_v": mod(3, kv_out, 2.0)}
+        ),
+        "/virtual/k": LoRAAdapterWeights({"blocks.0.attn.to_k": mod(5, kv_out, 0.25)}),
+    }
+    manager = DiffusionLoRAManager(model, max_loras=3, max_rank=8, adapter_loader=adapters.__getitem__)
+    reqs = [LoRARequest(p.rsplit("/", 1)[1], i + 1, p) for i, p in enumerate(adapters)]
+    scales = [1.25, -0.7, 0.4]
+    wrapper = manager.wrappers["blocks.0.attn.to_qkv"]
+    h = torch.randn(2, 5, DIM, generator=gen)
+    base = wrapper(h)[0]
+
+    def delta(m, lam):
+        return lam * m.scaling * (h @ m.lora_a.T) @ m.lora_b.T
+
+    whole = adapters["/virtual/whole"].modules["transformer.blocks.0.attn.to_qkv"]
+    qv = adapters["/virtual/qv"].modules
+    k = adapters["/virtual/k"].modules["blocks.0.attn.to_k"]
+    expected = base + delta(whole, scales[0])
+    expected[..., :q_out] += delta(qv["blocks.0.attn.to_q"], scales[1])
+    expected[..., q_out : q_out + kv_out] += delta(k, scales[2])
+    expected[..., q_out + kv_out :] += delta(qv["blocks.0.attn.to_v"], scales[1])
+
+    manager.set_active_adapters(reqs, scales)
+    ours = wrapper(h)[0]
+    stacked = manager._state.stacked[id(wrapper)]
+    # one shrink over 4 + 2 + 3 + 5 A rows; one expand per distinct output range (whole, q, v, k)
+    assert stacked.a.shape == (14, DIM)
+    assert sorted((offset, size) for _, _, offset, size in stacked.parts) == [
+        (0, q_out),
+        (0, qkv_out),
+        (q_out, kv_out),
+        (q_out + kv_out, kv_out),
+    ]
+    assert (ours - expected).abs().max().item() <= 1e-5
+
+    # the per-slot path (a mixed batch of the same rows) gives the same result
+    manager.set_active_adapters([reqs, reqs], [scales, [scales[0], scales[1], 0.1]])
+    assert not manager._state.uniform
+    per_slot = wrapper(h)[0]
+    assert (per_slot[0] - expected[0]).abs().max().item() <= 1e-5
+    assert (per_slot[1] - expected[1]).abs().max().item() > 1e-4  # its k scale differs
+
+    # another activation rebuilds the stack; dropping to one adapter uses the plain path
+    manager.set_active_adapters(reqs[:2], scales[:2])
+    two = wrapper(h)[0]
+    assert (two - (expected - _k_part(h, k, scales[2], q_out, kv_out))).abs().max().item() <= 1e-5
+    manager.set_active_adapters(reqs[:1], scales[:1])
+    assert (wrapper(h)[0] - (base + delta(whole, scales[0]))).abs().max().item() <= 1e-5
+    assert manager._state.stacked == {}
+    manager.deactivate()
+    assert torch.equal(wrapper(h)[0], base)
+
+
+def _k_part(h, k, lam, q_out, kv_out):
+    out = torch.zeros(*h.shape[:-1], q_out + 2 * kv_out)
+    out[..., q_out : q_out + kv_out] = lam * k.scaling * (h @ k.lora_a.T) @ k.lora_b.T
+    return out

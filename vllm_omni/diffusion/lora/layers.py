@@ -122,11 +122,20 @@ class LoRABatchState:
         self.batch_size: int = 0
         self.slots: tuple[SlotActivation, ...] = ()
         self._ragged: dict[tuple[int, tuple[int, ...]], SlotActivation] = {}
+        #: per layer, the active adapters stacked into one SlotWeights (see
+        #: BaseLayerWithLoRA._stacked); built on first use, dropped with the activation.
+        self.stacked: dict[int, SlotWeights | None] = {}
+        self.uniform = False
 
     def set(self, batch_size: int, slots: tuple[SlotActivation, ...]) -> None:
         self.batch_size = batch_size
         self.slots = slots
         self._ragged = {}
+        self.stacked = {}
+        # every active slot applies to every row with one scale: the layers may stack them
+        self.uniform = len(slots) > 1 and all(
+            a.runs is None and a.rows is None and a.row_scales is None and a.scale is not None for a in slots
+        )
 
     def clear(self) -> None:
         self.set(0, ())
@@ -418,6 +427,36 @@ class BaseLayerWithLoRA(nn.Module):
             target = y if (offset == 0 and size == y.shape[-1]) else y.narrow(-1, offset, size)
             target.add_(delta)
 
+    def _stacked(self) -> SlotWeights | None:
+        """The active slots as one :class:`SlotWeights`, scales folded into ``A`` (``None``: fewer than 2).
+
+        Used when every active slot applies to every row with one scale (a request composing K
+        adapters): then ``sum_j lambda_j B_j A_j x`` is one shrink GEMM over all adapters' ``A``
+        rows and one ``addmm_`` per output part over all their ``B`` columns, so the input and the
+        output are each passed over once instead of K times. Parts are grouped by the output columns
+        they update. Costs a copy of the active adapters' weights for this layer, built on the first
+        forward of an activation and dropped with it.
+        """
+        held = [(self._slot_weights[a.slot], a.scale) for a in self.lora_state.slots]
+        held = [(w, scale) for w, scale in held if w is not None]
+        if len(held) < 2:
+            return None
+        groups: dict[tuple[int, int], list[tuple[torch.Tensor, float, torch.Tensor]]] = {}
+        for w, scale in held:
+            for (h_start, rank, offset, size), bt in zip(w.parts, w.bt, strict=True):
+                groups.setdefault((offset, size), []).append((w.a[h_start : h_start + rank], scale, bt))
+        rows: list[torch.Tensor] = []
+        parts: list[tuple[int, int, int, int]] = []
+        bts: list[torch.Tensor] = []
+        start = 0
+        for (offset, size), items in groups.items():
+            rank = sum(a.shape[0] for a, _, _ in items)
+            rows += [a if scale == 1.0 else a * scale for a, scale, _ in items]
+            bts.append(torch.cat([bt for _, _, bt in items]) if len(items) > 1 else items[0][2])
+            parts.append((start, rank, offset, size))
+            start += rank
+        return SlotWeights(torch.cat(rows), tuple(parts), tuple(bts), ranks=(), shared_a=False)
+
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the active slots' deltas to ``y`` in place and return it.
 
@@ -431,6 +470,14 @@ class BaseLayerWithLoRA(nn.Module):
                 batch size set by the manager nor explained by :func:`lora_rows_per_sample`.
         """
         state = self.lora_state
+        if state.uniform:
+            key = id(self)
+            stacked = (
+                state.stacked[key] if key in state.stacked else state.stacked.setdefault(key, self._stacked())
+            )
+            if stacked is not None:
+                self._lora_rows(x, y, stacked, None)
+                return y
         for act in state.slots:
             w = self._slot_weights[act.slot]
             if w is None:
