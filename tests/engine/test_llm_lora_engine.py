@@ -233,6 +233,39 @@ def test_cancelled_request_is_aborted_and_engine_keeps_serving(omni, adapters, t
     assert omni.generate("hello world", greedy())[0].token_ids == _ref(tiny_llm_assets, "hello world", None)
 
 
+def _wait_running(runtime, fut, timeout=10):
+    t0 = time.monotonic()
+    while not any(item.future is fut for item, _ in list(runtime._running.values())):
+        assert time.monotonic() - t0 < timeout, "the request never reached the engine"
+        time.sleep(0.002)
+
+
+def test_request_cancelled_while_running_is_aborted_and_its_batch_mates_finish(omni, tiny_llm_assets):
+    runtime = omni._orchestrator.runtimes[0]
+    with runtime.hold():  # both start in one step
+        doomed = runtime.submit(
+            "the quick brown fox", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        )
+        mate = runtime.submit("hello world", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    _wait_running(runtime, doomed)
+    assert doomed.cancel()
+    mate_tokens = mate.result(timeout=60).outputs[0].token_ids
+    # aborted within a step of the cancel, long before its 200 tokens (the mate took 60 steps)
+    assert not any(item.future is doomed for item, _ in list(runtime._running.values()))
+    assert mate_tokens[:N_TOKENS] == _ref(tiny_llm_assets, "hello world", None)
+
+
+def test_request_submitted_while_others_run_joins_at_the_next_step(omni, tiny_llm_assets):
+    """The driver steps without taking its lock while nothing else is pending; new work is still seen."""
+    runtime = omni._orchestrator.runtimes[0]
+    long = runtime.submit("a b c", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    _wait_running(runtime, long)
+    short = runtime.submit("hello world", greedy())
+    assert short.result(timeout=60).outputs[0].token_ids == _ref(tiny_llm_assets, "hello world", None)
+    assert not long.done(), "the short request waited for the long one"
+    assert len(long.result(timeout=120).outputs[0].token_ids) == 200
+
+
 def test_a_bad_adapter_in_a_prompt_list_fails_before_any_request_is_queued(omni, adapters, tiny_llm_assets):
     runtime = omni._orchestrator.runtimes[0]
     submitted = []

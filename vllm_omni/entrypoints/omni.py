@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, wait
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -84,7 +85,8 @@ class Omni(OmniBase):
             for lr, kw in zip(loras, per_prompt_kwargs):
                 if lr is None:
                     kw.pop("lora_scale", None)
-        params = self._stage_params(sampling_params)
+        # made ready once (e.g. an LLM stage's one-final-output clone), not per request
+        params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
         entry = self._orchestrator.runtimes[0]
         validate = getattr(entry, "validate_request", None)
         if validate is not None:  # every request is checked before the first one is queued
@@ -95,12 +97,21 @@ class Omni(OmniBase):
                 self._orchestrator.submit(p, params, lora_request=lr, **kw, **entry_kwargs)
                 for p, lr, kw in zip(prompt_list, loras, per_prompt_kwargs)
             ]
+        # Wait without waking per request: every wake-up takes the GIL from the stage's driver
+        # thread while it resolves the other requests finished by the same step.
+        if not use_tqdm or len(futures) < 2:
+            wait(futures, return_when=FIRST_EXCEPTION)  # one wake-up
+        else:
+            with tqdm(total=len(futures), desc="Requests") as bar:
+                pending = futures
+                while pending:  # one wake-up per group of requests that finish together
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    bar.update(len(done))
+                    if any(fut.exception() is not None for fut in done):
+                        break
         results: list[OmniRequestOutput] = []
-        bar = tqdm(total=len(futures), desc="Requests", disable=not use_tqdm or len(futures) < 2)
-        for fut in futures:
+        for fut in futures:  # prompt order; raises the first failure in that order
             results.extend(fut.result())
-            bar.update(1)
-        bar.close()
         return results
 
     def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
