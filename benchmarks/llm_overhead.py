@@ -1,13 +1,18 @@
 """Omni's own overhead on an LLM stage, measured against raw ``vllm.LLM`` in one run.
 
 Both sides serve the same prompts with the same weights and engine options (greedy,
-fixed output length, engine in-process). Each side runs in its own fresh process — two
-vLLM engines in one process share torch's thread pool and vLLM's global state, which
-distorts timings — and the sides alternate for ``--rounds`` rounds; medians are
-compared. Reported as ratios, so they hold on a noisy machine:
+fixed output length, engine in-process). Each side runs in its own process — two vLLM
+engines in one process share torch's thread pool and vLLM's global state, which
+distorts timings — but both processes stay up, and the parent asks them for one
+``generate`` call at a time, alternating sides (``llm, omni, omni, llm, ...``). The two
+sides of a pair therefore run a fraction of a second apart, on the same machine state:
+on a shared or virtualised CPU, whose speed drifts by tens of percent from one minute
+to the next, this is what makes the ratio mean something. ``--rounds`` starts that many
+fresh pairs of processes. Reported, per case:
 
 1. ``Omni`` / ``vllm.LLM`` wall time for a batch of prompts without an adapter and with
-   one adapter (goal: <= 1.05);
+   one adapter (goal: <= 1.05): the median of the per-pair ratios (headline), the ratio
+   of the medians and the ratio of the minimums;
 2. throughput with 4 different adapters in flight vs 1 adapter (ours only).
 
 Run from the repository root::
@@ -15,6 +20,7 @@ Run from the repository root::
     .venv/bin/python -m benchmarks.llm_overhead [--model DIR --adapters A B C D] [--json out.json]
 
 Without ``--model`` the tiny test model and adapters are built under ``.cache/test_assets``.
+``--omni-src DIR`` imports ``vllm_omni`` from another checkout (compare two versions).
 """
 
 from __future__ import annotations
@@ -26,21 +32,15 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OPTS = dict(enable_lora=True, max_lora_rank=16, max_loras=4, max_model_len=512, dtype="float32")
-
-
-def _timed(fn, repeats: int) -> list[float]:
-    fn()  # warm-up (adapter loads, first-request costs)
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return samples
+CASES = ("no adapter", "one adapter", "4 adapters in flight")
+COMPARED = ("no adapter", "one adapter")  # the cases both sides run
+_TAG = "@@bench "  # prefix of the child's protocol lines (vLLM may print to stdout too)
 
 
 def _default_assets() -> tuple[str, list[str]]:
@@ -58,8 +58,14 @@ def _default_assets() -> tuple[str, list[str]]:
     return model, adapters
 
 
-def run_side(side: str, model: str, adapters: list[str], args) -> dict[str, list[float]]:
-    """Time one side (``llm`` or ``omni``) in this process; returns samples per case."""
+def serve_side(side: str, model: str, adapters: list[str], args) -> None:
+    """Child mode: build one side's engine, then time one ``generate`` per line read from stdin.
+
+    Each stdin line names a case (see ``CASES``); the answer is ``@@bench T <seconds>``.
+    ``quit`` (or end of input) shuts the engine down.
+    """
+    if args.omni_src:
+        sys.path.insert(0, args.omni_src)
     from vllm import SamplingParams
 
     from vllm_omni.lora.request import LoRARequest
@@ -71,26 +77,126 @@ def run_side(side: str, model: str, adapters: list[str], args) -> dict[str, list
         from vllm import LLM
 
         engine = LLM(model=model, **OPTS)
-
-        def gen(lora):
-            return engine.generate(prompts, params, lora_request=lora, use_tqdm=False)
     else:
         from vllm_omni import Omni
 
         engine = Omni(model, **OPTS)
-
-        def gen(lora):
-            return engine.generate(prompts, params, lora_request=lora, use_tqdm=False)
-
-    out = {
-        "no adapter": _timed(lambda: gen(None), args.repeats),
-        "one adapter": _timed(lambda: gen(loras[0]), args.repeats),
+        print(_TAG + "INFO vllm_omni from " + sys.modules["vllm_omni"].__file__, file=sys.stderr)
+    lora_of = {
+        "no adapter": None,
+        "one adapter": loras[0],
+        "4 adapters in flight": [loras[i % 4] for i in range(len(prompts))],
     }
+
+    def gen(case: str) -> None:
+        engine.generate(prompts, params, lora_request=lora_of[case], use_tqdm=False)
+
+    for case in CASES if side == "omni" else COMPARED:
+        gen(case)  # warm-up (adapter loads, first-request costs)
+    print(_TAG + "READY", flush=True)
+    for line in sys.stdin:
+        case = line.strip()
+        if case == "quit":
+            break
+        t0 = time.perf_counter()
+        gen(case)
+        print(f"{_TAG}T {time.perf_counter() - t0!r}", flush=True)
     if side == "omni":
-        per_prompt = [loras[i % 4] for i in range(len(prompts))]
-        out["4 adapters in flight"] = _timed(lambda: gen(per_prompt), args.repeats)
         engine.shutdown()
-    return out
+
+
+class _Side:
+    """One child process serving one side, answering one timed ``generate`` per request."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self._err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True
+        )
+        self._expect("READY")
+
+    def _expect(self, what: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(_TAG + what):
+                return line[len(_TAG) + len(what) :].strip()
+        self._err.seek(0)
+        raise RuntimeError(f"benchmark child {self.proc.args} exited:\n{self._err.read()[-4000:]}")
+
+    def time(self, case: str) -> float:
+        self.proc.stdin.write(case + "\n")
+        self.proc.stdin.flush()
+        return float(self._expect("T"))
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+        self._err.close()
+
+
+def _busy_jiffies() -> int | None:
+    """CPU time (all processes, jiffies) spent since boot, or ``None`` off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return sum(v) - v[3] - v[4]  # minus idle and iowait
+
+
+def measure(model: str, adapters: list[str], args) -> dict[str, dict[str, list[float]]]:
+    """Alternate the two sides call by call; returns ``{side: {case: [seconds ...]}}``."""
+    child = [sys.executable, "-m", "benchmarks.llm_overhead", "--model", model, "--adapters", *adapters]
+    child += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+    env = dict(os.environ)  # main() set the engine defaults (in-process engine, KV cache size)
+    samples: dict[str, dict[str, list[float]]] = {"llm": {}, "omni": {}}
+    for rnd in range(args.rounds):
+        omni_src = ["--omni-src", args.omni_src] if args.omni_src else []
+        sides = {
+            "llm": _Side(child + ["--side", "llm"], env),
+            "omni": _Side(child + ["--side", "omni"] + omni_src, env),
+        }
+        try:
+            for rep in range(args.repeats):
+                for case in CASES:
+                    order = ["llm", "omni"] if (rep + rnd) % 2 == 0 else ["omni", "llm"]
+                    for side in order:
+                        if side == "llm" and case not in COMPARED:
+                            continue
+                        samples[side].setdefault(case, []).append(sides[side].time(case))
+        finally:
+            for s in sides.values():
+                s.close()
+    return samples
+
+
+def summarize(samples: dict[str, dict[str, list[float]]], args) -> dict[str, dict[str, float]]:
+    """Ratios per compared case (median/median, median of pairs, min/min) and the adapter throughput row."""
+    rows: dict[str, dict[str, float]] = {}
+    for case in COMPARED:
+        llm, omni = samples["llm"][case], samples["omni"][case]
+        rows[case] = {
+            "vllm_LLM_s": statistics.median(llm),
+            "omni_s": statistics.median(omni),
+            # headline: each pair ran a fraction of a second apart, so machine drift cancels
+            "ratio": statistics.median(o / ref for o, ref in zip(omni, llm)),
+            "ratio_of_medians": statistics.median(omni) / statistics.median(llm),
+            "vllm_LLM_min_s": min(llm),
+            "omni_min_s": min(omni),
+            "min_ratio": min(omni) / min(llm),
+        }
+    tokens = args.num_prompts * args.max_tokens
+    t1 = statistics.median(samples["omni"]["one adapter"])
+    t4 = statistics.median(samples["omni"]["4 adapters in flight"])
+    rows["4 adapters vs 1 in flight (ours)"] = {
+        "1_adapter_tok_s": tokens / t1,
+        "4_adapters_tok_s": tokens / t4,
+        "ratio": t4 / t1,
+    }
+    return rows
 
 
 def main(argv=None) -> int:
@@ -99,8 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", nargs="*")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2, help="alternations of the two sides (fresh process each)")
+    p.add_argument("--repeats", type=int, default=15, help="timed calls per side and case in each round")
+    p.add_argument("--rounds", type=int, default=2, help="fresh pairs of processes")
+    p.add_argument("--omni-src", help="import vllm_omni from this checkout instead")
     p.add_argument("--json", default="benchmarks/results/llm_overhead.json")
     p.add_argument("--side", choices=["llm", "omni"], help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
@@ -115,58 +222,46 @@ def main(argv=None) -> int:
     if len(adapters) < 4:
         raise SystemExit("need 4 adapters (--adapters A B C D)")
     if args.side:
-        print("RESULT " + json.dumps(run_side(args.side, model, adapters, args)))
+        serve_side(args.side, model, adapters, args)
         return 0
 
-    samples: dict[str, dict[str, list[float]]] = {"llm": {}, "omni": {}}
-    child = [sys.executable, "-m", "benchmarks.llm_overhead", "--model", model, "--adapters", *adapters]
-    child += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
-    child += ["--repeats", str(args.repeats)]
-    for _ in range(args.rounds):
-        for side in ("llm", "omni"):
-            proc = subprocess.run(
-                child + ["--side", side], cwd=REPO, capture_output=True, text=True, check=True
-            )
-            line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-            for case, values in json.loads(line[7:]).items():
-                samples[side].setdefault(case, []).extend(values)
-
-    med = {side: {case: statistics.median(v) for case, v in cases.items()} for side, cases in samples.items()}
-    rows = {
-        case: {
-            "vllm_LLM_s": med["llm"][case],
-            "omni_s": med["omni"][case],
-            "ratio": med["omni"][case] / med["llm"][case],
-        }
-        for case in ("no adapter", "one adapter")
-    }
-    tokens = args.num_prompts * args.max_tokens
-    t1, t4 = med["omni"]["one adapter"], med["omni"]["4 adapters in flight"]
-    rows["4 adapters vs 1 in flight (ours)"] = {
-        "1_adapter_tok_s": tokens / t1,
-        "4_adapters_tok_s": tokens / t4,
-        "ratio": t4 / t1,
-    }
+    load_before, busy0, t0 = os.getloadavg(), _busy_jiffies(), time.monotonic()
+    samples = measure(model, adapters, args)
+    load_after, busy1, wall = os.getloadavg(), _busy_jiffies(), time.monotonic() - t0
+    rows = summarize(samples, args)
 
     print(
-        f"\nLLM stage overhead ({args.num_prompts} prompts x {args.max_tokens} tokens, "
-        f"median of {args.rounds} x {args.repeats} runs per side, each side in a fresh process)"
+        f"\nLLM stage overhead ({args.num_prompts} prompts x {args.max_tokens} tokens, {args.rounds} rounds x "
+        f"{args.repeats} calls per side and case, sides alternating call by call in two live processes)"
     )
-    print(f"{'case':<36}{'vllm.LLM s':>12}{'Omni s':>10}{'ratio':>8}")
+    print(f"{'case':<30}{'vllm.LLM s':>11}{'Omni s':>9}{'ratio':>8}{'med/med':>9}{'min/min':>9}")
     for label, r in rows.items():
         if "vllm_LLM_s" in r:
-            print(f"{label:<36}{r['vllm_LLM_s']:>12.3f}{r['omni_s']:>10.3f}{r['ratio']:>8.3f}")
+            print(
+                f"{label:<30}{r['vllm_LLM_s']:>11.4f}{r['omni_s']:>9.4f}{r['ratio']:>8.3f}"
+                f"{r['ratio_of_medians']:>9.3f}{r['min_ratio']:>9.3f}"
+            )
         else:
             print(
-                f"{label:<36}{r['1_adapter_tok_s']:>8.0f} tok/s (1) {r['4_adapters_tok_s']:>8.0f} tok/s (4)  ratio {r['ratio']:.3f}"
+                f"{label:<30}{r['1_adapter_tok_s']:>8.0f} tok/s (1) {r['4_adapters_tok_s']:>8.0f} tok/s (4)"
+                f"  ratio {r['ratio']:.3f}"
             )
+    print(
+        "ratio = median of per-pair Omni/LLM ratios (goal <= 1.05); med/med, min/min: of all calls per side"
+    )
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    machine = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+    }
+    if busy0 is not None and busy1 is not None:
+        # CPU the whole machine spent during the run, in cores: ~2 means both sides' threads only
+        machine["busy_cores_during_run"] = (busy1 - busy0) / os.sysconf("SC_CLK_TCK") / wall
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average": os.getloadavg(),
-        },
+        "machine": machine,
         "command": "python -m benchmarks.llm_overhead "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": model,
