@@ -278,3 +278,42 @@ def test_a_bad_adapter_in_a_prompt_list_fails_before_any_request_is_queued(omni,
         assert submitted == []
     finally:
         del runtime.submit
+
+
+def test_async_generate_cancelled_by_its_caller_aborts_the_stage_request(tiny_llm_assets):
+    """A client that goes away (its task is cancelled) must not leave its request running in the engine."""
+    from vllm_omni import AsyncOmni
+
+    engine = AsyncOmni(str(tiny_llm_assets.model_dir), **ENGINE_OPTS)
+    runtime = engine._orchestrator.runtimes[0]
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    stage_futures = []
+    original = runtime.submit
+    runtime.submit = lambda *a, **k: stage_futures.append(original(*a, **k)) or stage_futures[-1]
+
+    async def consume():
+        return [o async for o in engine.generate("the quick brown fox", long)]
+
+    async def main():
+        task = asyncio.ensure_future(consume())
+        t0 = time.monotonic()
+        while not runtime._running:
+            assert time.monotonic() - t0 < 30, "the request never reached the engine"
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        t0 = time.monotonic()
+        while runtime._running and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.01)
+        assert not runtime._running, "the abandoned request is still running in the engine"
+        assert not runtime._engine.has_unfinished_requests()
+        # it was stopped, not run out to its 400 tokens
+        assert stage_futures[0].cancelled(), "the stage request was not cancelled with its caller"
+        outs = [o async for o in engine.generate("hello world", greedy())]
+        assert outs[0].token_ids == _ref(tiny_llm_assets, "hello world", None)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

@@ -79,6 +79,8 @@ class Orchestrator:
 
         Returns:
             A future of the list of final-output :class:`OmniRequestOutput` in stage order.
+            Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
+            engine at the next step) and starts no later stage.
 
         Raises (synchronously): errors of the entry stage's ``submit`` (e.g. invalid adapter).
         """
@@ -89,8 +91,11 @@ class Orchestrator:
         raw: dict[int, Any] = {}
         prompts: dict[int, Any] = {0: prompt}
         lock = threading.Lock()
+        current: list[Future] = []  # the stage request in flight
 
         def run_stage(stage_id: int, future: Future) -> None:
+            if done.cancelled():
+                return
             try:
                 result = future.result()
                 stage = self.config.stages[stage_id]
@@ -107,12 +112,27 @@ class Orchestrator:
                     return
                 prompts[nxt] = self._next_input(nxt, prompt, raw)
                 fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt])
+                with lock:
+                    current[:] = [fut]
+                if done.cancelled():
+                    fut.cancel()
+                    return
                 fut.add_done_callback(lambda f: run_stage(nxt, f))
             except BaseException as exc:  # propagate any stage failure to the caller
                 if not done.done():
                     done.set_exception(exc)
 
         first = self.runtimes[0].submit(prompt, stage_params[0], lora_request=lora_request, **entry_kwargs)
+        current.append(first)
+
+        def propagate_cancel(f: Future) -> None:
+            if f.cancelled():
+                with lock:
+                    in_flight = list(current)
+                for stage_future in in_flight:
+                    stage_future.cancel()
+
+        done.add_done_callback(propagate_cancel)
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
 

@@ -57,18 +57,27 @@ class AsyncOmni(OmniBase):
         )
         finished = asyncio.wrap_future(done)
         n_final = sum(1 for s in self.config.stages if s.final_output)
-        for _ in range(n_final):
-            getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-                continue
-            getter.cancel()
-            finished.result()  # raises the stage failure, if any
-            while not queue.empty():
-                yield queue.get_nowait()
-            return
-        await finished
+        try:
+            for _ in range(n_final):
+                getter = asyncio.ensure_future(queue.get())
+                try:
+                    await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    yield getter.result()
+                    continue
+                finished.result()  # raises the stage failure, if any
+                while not queue.empty():
+                    yield queue.get_nowait()
+                return
+            await finished
+        finally:
+            # the caller went away (task cancelled, e.g. an HTTP client disconnected, or the
+            # generator closed early): stop the request in its stage instead of running it out
+            if not done.done():
+                done.cancel()
 
     async def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
         """Register an adapter on every stage that has LoRA enabled (or on ``stage_id``); see ``Omni.add_lora``."""
