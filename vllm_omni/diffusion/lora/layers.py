@@ -230,9 +230,6 @@ class SlotWeights:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.a, *self.bt)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
 
 def _default_device_dtype(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
     dtype = getattr(layer, "params_dtype", None)
@@ -472,9 +469,9 @@ class BaseLayerWithLoRA(nn.Module):
         state = self.lora_state
         if state.uniform:
             key = id(self)
-            stacked = (
-                state.stacked[key] if key in state.stacked else state.stacked.setdefault(key, self._stacked())
-            )
+            if key not in state.stacked:
+                state.stacked[key] = self._stacked()
+            stacked = state.stacked[key]
             if stacked is not None:
                 self._lora_rows(x, y, stacked, None)
                 return y
