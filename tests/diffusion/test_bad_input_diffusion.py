@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_omni.diffusion.lora import LoRAFormatError
+from vllm_omni.errors import LoRAFormatError
 from vllm_omni.inputs.data import MAX_IMAGES_PER_PROMPT, MAX_SEQUENCE_LENGTH, OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 

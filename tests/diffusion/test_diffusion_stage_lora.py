@@ -16,7 +16,7 @@ import pytest
 import torch
 from lora_oracle import reference_latents, reference_pipeline
 
-from vllm_omni.diffusion.lora import LoRAFormatError
+from vllm_omni.errors import LoRAFormatError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 
@@ -283,7 +283,7 @@ def test_bad_stage_inputs_name_the_field(tiny_z_image_dir, tmp_path, omni):
     import json
 
     from vllm_omni import Omni
-    from vllm_omni.engine.llm_stage import StageEngineError
+    from vllm_omni.errors import StageEngineError
 
     model = tmp_path / "model"
     model.mkdir()

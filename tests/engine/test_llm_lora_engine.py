@@ -13,8 +13,7 @@ from safetensors.torch import load_file, save_file
 from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
-from vllm_omni.engine.llm_stage import LoRANotEnabledError
-from vllm_omni.engine.lora_validation import InvalidAdapterError
+from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError
 from vllm_omni.lora.request import LoRARequest
 
 N_TOKENS = 10

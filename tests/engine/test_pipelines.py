@@ -6,7 +6,7 @@ import pytest
 from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
-from vllm_omni.engine.llm_stage import StageEngineError
+from vllm_omni.errors import StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
 pytestmark = pytest.mark.engine

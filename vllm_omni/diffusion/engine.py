@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
+from vllm_omni.errors import StageDeadError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 __all__ = ["DiffusionEngine", "DiffusionOutput"]
@@ -107,7 +108,7 @@ class DiffusionEngine:
             return conn.recv()
         except EOFError as exc:
             code = self._procs[rank].exitcode if rank < len(self._procs) else None
-            raise RuntimeError(f"diffusion worker {rank} exited unexpectedly (exit code {code})") from exc
+            raise StageDeadError(f"diffusion worker {rank} exited unexpectedly (exit code {code})") from exc
 
     def collective_rpc(self, method: str | Callable, *args, **kwargs) -> list[Any]:
         """Run ``method`` on every rank's :class:`DiffusionWorker` and return the per-rank results.

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.config.stage_config import DiffusionStageConfig
-from vllm_omni.engine.stage_driver import StageDriver, StageEngineError
+from vllm_omni.engine.stage_driver import StageDriver
+from vllm_omni.errors import StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams, check_lora_lists
 from vllm_omni.lora.request import LoRARequest
 
@@ -326,7 +327,7 @@ class DiffusionStageEngine(StageDriver):
             )[0]
         except Exception as exc:
             logger.warning("%s: batch of %d failed: %s", self.stage.label, len(batch), exc)
-            if isinstance(exc, RuntimeError) and "exited unexpectedly" in str(exc):
+            if isinstance(exc, StageDeadError):
                 with self._cv:
                     self._dead = exc
             for item in batch:

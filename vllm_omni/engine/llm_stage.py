@@ -30,9 +30,10 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.stage_config import LLMStageConfig
-from vllm_omni.engine.lora_validation import InvalidAdapterError, LLMAdapterValidator
-from vllm_omni.engine.stage_driver import StageDriver, StageEngineError
+from vllm_omni.engine.lora_validation import LLMAdapterValidator
+from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
+from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ logger = logging.getLogger(__name__)
 _LIVE_ENGINES = 0
 _PARKED: list[Any] = []
 _LIVE_LOCK = threading.Lock()
-
-
-class LoRANotEnabledError(ValueError):
-    """A LoRA call reached a stage whose config has no ``enable_lora``."""
 
 
 def mixed_batch_guard_enabled() -> bool:

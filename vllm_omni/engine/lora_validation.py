@@ -37,6 +37,7 @@ from safetensors import safe_open
 from vllm.config import LoRAConfig
 from vllm.lora.peft_helper import PEFTHelper
 
+from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.request import LoRARequest
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -49,10 +50,6 @@ _KEY = re.compile(
 def _location(path: str) -> str:
     """``path`` resolved, so that two spellings of one directory are one adapter."""
     return os.path.realpath(path) if isinstance(path, str) and "://" not in path else str(path)
-
-
-class InvalidAdapterError(ValueError):
-    """An adapter that cannot be served by a stage; the message names adapter and reason."""
 
 
 @lru_cache(maxsize=8)

@@ -18,7 +18,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from vllm_omni.config.omni_config import VllmOmniConfig
-from vllm_omni.engine.llm_stage import LLMStageEngine, LoRANotEnabledError, StageEngineError
+from vllm_omni.engine.llm_stage import LLMStageEngine
+from vllm_omni.errors import LoRANotEnabledError, StageEngineError
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-
-class StageEngineError(RuntimeError):
-    """A stage engine failed; the message names the stage."""
+from vllm_omni.errors import StageEngineError
 
 
 class StageDriver:

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from test_formats import SPECS, make_z_peft
 
 from tools import lora_layouts as layouts
-from vllm_omni.diffusion.lora import DiffusionLoRAManager, LoRAFormatError, fuse_lora_into_model
+from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_into_model
+from vllm_omni.errors import LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 
 Q = "base_model.model.layers.0.attention.to_q"

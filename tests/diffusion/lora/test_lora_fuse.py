@@ -13,7 +13,8 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
-from vllm_omni.diffusion.lora import LoRAFormatError, fuse_lora_files_into_pipeline, fuse_lora_into_model
+from vllm_omni.diffusion.lora import fuse_lora_files_into_pipeline, fuse_lora_into_model
+from vllm_omni.errors import LoRAFormatError
 
 
 def _export(peft_model, path: str, *, prefix: str, metadata: dict | None, alpha: float | None = None) -> str:

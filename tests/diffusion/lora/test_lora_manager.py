@@ -12,8 +12,9 @@ import torch
 from lora_toy_models import inputs, make_vllm_dit, save_peft_adapter
 from safetensors.torch import load_file, save_file
 
-from vllm_omni.diffusion.lora import DiffusionLoRAManager, LoRACacheError, LoRAFormatError
+from vllm_omni.diffusion.lora import DiffusionLoRAManager
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
+from vllm_omni.errors import LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 
 

@@ -10,12 +10,12 @@ Public entry points:
   inputs map to samples in a mixed batch.
 """
 
-from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError, LoRAModuleWeights
-from vllm_omni.diffusion.lora.cache import LoRACacheError
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAModuleWeights
 from vllm_omni.diffusion.lora.fuse import fuse_lora_files_into_pipeline, fuse_lora_into_model
 from vllm_omni.diffusion.lora.layers import lora_rows_per_sample
 from vllm_omni.diffusion.lora.loading import load_lora_adapter, register_lora_format
 from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager, find_denoisers
+from vllm_omni.errors import LoRACacheError, LoRAFormatError
 
 __all__ = [
     "DiffusionLoRAManager",

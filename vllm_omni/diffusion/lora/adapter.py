@@ -22,13 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_omni.errors import LoRAFormatError
+
 #: Leading key components that name a wrapper rather than a module of the denoiser. They are tried
 #: in order when a key does not resolve as written (see :func:`candidate_module_keys`).
 DEFAULT_STRIP_PREFIXES: tuple[str, ...] = ("base_model.model.", "transformer.", "diffusion_model.")
-
-
-class LoRAFormatError(ValueError):
-    """An adapter file or directory is malformed or uses a feature this runtime does not support."""
 
 
 def lora_scaling(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:

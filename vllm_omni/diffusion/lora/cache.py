@@ -17,9 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class LoRACacheError(RuntimeError):
-    """A cache rule forbids the operation (all entries pinned or in use, adapter in use, ...)."""
+from vllm_omni.errors import LoRACacheError
 
 
 @dataclass

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.peft_format import ADAPTER_CONFIG_NAME, load_peft_adapter
 from vllm_omni.diffusion.lora.safetensors_format import load_lora_safetensors
+from vllm_omni.errors import LoRAFormatError
 
 LoRAReader = Callable[[str], LoRAAdapterWeights]
 _READERS: list[tuple[str, Callable[[str], bool], LoRAReader]] = [

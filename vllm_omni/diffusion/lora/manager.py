@@ -29,8 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from vllm_omni.diffusion.lora.adapter import LoRAFormatError
-from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, LoRACacheError, SlotTable
+from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
 from vllm_omni.diffusion.lora.layers import (
     BaseLayerWithLoRA,
     LoRABatchState,
@@ -40,6 +39,7 @@ from vllm_omni.diffusion.lora.layers import (
 )
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+from vllm_omni.errors import LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 
 DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.layouts import detect_layout, normalize_lora_keys, screen_state_dict
 from vllm_omni.diffusion.lora.peft_format import (
     ADAPTER_CONFIG_NAME,
@@ -35,6 +35,7 @@ from vllm_omni.diffusion.lora.peft_format import (
     split_lora_state_dict,
     untargeted_modules,
 )
+from vllm_omni.errors import LoRAFormatError
 
 METADATA_KEY = "lora_adapter_metadata"
 _COMPONENT_PREFIXES = ("transformer.", "transformer_2.", "unet.")

@@ -146,7 +146,7 @@ async def run_pipeline(
     """Run one prompt; engine-side input errors become 400s."""
     from vllm.exceptions import VLLMClientError
 
-    from vllm_omni.engine.llm_stage import StageEngineError
+    from vllm_omni.errors import StageEngineError
 
     lora_request = adapters[0][0] if adapters and state.entry.is_llm else None
     outputs = []
@@ -486,7 +486,7 @@ async def _generate_images(state: ServerState, req: ImageGenerationRequest, prom
 def _add_lora_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        from vllm_omni.engine.llm_stage import LoRANotEnabledError
+        from vllm_omni.errors import LoRANotEnabledError
 
         req = parse_body(LoadLoRAAdapterRequest, await read_json(request))
         reg = state.registry

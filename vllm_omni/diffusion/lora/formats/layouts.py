@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from vllm_omni.diffusion.lora.adapter import LoRAFormatError
+from vllm_omni.errors import LoRAFormatError
 
 KOHYA_UNET_PREFIX = "lora_unet_"
 COMFYUI_PREFIX = "diffusion_model."

@@ -27,12 +27,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAFormatError
+from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.layouts import (
     COMFYUI_PREFIX,
     KOHYA_UNET_PREFIX,
     strip_kohya_prefix,
 )
+from vllm_omni.errors import LoRAFormatError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,76 @@
+"""The public exception hierarchy of ``vllm_omni``.
+
+Every error the package raises on purpose is one of these, so callers (the HTTP layer
+included) classify failures by type, never by message text::
+
+    OmniError
+    ├── OmniUserError (also ValueError)    the input is wrong; fix the input
+    │   ├── ConfigError                    an option, override, deploy YAML entry or flag
+    │   ├── InvalidRequestError            a request's prompt, sampling params or adapters
+    │   ├── InvalidAdapterError            an adapter a stage cannot serve (file, module, rank)
+    │   │   └── LoRAFormatError            a malformed adapter file or an unsupported feature
+    │   └── LoRANotEnabledError            a LoRA call on a stage without ``enable_lora``
+    ├── LoRACacheError (also RuntimeError) a cache rule forbids the call (pinned, in use, full)
+    └── StageEngineError (also RuntimeError)  a stage's engine failed; other requests may go on
+        └── StageDeadError                 the stage's engine is gone; later requests fail too
+
+User errors subclass ``ValueError`` as vLLM's own input errors do, so code that catches
+``ValueError`` around ``vllm.LLM`` keeps working around :class:`vllm_omni.Omni`.
+Messages name the culprit: the stage (``stage 0 (llm_ar)``), the key or option, the file
+or the module, and where it helps, the knob to turn.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "InvalidAdapterError",
+    "InvalidRequestError",
+    "LoRACacheError",
+    "LoRAFormatError",
+    "LoRANotEnabledError",
+    "OmniError",
+    "OmniUserError",
+    "StageDeadError",
+    "StageEngineError",
+]
+
+
+class OmniError(Exception):
+    """Base class of every error ``vllm_omni`` raises on purpose."""
+
+
+class OmniUserError(OmniError, ValueError):
+    """The caller's input is wrong (HTTP: 400). The message says which input and why."""
+
+
+class ConfigError(OmniUserError):
+    """A configuration value is wrong: an option, a stage override, a deploy YAML entry or a CLI flag."""
+
+
+class InvalidRequestError(OmniUserError):
+    """A request is refused before it runs: prompt, sampling parameters or its adapter list."""
+
+
+class InvalidAdapterError(OmniUserError):
+    """An adapter that a stage cannot serve; the message names the adapter and the reason."""
+
+
+class LoRAFormatError(InvalidAdapterError):
+    """An adapter file or directory is malformed or uses a feature this runtime does not support."""
+
+
+class LoRANotEnabledError(OmniUserError):
+    """A LoRA call reached a stage whose config has no ``enable_lora`` (or no LoRA options)."""
+
+
+class LoRACacheError(OmniError, RuntimeError):
+    """A cache rule forbids the operation (every entry pinned or in use, adapter in use, ...)."""
+
+
+class StageEngineError(OmniError, RuntimeError):
+    """A stage's engine failed on a request; the message names the stage."""
+
+
+class StageDeadError(StageEngineError):
+    """A stage's engine (or one of its worker processes) is gone; the stage serves no more requests."""
