@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from typing import Any
 
 from vllm import SamplingParams
@@ -15,6 +16,7 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
+from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 
 
 def build_omni_config(
@@ -64,12 +66,32 @@ class OmniBase:
     def __init__(
         self, model: str | None = None, *, pipeline: str | None = None, deploy_config: Any = None, **kwargs
     ):
-        self.config = build_omni_config(model, pipeline, deploy_config, **kwargs)
-        self._orchestrator = Orchestrator(self.config)
+        self._start(build_omni_config(model, pipeline, deploy_config, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: VllmOmniConfig):
+        """Start the engines of an already resolved config (from :func:`build_omni_config`).
+
+        ``vllm serve`` resolves the config once, checks it (``--dry-run`` prints it) and
+        starts exactly that config.
+        """
+        omni = cls.__new__(cls)
+        omni._start(config)
+        return omni
+
+    def _start(self, config: VllmOmniConfig) -> None:
+        self.config = config
+        self._orchestrator = Orchestrator(config)
 
     @property
     def stage_configs(self):
         return self.config.stages
+
+    @cached_property
+    def entry_stage_info(self) -> EntryStageInfo:
+        """What front ends need to know about this pipeline (output kinds, adapters per
+        request, start-up adapters and their default scale, ...); computed once."""
+        return describe_entry_stage(self.config)
 
     def _stage_params(self, sampling_params: Any) -> list[Any]:
         """One params object per stage.

@@ -24,50 +24,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_omni.entrypoints.openai.settings import OmniLaunch, ServerSettings
+from vllm_omni.errors import ConfigError
 
 USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
 
 # Dests of EngineArgs flags that configure the HTTP server, not a stage.
 _FRONTEND_ENGINE_DESTS = ("served_model_name",)
-
-
-@dataclass
-class OmniLaunch:
-    """What the command line asks ``Omni``/``AsyncOmni`` for: ``AsyncOmni(model, **omni_kwargs())``."""
-
-    model: str | None
-    pipeline: str | None = None
-    deploy_config: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def omni_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``Omni``/``AsyncOmni`` (besides ``model``)."""
-        return {"pipeline": self.pipeline, "deploy_config": self.deploy_config, **self.options}
-
-    def build_config(self):
-        """Resolve the typed :class:`~vllm_omni.config.VllmOmniConfig` (no engine starts)."""
-        from vllm_omni.entrypoints.omni_base import build_omni_config
-
-        return build_omni_config(self.model, self.pipeline, self.deploy_config, **self.options)
-
-
-@dataclass
-class ServerSettings:
-    """Settings of the HTTP layer (see :mod:`vllm_omni.entrypoints.openai.api_server`)."""
-
-    host: str | None = None
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)
-    served_model_names: list[str] = field(default_factory=list)
-    lora_modules: list[tuple[str, str]] = field(default_factory=list)
-    lora_dirs: list[str] = field(default_factory=list)
-    allow_remote_lora: bool = False
-    chat_template: str | None = None
-    response_role: str = "assistant"
-    uvicorn_log_level: str = "info"
-    disable_uvicorn_access_log: bool = False
 
 
 def _add_frontend_args(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +135,7 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     return parser
 
 
-class ServeArgsError(ValueError):
+class ServeArgsError(ConfigError):
     """The command line is inconsistent (reported before anything loads)."""
 
 
@@ -261,12 +226,16 @@ def describe_launch(config: Any, settings: ServerSettings) -> dict[str, Any]:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    """Validate everything that can be checked without loading, then start the server
-    (``--dry-run``: print the resolved configuration instead)."""
+    """Validate everything that can be checked without loading, then start the server on the
+    config that was checked (``--dry-run``: print the resolved configuration instead).
+
+    Raises:
+        SystemExit: (2) after printing ``vllm-omni serve: error: ...`` for a flag or option error.
+    """
     try:
         launch, settings = split_serve_args(args)
         config = launch.build_config()  # the typed config's errors, before any engine starts
-    except (ServeArgsError, ValueError, KeyError) as exc:
+    except (ValueError, KeyError) as exc:  # ConfigError (ServeArgsError included) is a ValueError
         _fail(str(exc))
     if getattr(args, "dry_run", False):
         import json
@@ -275,4 +244,4 @@ def run_serve(args: argparse.Namespace) -> None:
         return
     from vllm_omni.entrypoints.openai.api_server import run_server
 
-    run_server(launch, settings)
+    run_server(config, settings)  # the engines start from this very config: resolved once

@@ -2,17 +2,27 @@
 
 Body: ``{"error": {"message": str, "type": str, "param": str | null, "code": int}}``,
 the shape the official ``openai`` client parses into ``openai.APIStatusError``.
+
+Errors raised by ``AsyncOmni`` are mapped to a status here, by type only
+(:func:`engine_error_to_openai`): user errors (:class:`~vllm_omni.errors.OmniUserError`,
+vLLM's ``VLLMClientError`` and ``ValueError``) are 400, stage failures
+(:class:`~vllm_omni.errors.StageEngineError`) are 500.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from vllm.exceptions import VLLMClientError
+
+from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError, OmniUserError, StageEngineError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +54,47 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 def not_found(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(message, 404, param)
+
+
+def engine_error_to_openai(
+    exc: BaseException, adapter_param: str = "lora", user_param: str | None = None
+) -> OpenAIError | None:
+    """The client-facing error for an exception raised by ``AsyncOmni`` (by type, never by text).
+
+    Args:
+        exc: what the engine call raised.
+        adapter_param: ``param`` of an adapter error (``InvalidAdapterError``,
+            ``LoRANotEnabledError``): the request field that named the adapter.
+        user_param: ``param`` of any other input error.
+
+    Returns:
+        ``exc`` itself when it is already an :class:`OpenAIError`; 500 for a
+        :class:`~vllm_omni.errors.StageEngineError`; 400 for an adapter error, any other
+        :class:`~vllm_omni.errors.OmniUserError`, vLLM's ``VLLMClientError`` and the
+        ``ValueError`` / ``TypeError`` / ``KeyError`` vLLM raises on request validation;
+        ``None`` for anything else (an unexpected error: the app's handler answers 500).
+    """
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, StageEngineError):
+        return OpenAIError(str(exc), 500)
+    if isinstance(exc, InvalidAdapterError | LoRANotEnabledError):
+        return bad_request(str(exc), adapter_param)
+    if isinstance(exc, OmniUserError | VLLMClientError | ValueError | TypeError | KeyError):
+        return bad_request(str(exc), user_param)
+    return None
+
+
+@contextlib.contextmanager
+def engine_errors(adapter_param: str = "lora", user_param: str | None = None) -> Iterator[None]:
+    """Around an ``AsyncOmni`` call: re-raise its errors as :func:`engine_error_to_openai` maps them."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = engine_error_to_openai(exc, adapter_param, user_param)
+        if mapped is None or mapped is exc:
+            raise
+        raise mapped from exc
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:

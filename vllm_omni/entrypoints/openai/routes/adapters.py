@@ -1,0 +1,59 @@
+"""``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (vLLM's runtime LoRA routes).
+
+Mounted only when vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set (:func:`runtime_lora_updating_allowed`).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors
+from vllm_omni.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_body
+from vllm_omni.entrypoints.openai.routes.common import read_json
+from vllm_omni.entrypoints.openai.state import get_state
+from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+
+router = APIRouter()
+
+
+def runtime_lora_updating_allowed() -> bool:
+    """vLLM's switch for ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """Load an adapter on every LoRA stage and name it (``model=<lora_name>`` selects it).
+
+    Errors: 400 for the base model's name, a name already loaded (unless ``load_inplace``),
+    a refused path or an adapter the stages refuse (``param``: ``lora_path``).
+    """
+    state = get_state(request)
+    req = parse_body(LoadLoRAAdapterRequest, await read_json(request))
+    reg = state.registry
+    if req.lora_name in reg.base_names:
+        raise bad_request(f"'{req.lora_name}' is the base model's name", "lora_name")
+    if req.lora_name in reg.named and not req.load_inplace:
+        raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
+    location = reg.resolve_path(req.lora_path)
+    int_id = stable_lora_int_id(location)
+    reg.claim_id(int_id, location)
+    lora = LoRARequest(req.lora_name, int_id, location)
+    with engine_errors("lora_path", "lora_path"):
+        await state.omni.add_lora(lora)  # False only means "already cached"
+    reg.add_named(lora)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    """Forget a named adapter and remove it from the stages (404 for an unknown name)."""
+    state = get_state(request)
+    req = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
+    lora = state.registry.remove_named(req.lora_name)
+    with engine_errors("lora_name", "lora_name"):
+        await state.omni.remove_lora(lora.lora_int_id)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

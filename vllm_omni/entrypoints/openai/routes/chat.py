@@ -1,0 +1,205 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Each handler runs in three steps: prepare (parse, resolve adapters, build the prompt and the
+per-stage params), run (``AsyncOmni.generate``), render (the OpenAI body). ``stream=true``
+answers the finished body as server-sent events today; incremental streaming replaces only
+the run and render steps (one chunk per engine output) and reuses the prepare step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_omni.entrypoints.openai import media
+from vllm_omni.entrypoints.openai.errors import bad_request
+from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from vllm_omni.entrypoints.openai.routes.common import (
+    Adapters,
+    diffusion_lora,
+    images,
+    read_json,
+    resolve_adapters,
+    run_pipeline,
+    sse,
+    stage_params,
+    text_output,
+    usage,
+)
+from vllm_omni.entrypoints.openai.state import ServerState, get_state
+
+router = APIRouter()
+
+_NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+@dataclass
+class PreparedRun:
+    """One prompt ready for ``AsyncOmni.generate``: the prompt, per-stage params and adapters."""
+
+    prompt: Any
+    params: list[Any]
+    adapters: Adapters
+
+
+# ---------------------------------------------------------------- chat
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """Chat with an LLM pipeline (text reply) or an image pipeline (images as data URIs)."""
+    state = get_state(request)
+    req = parse_body(ChatCompletionRequest, await read_json(request))
+    adapters = resolve_adapters(state, req.model, req.lora)
+    text = "text" in state.info.output_kinds and state.info.is_llm
+    run = prepare_text_chat(state, req, adapters) if text else prepare_image_chat(state, req, adapters)
+    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters)
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model or state.base_name,
+    }
+    if text:
+        body = head | text_chat_reply(state, req, outputs)
+    else:
+        body = head | image_chat_reply(state, outputs)
+    return sse(chat_chunks(body)) if req.stream else JSONResponse(body)
+
+
+def prepare_text_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:
+    """The templated conversation and its params; ``max_tokens`` defaults to the room left in the context."""
+    prompt = chat_prompt(state, req)
+    llm = req.model_copy(update={"max_tokens": req.max_completion_tokens or req.max_tokens})
+    room = (state.info.max_model_len or 2048) - len(prompt["prompt_token_ids"])
+    sp = llm.sampling_params(max(1, room))
+    diffusion = req.diffusion_params(1) if state.info.has_diffusion_stage else None
+    return PreparedRun(prompt, stage_params(state, sp, diffusion), adapters)
+
+
+def prepare_image_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:
+    """The last user message as an image prompt, and its params."""
+    prompt = last_user_text(req)
+    dparams = req.diffusion_params(req.n, *diffusion_lora(state, adapters))
+    sp = req.sampling_params() if state.info.has_llm_stage else None
+    return PreparedRun(prompt, stage_params(state, sp, dparams), adapters)
+
+
+def text_chat_reply(state: ServerState, req: ChatCompletionRequest, outputs: list[Any]) -> dict[str, Any]:
+    """``choices`` and ``usage`` (and ``prompt_token_ids`` when asked) of a text chat reply."""
+    ro = text_output(outputs)
+    choices = []
+    for i, c in enumerate(ro.outputs):
+        choice = {
+            "index": i,
+            "message": {"role": state.settings.response_role, "content": c.text},
+            "finish_reason": c.finish_reason or "stop",
+            "logprobs": None,
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
+    body: dict[str, Any] = {"choices": choices, "usage": usage(ro)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(ro.prompt_token_ids or [])
+    return body
+
+
+def image_chat_reply(state: ServerState, outputs: list[Any]) -> dict[str, Any]:
+    """``choices`` (one message whose content lists the images as PNG data URIs) and zero ``usage``."""
+    content = [
+        {"type": "image_url", "image_url": {"url": media.png_data_uri(img)}} for img in images(outputs)
+    ]
+    message = {"role": state.settings.response_role, "content": content}
+    choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+    return {"choices": [choice], "usage": dict(_NO_USAGE)}
+
+
+def chat_chunks(body: dict) -> list[dict]:
+    """A finished chat body as ``chat.completion.chunk`` events: per choice, its content, then its finish."""
+    chunks = []
+    base = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    for choice in body["choices"]:
+        delta = {"role": choice["message"]["role"], "content": choice["message"]["content"]}
+        chunks.append(base | {"choices": [{"index": choice["index"], "delta": delta, "finish_reason": None}]})
+        end = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
+        chunks.append(base | {"choices": [end]})
+    return chunks
+
+
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any]:
+    """Token ids of the templated conversation (as vLLM renders chat: no extra special tokens).
+
+    Raises:
+        OpenAIError: (400) no chat template, or the template fails on these messages.
+    """
+    tok = state.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    template = state.settings.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
+    if template is None and not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; start the server with --chat-template")
+    try:
+        text = tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            chat_template=template,
+            **(req.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja errors, bad kwargs
+        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+
+def last_user_text(req: ChatCompletionRequest) -> str:
+    """The text of the last user message that has any (the prompt of an image chat)."""
+    for m in reversed(req.messages):
+        if m.role == "user" and m.text().strip():
+            return m.text()
+    raise bad_request("messages need a user message with text", "messages")
+
+
+# ---------------------------------------------------------------- completions
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    """Text completions (LLM pipelines); one engine run per prompt, choices in prompt order."""
+    state = get_state(request)
+    req = parse_body(CompletionRequest, await read_json(request))
+    if not (state.info.is_llm and "text" in state.info.output_kinds):
+        raise bad_request(f"pipeline {state.info.pipeline!r} does not produce text completions")
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    adapters = resolve_adapters(state, req.model, req.lora)
+    params = stage_params(state, req.sampling_params(), None)
+    choices, total = [], dict(_NO_USAGE)
+    for prompt in req.prompts():
+        ro = text_output(await run_pipeline(state, prompt, params, adapters))
+        for c in ro.outputs:
+            choice = {
+                "index": len(choices),
+                "text": c.text,
+                "finish_reason": c.finish_reason or "stop",
+                "logprobs": None,
+            }
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(ro.prompt_token_ids or [])
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
+        for k, v in usage(ro).items():
+            total[k] += v
+    body = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or state.base_name,
+        "choices": choices,
+        "usage": total,
+    }
+    return sse([body]) if req.stream else JSONResponse(body)

@@ -1,0 +1,71 @@
+"""``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart with an input image)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from vllm_omni.entrypoints.openai import media
+from vllm_omni.entrypoints.openai.errors import bad_request
+from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, parse_body
+from vllm_omni.entrypoints.openai.routes.common import (
+    default_llm_params,
+    diffusion_lora,
+    images,
+    read_json,
+    resolve_adapters,
+    run_pipeline,
+    stage_params,
+)
+from vllm_omni.entrypoints.openai.state import ServerState, get_state
+
+router = APIRouter()
+
+
+@router.post("/v1/images/generations")
+async def images_generations(request: Request) -> JSONResponse:
+    """Images from a text prompt: ``{"created", "data": [{"b64_json": <PNG>}, ...]}``."""
+    state = get_state(request)
+    req = parse_body(ImageGenerationRequest, await read_json(request))
+    return JSONResponse(await generate_images(state, req, image=None))
+
+
+@router.post("/v1/images/edits")
+async def images_edits(request: Request) -> JSONResponse:
+    """Images from a prompt and an input image (image-to-image pipelines); same reply as generations."""
+    state = get_state(request)
+    fields, image = await media.read_edit_form(request)
+    req = parse_body(ImageGenerationRequest, fields)
+    return JSONResponse(await generate_images(state, req, image=image))
+
+
+async def generate_images(state: ServerState, req: ImageGenerationRequest, image: Any) -> dict:
+    """Run an image request (``image``: the decoded input image of an edit, else ``None``).
+
+    Raises:
+        OpenAIError: 400 when the pipeline makes no images or takes no input image; the
+            engine's errors as mapped by :func:`~..errors.engine_errors`.
+    """
+    info = state.info
+    if "image" not in info.output_kinds:
+        raise bad_request(f"pipeline {info.pipeline!r} does not produce images")
+    adapters = resolve_adapters(state, req.model, req.lora)
+    dparams = req.diffusion_params(req.n, *diffusion_lora(state, adapters))
+    if image is not None:
+        if not info.accepts_input_image:
+            raise bad_request(
+                f"pipeline {info.pipeline!r} ({info.model_arch}) generates from text only; "
+                f"/v1/images/edits needs an image-to-image pipeline",
+                "image",
+            )
+        dparams.extra_args["image"] = image
+    outputs = await run_pipeline(
+        state, req.prompt, stage_params(state, default_llm_params(state), dparams), adapters
+    )
+    return {
+        "created": int(time.time()),
+        "data": [{"b64_json": media.png_b64(img)} for img in images(outputs)],
+    }

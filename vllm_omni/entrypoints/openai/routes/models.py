@@ -1,0 +1,37 @@
+"""``GET /health`` and ``GET /v1/models`` (the base model, then every named adapter)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_omni.entrypoints.openai.state import ServerState, get_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> Response:
+    """200 with an empty body once the engines are up (the server starts after them)."""
+    return Response(status_code=200)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    """OpenAI model list: the base model (``root``: its path) and each adapter (``parent``: the base)."""
+    state = get_state(request)
+    data = [model_card(state, state.base_name, state.info.model, None)]
+    data += [model_card(state, n, r.lora_path, state.base_name) for n, r in state.registry.named.items()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+def model_card(state: ServerState, name: str, root: str | None, parent: str | None) -> dict:
+    """One ``model`` object of ``/v1/models``."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "vllm-omni",
+        "root": root,
+        "parent": parent,
+    }

@@ -1,0 +1,51 @@
+"""What ``serve`` builds (:class:`OmniLaunch`) and how the HTTP layer serves it (:class:`ServerSettings`).
+
+The command line (:mod:`vllm_omni.entrypoints.cli.serve`) fills both from its flags; the
+server (:mod:`vllm_omni.entrypoints.openai.api_server`) reads only ``ServerSettings``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class OmniLaunch:
+    """What the command line asks ``Omni``/``AsyncOmni`` for: ``AsyncOmni(model, **omni_kwargs())``."""
+
+    model: str | None
+    pipeline: str | None = None
+    deploy_config: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def omni_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``Omni``/``AsyncOmni`` (besides ``model``)."""
+        return {"pipeline": self.pipeline, "deploy_config": self.deploy_config, **self.options}
+
+    def build_config(self):
+        """Resolve the typed :class:`~vllm_omni.config.VllmOmniConfig` (no engine starts).
+
+        Raises:
+            ValueError / KeyError (``ConfigError`` where classified): the options do not resolve.
+        """
+        from vllm_omni.entrypoints.omni_base import build_omni_config
+
+        return build_omni_config(self.model, self.pipeline, self.deploy_config, **self.options)
+
+
+@dataclass
+class ServerSettings:
+    """Settings of the HTTP layer (see :mod:`vllm_omni.entrypoints.openai.api_server`)."""
+
+    host: str | None = None
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    served_model_names: list[str] = field(default_factory=list)
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    lora_dirs: list[str] = field(default_factory=list)
+    allow_remote_lora: bool = False
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False

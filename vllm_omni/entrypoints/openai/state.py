@@ -1,0 +1,88 @@
+"""The server's shared state: the engine, its entry-stage description, the settings and the adapters.
+
+One :class:`ServerState` per app (``app.state.omni_state``); handlers get it with
+:func:`get_state`. :func:`make_state` builds it from a running ``AsyncOmni`` and
+:func:`register_startup_adapters` registers ``--lora-path`` / ``--lora-modules`` before the
+server accepts requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from vllm_omni.entrypoints.openai.lora import AdapterRegistry
+from vllm_omni.entrypoints.openai.settings import ServerSettings
+from vllm_omni.entrypoints.stage_info import EntryStageInfo
+from vllm_omni.errors import ConfigError
+from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+
+
+@dataclass
+class ServerState:
+    """What the handlers share.
+
+    Attributes:
+        omni: the running ``AsyncOmni`` (``generate``, ``add_lora``, ``remove_lora``).
+        settings: the HTTP settings.
+        registry: adapters the server knows and the request-path rules.
+        base_name: the name ``/v1/models`` lists first (``--served-model-name`` or the model).
+        info: the pipeline's :class:`~vllm_omni.entrypoints.stage_info.EntryStageInfo`.
+        created: start time (epoch seconds) shown on model cards.
+        tokenizer: the LLM entry stage's tokenizer for chat templating (``None`` otherwise).
+    """
+
+    omni: Any
+    settings: ServerSettings
+    registry: AdapterRegistry
+    base_name: str
+    info: EntryStageInfo
+    created: int = field(default_factory=lambda: int(time.time()))
+    tokenizer: Any = None
+
+
+def get_state(request: Request) -> ServerState:
+    """The :class:`ServerState` of the app serving ``request``."""
+    return request.app.state.omni_state
+
+
+def make_state(omni: Any, settings: ServerSettings) -> ServerState:
+    """Shared state for a running ``AsyncOmni`` (loads the chat tokenizer of an LLM entry stage)."""
+    info: EntryStageInfo = omni.entry_stage_info
+    served = settings.served_model_names
+    base = served[0] if served else (info.model or "model")
+    names = list(dict.fromkeys([base, *served, *([info.model] if info.model else [])]))
+    registry = AdapterRegistry(settings.lora_dirs, settings.allow_remote_lora, names)
+    state = ServerState(omni=omni, settings=settings, registry=registry, base_name=base, info=info)
+    if info.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        state.tokenizer = AutoTokenizer.from_pretrained(
+            info.tokenizer, trust_remote_code=info.trust_remote_code
+        )
+    return state
+
+
+async def register_startup_adapters(state: ServerState) -> None:
+    """Allow ``--lora-path`` paths in requests, name their pre-loaded adapters, and load ``--lora-modules``.
+
+    Raises:
+        ConfigError: a ``--lora-modules`` adapter that cannot be served (the server does not start).
+    """
+    reg = state.registry
+    for path in state.info.startup_lora_paths:
+        reg.register_startup_path(path)
+    for lora in state.info.startup_adapters:  # pre-loaded and pinned by the stage under this name and id
+        if lora.lora_name not in reg.named and lora.lora_name not in reg.base_names:
+            reg.add_named(lora)
+    for name, path in state.settings.lora_modules:
+        location = reg.register_startup_path(path)
+        lora = LoRARequest(name, stable_lora_int_id(location), location)
+        try:
+            await state.omni.add_lora(lora)
+        except Exception as exc:
+            raise ConfigError(f"--lora-modules {name}={path}: {exc}") from exc
+        reg.add_named(lora)

@@ -1,0 +1,131 @@
+"""A small public description of a pipeline's entry stage, for front ends.
+
+The HTTP server (and any other front end) needs to know what a pipeline answers and which
+adapters a request may carry, but not how stages are configured or run.
+:func:`describe_entry_stage` reads the resolved :class:`~vllm_omni.config.VllmOmniConfig`
+once and returns an :class:`EntryStageInfo`; ``Omni`` / ``AsyncOmni`` expose it as
+``entry_stage_info``. Every read of a diffusion stage's options for this purpose happens in
+that one function.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.lora.request import LoRARequest
+
+OutputKind = Literal["text", "image", "video"]
+
+# Pipeline classes (``model_arch`` of a diffusion stage) that produce video, not images.
+_VIDEO_CLASS = re.compile(r"(Video|Wan|Mochi|LTX|Allegro|Latte)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class EntryStageInfo:
+    """What a front end needs to know about a pipeline (entry stage first).
+
+    Attributes:
+        pipeline: registered name of the resolved pipeline.
+        model: the pipeline's default model path (``None`` when only stages name one).
+        label: the entry stage's label, e.g. ``"Stage 0 (llm_ar)"``.
+        is_llm: whether the entry stage is an LLM stage (else diffusion).
+        model_arch: the entry stage's model / pipeline class name (``None``: derived later).
+        stage_is_llm: per stage, in stage-id order, whether it is an LLM stage.
+        output_kinds: the kinds final-output stages produce (``"text"``, ``"image"``, ``"video"``).
+        max_adapters_per_request: 1 on an LLM entry stage (vLLM applies one adapter per
+            request), ``max_loras`` on a diffusion one.
+        startup_lora_paths: the diffusion entry stage's ``lora_path`` entries, as given
+            (any backend); requests may name these paths.
+        startup_adapters: the ``LoRARequest`` s the entry stage pre-loads and pins
+            (``lora_path`` with the ``peft`` backend); empty otherwise.
+        startup_lora_scale: the default scale of ``startup_adapters`` (``lora_scale``).
+        accepts_input_image: whether the entry stage takes an input image (a diffusers
+            pipeline; in-tree pipelines here are text-to-image).
+        max_model_len: the LLM entry stage's ``max_model_len`` option (``None``: not set).
+        tokenizer: tokenizer to template chat prompts with (LLM entry stage with a model).
+        trust_remote_code: the LLM entry stage's ``trust_remote_code`` option.
+    """
+
+    pipeline: str
+    model: str | None
+    label: str
+    is_llm: bool
+    model_arch: str | None
+    stage_is_llm: tuple[bool, ...]
+    output_kinds: frozenset[OutputKind]
+    max_adapters_per_request: int
+    startup_lora_paths: tuple[str, ...] = ()
+    startup_adapters: tuple[LoRARequest, ...] = ()
+    startup_lora_scale: float = 1.0
+    accepts_input_image: bool = False
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+
+    @property
+    def has_llm_stage(self) -> bool:
+        return any(self.stage_is_llm)
+
+    @property
+    def has_diffusion_stage(self) -> bool:
+        return not all(self.stage_is_llm)
+
+    def default_lora_scale(self, lora_int_id: int) -> float:
+        """The scale an adapter gets when a request names it without one.
+
+        ``startup_lora_scale`` for a start-up adapter, 1.0 for any other.
+        """
+        if any(r.lora_int_id == lora_int_id for r in self.startup_adapters):
+            return self.startup_lora_scale
+        return 1.0
+
+
+def _output_kind(stage) -> OutputKind:
+    if stage.is_llm:
+        return "text"
+    return "video" if _VIDEO_CLASS.search(stage.model_arch or "") else "image"
+
+
+def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
+    """Build the :class:`EntryStageInfo` of a resolved pipeline config.
+
+    The one place that reads the entry stage's options for front ends.
+    """
+    entry = config.entry_stage
+    options = entry.options
+    common = {
+        "pipeline": config.pipeline.name,
+        "model": config.model,
+        "label": entry.label,
+        "is_llm": entry.is_llm,
+        "model_arch": entry.model_arch,
+        "stage_is_llm": tuple(s.is_llm for s in config.stages),
+        "output_kinds": frozenset(_output_kind(s) for s in config.stages if s.final_output),
+    }
+    if entry.is_llm:
+        max_len = options.get("max_model_len")
+        return EntryStageInfo(
+            **common,
+            max_adapters_per_request=1,
+            max_model_len=int(max_len) if max_len else None,
+            tokenizer=(options.get("tokenizer") or entry.model) if entry.model else None,
+            trust_remote_code=bool(options.get("trust_remote_code", False)),
+        )
+    from vllm_omni.diffusion.data import in_tree_pipeline_classes
+    from vllm_omni.diffusion.worker_lora import startup_lora_request
+
+    raw = options.get("lora_path")
+    paths = tuple([raw] if isinstance(raw, str) else list(raw or []))
+    peft = options.get("lora_backend", "peft") == "peft"
+    backend = options.get("pipeline_backend", "auto")
+    return EntryStageInfo(
+        **common,
+        max_adapters_per_request=int(options.get("max_loras", 1) or 1),
+        startup_lora_paths=paths,
+        startup_adapters=tuple(startup_lora_request(p) for p in paths) if peft else (),
+        startup_lora_scale=float(options.get("lora_scale", 1.0)),
+        accepts_input_image=backend == "diffusers" or entry.model_arch not in in_tree_pipeline_classes(),
+    )
