@@ -215,3 +215,30 @@ def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
     out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=180)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vllm-omni serve: error:" in out.stderr and "--lora-path" in out.stderr
+
+
+def test_serve_starts_the_config_it_resolved(tiny_llm_assets, monkeypatch):
+    """`vllm serve` resolves the config once; the server's engines start from that very object."""
+    import vllm_omni.entrypoints.omni_base as omni_base
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+    built, started = [], []
+    real_build = omni_base.build_omni_config
+
+    def counting_build(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+
+    class Started(Exception):
+        pass
+
+    def no_engines(cls, config):
+        started.append(config)
+        raise Started
+
+    monkeypatch.setattr(omni_base, "build_omni_config", counting_build)
+    monkeypatch.setattr(AsyncOmni, "from_config", classmethod(no_engines))
+    with pytest.raises(Started):
+        cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128"])
+    assert len(built) == 1 and started == built
+    assert started[0].entry_stage.options["max_model_len"] == 128
