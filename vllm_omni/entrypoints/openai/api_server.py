@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
@@ -24,6 +24,9 @@ from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_bod
 from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, videos
 from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.openai.state import ServerState, get_state, make_state, register_startup_adapters
+
+if TYPE_CHECKING:
+    from vllm_omni.config.omni_config import VllmOmniConfig
 
 __all__ = ["build_app", "make_state", "register_startup_adapters", "run_server"]
 
@@ -54,8 +57,8 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def run_server(config: Any, settings: ServerSettings) -> None:
-    """Start the engines of ``config`` (a resolved ``VllmOmniConfig``), then serve HTTP until interrupted.
+def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
+    """Start the engines of ``config`` (as resolved and checked by the CLI), then serve HTTP until interrupted.
 
     Raises:
         ConfigError: a ``--lora-modules`` adapter cannot be served (before the server listens).
