@@ -23,7 +23,7 @@ from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from vllm_omni.entrypoints.openai.routes.common import (
     Adapters,
     diffusion_lora,
-    images,
+    output_images,
     read_json,
     resolve_adapters,
     run_pipeline,
@@ -112,7 +112,7 @@ def text_chat_reply(state: ServerState, req: ChatCompletionRequest, outputs: lis
 def image_chat_reply(state: ServerState, outputs: list[Any]) -> dict[str, Any]:
     """``choices`` (one message whose content lists the images as PNG data URIs) and zero ``usage``."""
     content = [
-        {"type": "image_url", "image_url": {"url": media.png_data_uri(img)}} for img in images(outputs)
+        {"type": "image_url", "image_url": {"url": media.png_data_uri(img)}} for img in output_images(outputs)
     ]
     message = {"role": state.settings.response_role, "content": content}
     choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}

@@ -113,7 +113,7 @@ def text_output(outputs: list[Any]) -> Any:
     return texts[-1].request_output
 
 
-def images(outputs: list[Any]) -> list[Any]:
+def output_images(outputs: list[Any]) -> list[Any]:
     """Every image among ``outputs``; 500 when there is none."""
     found = [img for o in outputs for img in (o.images or [])]
     if not found:

@@ -14,7 +14,7 @@ from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, parse_
 from vllm_omni.entrypoints.openai.routes.common import (
     default_llm_params,
     diffusion_lora,
-    images,
+    output_images,
     read_json,
     resolve_adapters,
     run_pipeline,
@@ -67,5 +67,5 @@ async def generate_images(state: ServerState, req: ImageGenerationRequest, image
     )
     return {
         "created": int(time.time()),
-        "data": [{"b64_json": media.png_b64(img)} for img in images(outputs)],
+        "data": [{"b64_json": media.png_b64(img)} for img in output_images(outputs)],
     }
