@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import pytest
 
 from vllm_omni.config import (
-    BaseVllmOmniStageConfig,
     DiffusionStageConfig,
     OmniStageLoRAConfig,
     VllmOmniConfig,
@@ -240,24 +238,6 @@ def test_lora_field_map_is_generated_from_upstream_with_alias():
     for field in dataclasses.fields(LoRAConfig):
         expected = "lora_target_modules" if field.name == "target_modules" else field.name
         assert (mapping.get(field.name) == expected) == (expected in ea)
-
-
-def test_stage_configs_round_trip_through_msgpack():
-    cfg = resolve(
-        "bagel",
-        max_cpu_loras=3,
-        stage_overrides={
-            "0": {"enable_lora": True, "max_lora_rank": 32, "target_modules": ["q_proj"], "dtype": "float32"}
-        },
-    )
-    for stage in cfg.stages:
-        data = stage.to_msgpack()
-        assert isinstance(msgspec.msgpack.decode(data), dict)
-        back = BaseVllmOmniStageConfig.from_msgpack(data)
-        assert back == stage and type(back) is type(stage)
-    assert (
-        BaseVllmOmniStageConfig.from_msgpack(cfg.stage_by_id(0).to_msgpack()).lora_config.max_lora_rank == 32
-    )
 
 
 def test_registry_and_unknown_pipeline():

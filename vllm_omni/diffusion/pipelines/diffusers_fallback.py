@@ -29,6 +29,9 @@ class DiffusersFallbackPipeline:
     as ``num_videos_per_prompt`` and return their frames in :attr:`DiffusionOutput.videos`.
     """
 
+    #: The denoiser batch layout is diffusers' own: every prompt of a call shares one adapter set.
+    mixed_lora_batch = False
+
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         self.od_config = od_config
         self.device = torch.device(device or od_config.resolved_device())
