@@ -240,6 +240,28 @@ def test_lora_field_map_is_generated_from_upstream_with_alias():
         assert (mapping.get(field.name) == expected) == (expected in ea)
 
 
+def test_stage_configs_are_msgpack_transport_safe():
+    import dataclasses
+
+    import msgspec
+
+    from vllm_omni.config.stage_config import make_stage_config
+
+    cfg = resolve(
+        "bagel",
+        max_cpu_loras=3,
+        stage_overrides={
+            "0": {"enable_lora": True, "max_lora_rank": 32, "target_modules": ["q_proj"], "dtype": "float32"}
+        },
+    )
+    for stage in cfg.stages:
+        fields = {f.name: getattr(stage, f.name) for f in dataclasses.fields(stage) if f.init}
+        back = make_stage_config(**msgspec.msgpack.decode(msgspec.msgpack.encode(fields)))
+        assert back == stage and type(back) is type(stage)
+    assert cfg.stage_by_id(0).lora_config.max_lora_rank == 32
+    assert cfg.stage_by_id(1).diffusion_config.max_cpu_loras == 3
+
+
 def test_registry_and_unknown_pipeline():
     names = registered_pipelines()
     for name in (

@@ -15,7 +15,7 @@ are validated by vLLM's ``create_engine_config`` when the stage engine starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from pydantic import ConfigDict
@@ -73,8 +73,6 @@ class BaseVllmOmniStageConfig:
     final_output: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
-    STAGE_TYPE: ClassVar[str] = ""
-
     def __post_init__(self) -> None:
         if self.stage_type not in STAGE_TYPES:
             raise ConfigError(
@@ -126,11 +124,6 @@ class LLMStageConfig(BaseVllmOmniStageConfig):
             return cls(**kwargs)
         except Exception as exc:
             raise ConfigError(f"{self.label}: invalid {concern} option(s) {sorted(kwargs)}: {exc}") from exc
-
-    def concern_options(self, concern: str) -> dict[str, Any]:
-        """The explicitly set options of one concern (``model``, ``scheduler``, ``lora``, ...)."""
-        names = concern_engine_fields()[concern]
-        return {k: v for k, v in self.options.items() if k in names}
 
 
 @dataclass
