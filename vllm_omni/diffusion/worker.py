@@ -26,6 +26,7 @@ import torch
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
 from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
+from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 
@@ -127,7 +128,7 @@ class DiffusionWorker:
                 sp = sampling_params
                 if isinstance(sp.negative_prompt, list | tuple):
                     if len(sp.negative_prompt) != len(prompts):
-                        raise ValueError(
+                        raise InvalidRequestError(
                             f"negative_prompt has {len(sp.negative_prompt)} entries for {len(prompts)} prompts"
                         )
                     sp = dataclasses.replace(sp, negative_prompt=[sp.negative_prompt[i] for i in keep])

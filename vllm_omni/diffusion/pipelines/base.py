@@ -60,7 +60,7 @@ class DiffusionPipeline(Protocol):
             lora_context: see :data:`LoRAContextFactory`.
 
         Raises:
-            ValueError: sizes that are not multiples of ``2 * vae_scale_factor``, or an
+            InvalidRequestError: sizes that are not multiples of ``2 * vae_scale_factor``, or an
                 argument the pipeline does not take.
         """
         ...
