@@ -196,6 +196,8 @@ class OmniDiffusionConfig:
             )
 
     def _check_model(self) -> None:
+        if not isinstance(self.model, str | os.PathLike):
+            raise _bad("model", self.model, "a diffusers directory path")
         self.model = os.fspath(self.model)
         root = Path(self.model)
         if not root.is_dir():
