@@ -46,14 +46,14 @@ def test_config_defaults(tiny_z_image_dir):
     ("kwargs", "message"),
     [
         ({"pipeline_backend": "onnx"}, r"pipeline_backend must be one of \['auto', 'in_tree', 'diffusers'\]"),
-        ({"tensor_parallel_size": 0}, r"tensor_parallel_size must be an integer >= 1"),
+        ({"tensor_parallel_size": 0}, r"tensor_parallel_size must be >= 1 \(an integer\), got int: 0"),
         ({"dtype": "int8"}, r"dtype must be a torch.dtype or one of"),
         ({"device": "tpu"}, r"device must be 'cpu', 'cuda' or None"),
         ({"lora_backend": "lycoris"}, r"lora_backend must be one of \['peft', 'distill'\]"),
         ({"max_loras": 0}, r"max_loras must be >= 1"),
-        ({"lora_path": 3}, r"lora_path must be None, a path string or a list of path strings"),
-        ({"lora_path": ["a", None]}, r"lora_path must be None"),
-        ({"lora_scale": "x"}, r"lora_scale must be a number"),
+        ({"lora_path": 3}, r"lora_path must be a path string or a non-empty list of path strings"),
+        ({"lora_path": ["a", None]}, r"lora_path must be a path string or a non-empty list"),
+        ({"lora_scale": "x"}, r"lora_scale must be a finite number"),
         ({"max_loras": 2, "max_cpu_loras": 1}, r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),
     ],
 )

@@ -51,3 +51,49 @@ def test_stage_with_unavailable_model_class_fails_at_engine_start(tiny_llm_asset
         match=r"Stage 0 \(llm_ar\): model class 'OmniQwen2_5OmniThinkerForConditionalGeneration' is not available",
     ):
         Omni(str(tiny_llm_assets.model_dir), pipeline="qwen2_5_omni_thinker_only", max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("name", "label", "missing"),
+    [
+        ("qwen3_tts", r"Stage 0 \(llm_ar\)", "Qwen3TTSTalkerForConditionalGeneration"),
+        ("qwen2_5_omni", r"Stage 0 \(llm_ar\)", "OmniQwen2_5OmniThinkerForConditionalGeneration"),
+        ("bagel", r"Stage 0 \(llm_ar\)", "OmniBagelForConditionalGeneration"),
+    ],
+)
+def test_registered_pipelines_without_models_fail_before_any_engine(
+    tiny_llm_assets, monkeypatch, name, label, missing
+):
+    from vllm_omni import Omni
+    from vllm_omni.engine import orchestrator
+
+    def no_engine(stage):
+        raise AssertionError(f"{stage.label} was started")
+
+    monkeypatch.setattr(orchestrator, "make_stage_runtime", no_engine)
+    with pytest.raises(StageEngineError, match=rf"{label}: model class '{missing}' is not available"):
+        Omni(str(tiny_llm_assets.model_dir), pipeline=name)
+
+
+def test_missing_class_of_a_later_stage_fails_before_the_first_engine(tiny_llm_assets, monkeypatch):
+    from vllm_omni.config import VllmOmniConfig
+    from vllm_omni.config.pipeline_registry import PipelineConfig, StageSpec
+    from vllm_omni.engine import orchestrator
+
+    started = []
+    monkeypatch.setattr(orchestrator, "make_stage_runtime", started.append)
+    for spec, message in [
+        (
+            StageSpec("diffusion", "BagelPipeline", (0,), final_output=True),
+            r"unknown pipeline class 'BagelPipeline'",
+        ),
+        (
+            StageSpec("llm_generation", "Qwen3TTSCode2Wav", (0,), final_output=True),
+            r"model class 'Qwen3TTSCode2Wav'",
+        ),
+    ]:
+        pipeline = PipelineConfig("half_available", (StageSpec("llm_ar", "Qwen2ForCausalLM"), spec))
+        config = VllmOmniConfig.from_pipeline_config(pipeline, model=str(tiny_llm_assets.model_dir))
+        with pytest.raises(StageEngineError, match=rf"Stage 1 \({spec.stage_type}\): {message}"):
+            orchestrator.Orchestrator(config)
+    assert started == []

@@ -2,9 +2,10 @@
 
 Every map here is generated from vLLM's own config dataclasses intersected with
 ``vllm.engine.arg_utils.EngineArgs``, so a field vLLM adds to ``CacheConfig`` (say) is
-owned by our cache concern the day vLLM ships it, with no table to maintain. The only
-hand-written names are the stage-level keys of this project, the diffusion options and
-a few EngineArgs fields that belong to no upstream concern dataclass.
+owned by our cache concern the day vLLM ships it, with no table to maintain. The
+diffusion options are likewise the fields of this project's ``OmniDiffusionConfig``
+dataclass. The only hand-written names are the stage-level keys of this project and a
+few EngineArgs fields that belong to no upstream concern dataclass.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from functools import cache
 
 from vllm.config import CacheConfig, LoadConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.engine.arg_utils import EngineArgs
+
+from vllm_omni.config.diffusion import OmniDiffusionConfig
 
 STAGE_TYPES = ("llm_ar", "llm_generation", "diffusion")
 LLM_STAGE_TYPES = ("llm_ar", "llm_generation")
@@ -40,22 +43,23 @@ EXTRA_LLM_ENGINE_FIELDS = frozenset(
     }
 )
 
-# Options of a diffusion stage (fields of OmniDiffusionConfig that users set).
-DIFFUSION_LORA_FIELDS = frozenset(
-    {"lora_path", "lora_scale", "lora_backend", "max_loras", "max_cpu_loras", "max_lora_rank"}
-)
-DIFFUSION_FIELDS = DIFFUSION_LORA_FIELDS | frozenset(
-    {
-        "dtype",
-        "seed",
-        "tensor_parallel_size",
-        "device",
-        "pipeline_backend",
-        "enable_progress_bar",
-        "enforce_eager",
-        "max_batch_size",
-    }
-)
+
+def _diffusion_fields(**metadata) -> frozenset[str]:
+    """Stage options of ``OmniDiffusionConfig``: its init fields except ``model`` (a stage-level
+    key) and those marked ``option=False``, filtered by the given metadata values."""
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(OmniDiffusionConfig)
+        if f.init
+        and f.name != "model"
+        and f.metadata.get("option", True)
+        and all(f.metadata.get(k) == v for k, v in metadata.items())
+    )
+
+
+# Options of a diffusion stage (the user-settable fields of OmniDiffusionConfig), and the LoRA ones.
+DIFFUSION_FIELDS = _diffusion_fields()
+DIFFUSION_LORA_FIELDS = _diffusion_fields(concern="lora")
 
 
 def _fields(cls) -> set[str]:

@@ -41,6 +41,7 @@ from vllm_omni.config.overrides import (
 )
 from vllm_omni.config.pipeline_registry import PipelineConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig, make_stage_config
+from vllm_omni.errors import ConfigError
 
 # Keys that carry stage-scoped input rather than an option.
 _ROUTING_KEYS = ("stage_overrides", "deploy_config")
@@ -72,17 +73,17 @@ def _check_meta_types(label: str, meta: dict[str, Any]) -> None:
     for key in ("model", "model_arch"):
         value = meta.get(key)
         if value is not None and not isinstance(value, str | os.PathLike):
-            raise ValueError(f"{label}: {key} must be a string, got {type(value).__name__}: {value!r}")
+            raise ConfigError(f"{label}: {key} must be a string, got {type(value).__name__}: {value!r}")
     if "model" in meta and meta["model"] is not None:
         meta["model"] = os.fspath(meta["model"])
     if "final_output" in meta and not isinstance(meta["final_output"], bool):
-        raise ValueError(f"{label}: final_output must be true or false, got {meta['final_output']!r}")
+        raise ConfigError(f"{label}: final_output must be true or false, got {meta['final_output']!r}")
     if "engine_input_source" in meta:
         source = meta["engine_input_source"]
         if not isinstance(source, list | tuple) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in source
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"{label}: engine_input_source must be a list of stage ids (integers >= 0), got {source!r}"
             )
 
@@ -140,7 +141,7 @@ class VllmOmniConfig:
             model: default model path for stages that name none.
 
         Raises:
-            ValueError: malformed overrides, unknown stage ids, unowned/misspelled keys,
+            ConfigError: malformed overrides, unknown stage ids, unowned/misspelled keys,
                 global vLLM LoRA options on a multi-stage pipeline, ``enable_lora`` on a
                 diffusion stage, or an invalid option value (vLLM's validation).
         """
@@ -164,7 +165,7 @@ class VllmOmniConfig:
         ):
             bad = sorted(i for i in per_stage if i >= n)
             if bad:
-                raise ValueError(
+                raise ConfigError(
                     f"{source}: no stage(s) {bad} in pipeline {pipeline.name!r}, whose stages are {list(range(n))}"
                 )
 
@@ -213,7 +214,7 @@ class VllmOmniConfig:
             if not targets:
                 allowed = set().union(*(owned_keys(s.stage_type) for s in pipeline.stages))
                 kinds = sorted({s.stage_type for s in pipeline.stages})
-                raise ValueError(
+                raise ConfigError(
                     f"option {key!r} is not accepted by any stage of pipeline {pipeline.name!r} "
                     f"(stage types {kinds}){_suggest(key, allowed)}"
                 )
@@ -221,7 +222,7 @@ class VllmOmniConfig:
                 routed.setdefault(i, {})[key] = value
         if rejected_lora:
             example = "{" + ", ".join(f'"{k}": ...' for k in sorted(rejected_lora)) + "}"
-            raise ValueError(
+            raise ConfigError(
                 f"global vLLM LoRA option(s) {sorted(rejected_lora)} are ambiguous on multi-stage pipeline "
                 f"{pipeline.name!r}: its LLM stages are {llm_ids}, and a request's adapter only reaches the "
                 f"entry stage. Scope them to a stage instead, e.g. "
@@ -238,20 +239,20 @@ class VllmOmniConfig:
         spec = pipeline.stages[stage_id]
         label = f"Stage {stage_id} ({spec.stage_type})"
         if "stage_type" in merged and merged.pop("stage_type") != spec.stage_type:
-            raise ValueError(f"{label}: stage_type cannot be changed from {spec.stage_type!r} by options")
+            raise ConfigError(f"{label}: stage_type cannot be changed from {spec.stage_type!r} by options")
         meta = {k: merged.pop(k) for k in list(merged) if k in STAGE_META_KEYS}
         allowed = owned_keys(spec.stage_type)
         if spec.stage_type == "diffusion":
             vllm_lora = sorted(k for k in merged if k in _vllm_lora_keys() and k not in DIFFUSION_LORA_FIELDS)
             if vllm_lora:
-                raise ValueError(
+                raise ConfigError(
                     f"{label} does not accept vLLM LoRA option(s) {vllm_lora}: diffusion stages use the "
                     f"diffusion LoRA manager; set {' / '.join(sorted(DIFFUSION_LORA_FIELDS))} on this stage instead"
                 )
         unknown = sorted(k for k in merged if k not in allowed)
         if unknown:
             hints = "; ".join(f"{k!r}{_suggest(k, set(allowed) | STAGE_META_KEYS)}" for k in unknown)
-            raise ValueError(
+            raise ConfigError(
                 f"{label} of pipeline {pipeline.name!r} has option(s) that no structured stage config owns: {hints}"
             )
         _check_meta_types(label, meta)

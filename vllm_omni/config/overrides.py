@@ -14,20 +14,22 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vllm_omni.errors import ConfigError
+
 _STAGE_KEY = re.compile(r"^stage_(\d+)_(.+)$")
 
 
 def _stage_id(key: Any, source: str) -> int:
     if isinstance(key, bool):
-        raise ValueError(f"{source}: stage id must be an integer, got {key!r}")
+        raise ConfigError(f"{source}: stage id must be an integer, got {key!r}")
     if isinstance(key, int):
         stage_id = key
     elif isinstance(key, str) and key.strip().isascii() and key.strip().isdecimal():
         stage_id = int(key)
     else:
-        raise ValueError(f'{source}: keys must be stage ids (integers such as "0"), got {key!r}')
+        raise ConfigError(f'{source}: keys must be stage ids (integers such as "0"), got {key!r}')
     if stage_id < 0:
-        raise ValueError(f"{source}: stage id must be >= 0, got {stage_id}")
+        raise ConfigError(f"{source}: stage id must be >= 0, got {stage_id}")
     return stage_id
 
 
@@ -40,7 +42,7 @@ def parse_stage_overrides(value: Any, source: str = "stage_overrides") -> dict[i
         ``{stage_id: {option: value}}`` (a new dict; the input is not modified).
 
     Raises:
-        ValueError: invalid JSON, not an object, a key that is not a stage id, or a value
+        ConfigError: invalid JSON, not an object, a key that is not a stage id, or a value
             that is not an object of options; the message names ``source``.
     """
     if value is None:
@@ -49,11 +51,11 @@ def parse_stage_overrides(value: Any, source: str = "stage_overrides") -> dict[i
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"{source} is not valid JSON ({exc.msg} at position {exc.pos}): {value!r}"
             ) from exc
     if not isinstance(value, dict):
-        raise ValueError(
+        raise ConfigError(
             f'{source} must be an object keyed by stage id, e.g. \'{{"0": {{"enable_lora": true}}}}\'; '
             f"got {type(value).__name__}: {value!r}"
         )
@@ -61,15 +63,15 @@ def parse_stage_overrides(value: Any, source: str = "stage_overrides") -> dict[i
     for key, options in value.items():
         stage_id = _stage_id(key, source)
         if not isinstance(options, dict):
-            raise ValueError(
+            raise ConfigError(
                 f"{source}[{key!r}] must be an object of options for stage {stage_id}, "
                 f"got {type(options).__name__}: {options!r}"
             )
         bad_keys = [k for k in options if not isinstance(k, str)]
         if bad_keys:
-            raise ValueError(f"{source}[{key!r}]: option names must be strings, got {bad_keys!r}")
+            raise ConfigError(f"{source}[{key!r}]: option names must be strings, got {bad_keys!r}")
         if stage_id in out:
-            raise ValueError(f"{source}: stage {stage_id} is given twice")
+            raise ConfigError(f"{source}: stage {stage_id} is given twice")
         out[stage_id] = dict(options)
     return out
 
@@ -111,7 +113,7 @@ class DeployStageEntry(BaseModel):
         top = dict(self.model_extra or {})
         both = sorted(set(top) & set(self.engine_extras))
         if both:
-            raise ValueError(
+            raise ConfigError(
                 f"deploy config stage {self.stage_id}: {both} set both as stage fields and in engine_extras"
             )
         return {**top, **self.engine_extras}
@@ -131,7 +133,7 @@ class DeployConfig(BaseModel):
         out: dict[int, dict[str, Any]] = {}
         for entry in self.stages:
             if entry.stage_id in out:
-                raise ValueError(f"deploy config: stage_id {entry.stage_id} is listed twice")
+                raise ConfigError(f"deploy config: stage_id {entry.stage_id} is listed twice")
             out[entry.stage_id] = entry.options()
         return out
 
@@ -140,7 +142,7 @@ def load_deploy_config(source: str | os.PathLike | dict | DeployConfig | None) -
     """Read a deploy config from a YAML path, a dict or a ``DeployConfig``.
 
     Raises:
-        ValueError: unreadable file, invalid YAML or a schema violation (message names the file).
+        ConfigError: unreadable file, invalid YAML or a schema violation (message names the file).
     """
     if source is None or isinstance(source, DeployConfig):
         return source
@@ -152,14 +154,14 @@ def load_deploy_config(source: str | os.PathLike | dict | DeployConfig | None) -
             with open(source) as f:
                 data = yaml.safe_load(f)
         except OSError as exc:
-            raise ValueError(f"cannot read {name}: {exc.strerror}") from exc
+            raise ConfigError(f"cannot read {name}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
-            raise ValueError(f"{name} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"{name} is not valid YAML: {exc}") from exc
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{name} is not UTF-8 text: {exc}") from exc
+            raise ConfigError(f"{name} is not UTF-8 text: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"{name} must be a mapping with a 'stages:' list, got {type(data).__name__}")
+        raise ConfigError(f"{name} must be a mapping with a 'stages:' list, got {type(data).__name__}")
     try:
         return DeployConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"{name} is invalid: {exc}") from exc
+        raise ConfigError(f"{name} is invalid: {exc}") from exc

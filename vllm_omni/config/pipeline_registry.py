@@ -6,6 +6,12 @@ stage outputs feed it. Registered names follow the public project's: ``qwen3_tts
 ``qwen2_5_omni``, ``qwen2_5_omni_thinker_only``, ``bagel``, ``wan2_2_ti2v``; plus
 pipelines that run on any causal LM / diffusers directory (``llm_chain``,
 ``llm_to_diffusion``) and the single-stage defaults derived from a model directory.
+
+Registering a topology does not make its model classes available: ``qwen3_tts``,
+``qwen2_5_omni``, ``qwen2_5_omni_thinker_only`` and ``bagel`` name classes that neither this
+package nor stock vLLM / diffusers implement. They resolve (options, overrides, ``--dry-run``),
+and starting one fails before any engine is built with a ``StageEngineError`` naming the stage
+and the missing class (``Orchestrator`` checks every stage first).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from vllm_omni.errors import ConfigError
 
 DIFFUSION_INDEX = "model_index.json"
 HF_CONFIG = "config.json"
@@ -81,17 +89,17 @@ def register_pipeline(pipeline: PipelineConfig, *, overwrite: bool = False) -> N
     """Add a pipeline topology to the registry.
 
     Raises:
-        ValueError: if the name is taken (unless ``overwrite``) or the topology is malformed.
+        ConfigError: if the name is taken (unless ``overwrite``) or the topology is malformed.
     """
     if pipeline.name in _REGISTRY and not overwrite:
-        raise ValueError(f"pipeline {pipeline.name!r} is already registered")
+        raise ConfigError(f"pipeline {pipeline.name!r} is already registered")
     if not pipeline.stages:
-        raise ValueError(f"pipeline {pipeline.name!r} has no stages")
+        raise ConfigError(f"pipeline {pipeline.name!r} has no stages")
     for i, spec in enumerate(pipeline.stages):
         if any(src >= i or src < 0 for src in spec.engine_input_source):
-            raise ValueError(f"pipeline {pipeline.name!r} stage {i}: inputs must come from earlier stages")
+            raise ConfigError(f"pipeline {pipeline.name!r} stage {i}: inputs must come from earlier stages")
     if not any(s.final_output for s in pipeline.stages):
-        raise ValueError(f"pipeline {pipeline.name!r}: no stage is marked final_output")
+        raise ConfigError(f"pipeline {pipeline.name!r}: no stage is marked final_output")
     _REGISTRY[pipeline.name] = pipeline
 
 
@@ -180,7 +188,7 @@ def resolve_pipeline_config(name: str, hf_config: Any = None) -> PipelineConfig:
             Its ``architectures[0]`` fills LLM stages declared with ``model_arch=None``.
 
     Raises:
-        ValueError: unknown name (the message lists the registered ones).
+        ConfigError: unknown name (the message lists the registered ones).
     """
     if name == "default_llm":
         return PipelineConfig(
@@ -192,7 +200,7 @@ def resolve_pipeline_config(name: str, hf_config: Any = None) -> PipelineConfig:
             name, (StageSpec("diffusion", cls_name, final_output=True),), "single diffusion stage"
         )
     if name not in _REGISTRY:
-        raise ValueError(
+        raise ConfigError(
             f"unknown pipeline {name!r}; registered pipelines: {', '.join(registered_pipelines())}"
         )
     pipeline = _REGISTRY[name]
@@ -210,7 +218,7 @@ def read_model_dir_config(model: str) -> tuple[str, dict]:
     """Identify a local model directory: ``("diffusion", model_index)`` or ``("llm", config)``.
 
     Raises:
-        ValueError: when the directory holds neither ``model_index.json`` nor ``config.json``.
+        ConfigError: when the directory holds neither ``model_index.json`` nor ``config.json``.
     """
     for kind, name in (("diffusion", DIFFUSION_INDEX), ("llm", HF_CONFIG)):
         path = os.path.join(model, name)
@@ -219,11 +227,11 @@ def read_model_dir_config(model: str) -> tuple[str, dict]:
                 with open(path, encoding="utf-8") as f:
                     data = json.load(f)
             except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                raise ValueError(f"model directory {model!r}: cannot read {name}: {exc}") from exc
+                raise ConfigError(f"model directory {model!r}: cannot read {name}: {exc}") from exc
             if not isinstance(data, dict):
-                raise ValueError(f"model directory {model!r}: {name} must hold a JSON object")
+                raise ConfigError(f"model directory {model!r}: {name} must hold a JSON object")
             return kind, data
-    raise ValueError(
+    raise ConfigError(
         f"model directory {model!r} has neither {DIFFUSION_INDEX} (diffusers pipeline) nor {HF_CONFIG} "
         "(transformers model); pass pipeline=<name> to choose a registered pipeline"
     )
@@ -237,19 +245,19 @@ def pipeline_for_model(model: str) -> PipelineConfig:
     """
     path = model
     if not isinstance(model, str) or not model.strip():
-        raise ValueError(f"model must be a model directory or hub id string, got {model!r}")
+        raise ConfigError(f"model must be a model directory or hub id string, got {model!r}")
     if not os.path.isdir(path):
         looks_local = os.path.isabs(model) or model.startswith((".", "~")) or os.path.exists(model)
         if os.path.exists(model):
-            raise ValueError(f"model {model!r} is a file, not a model directory")
+            raise ConfigError(f"model {model!r} is a file, not a model directory")
         if looks_local or model.count("/") > 1:
-            raise ValueError(f"model directory {model!r} does not exist")
+            raise ConfigError(f"model directory {model!r} does not exist")
         from huggingface_hub import snapshot_download
 
         try:
             path = snapshot_download(model, allow_patterns=[HF_CONFIG, DIFFUSION_INDEX])
         except Exception as exc:  # offline, unknown repo, bad id
-            raise ValueError(
+            raise ConfigError(
                 f"model {model!r} is not a local directory and could not be fetched from the hub: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc

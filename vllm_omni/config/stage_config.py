@@ -2,34 +2,30 @@
 
 A stage config keeps the resolved options of its stage (EngineArgs names for LLM
 stages, ``OmniDiffusionConfig`` names for diffusion stages) and, built from them at
-construction, the typed concern configs that subclass vLLM's own
+construction, the typed concern configs: for LLM stages those that subclass vLLM's own
 (``OmniStageLoadConfig(LoadConfig)``, ``OmniStageCacheConfig(CacheConfig)``,
-``OmniStageLoRAConfig(LoRAConfig)``). Construction therefore runs vLLM's validation
-and fails naming the stage. Model, scheduler and parallel options are owned through
+``OmniStageLoRAConfig(LoRAConfig)``), for diffusion stages one ``OmniDiffusionConfig``.
+Construction therefore runs the validation of every option and fails with a
+:class:`~vllm_omni.errors.ConfigError` naming the stage. Model, scheduler and parallel options are owned through
 maps generated from ``ModelConfig``/``SchedulerConfig``/``ParallelConfig``; those
 upstream classes need engine-time inputs (the loaded HF config, ``max_model_len``) and
 are validated by vLLM's ``create_engine_config`` when the stage engine starts.
-
-Stage configs cross process boundaries as msgpack (``to_msgpack``/``from_msgpack``):
-only the resolved options travel, and the typed concerns are rebuilt (and re-validated)
-on the receiving side, so both sides hold equal objects.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-import msgspec
 import torch
 from pydantic import ConfigDict
 from vllm.config import CacheConfig, LoadConfig
 from vllm.config.utils import config
 
+from vllm_omni.config.diffusion import OmniDiffusionConfig
 from vllm_omni.config.fields import LLM_STAGE_TYPES, STAGE_TYPES, concern_engine_fields
 from vllm_omni.config.lora import OmniStageLoRAConfig
+from vllm_omni.errors import ConfigError
 
 
 @config(config=ConfigDict(arbitrary_types_allowed=True))
@@ -43,7 +39,7 @@ class OmniStageCacheConfig(CacheConfig):
 
 
 def _plain(value: Any) -> Any:
-    """Normalise option values to msgpack builtins (torch dtypes become their names)."""
+    """Normalise option values to plain builtins (torch dtypes become their names, tuples lists)."""
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     if isinstance(value, tuple):
@@ -77,11 +73,9 @@ class BaseVllmOmniStageConfig:
     final_output: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
-    STAGE_TYPE: ClassVar[str] = ""
-
     def __post_init__(self) -> None:
         if self.stage_type not in STAGE_TYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"stage {self.stage_id}: unknown stage_type {self.stage_type!r}; allowed: {STAGE_TYPES}"
             )
         self.options = _plain(dict(self.options))
@@ -93,17 +87,6 @@ class BaseVllmOmniStageConfig:
     @property
     def label(self) -> str:
         return f"Stage {self.stage_id} ({self.stage_type})"
-
-    def to_msgpack(self) -> bytes:
-        """Serialise to msgpack; only builtins travel."""
-        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return msgspec.msgpack.encode(payload)
-
-    @staticmethod
-    def from_msgpack(data: bytes) -> BaseVllmOmniStageConfig:
-        """Rebuild (and re-validate) a stage config serialised by :meth:`to_msgpack`."""
-        payload = msgspec.msgpack.decode(data)
-        return make_stage_config(**payload)
 
 
 @dataclass
@@ -128,24 +111,19 @@ class LLMStageConfig(BaseVllmOmniStageConfig):
         enable = self.options.get("enable_lora")
         if enable is not None and not isinstance(enable, bool):
             # a string such as "false" is truthy and would silently turn LoRA on
-            raise ValueError(f"{self.label}: enable_lora must be true or false, got {enable!r}")
+            raise ConfigError(f"{self.label}: enable_lora must be true or false, got {enable!r}")
         if enable:
             try:
                 self.lora_config = OmniStageLoRAConfig.from_engine_options(self.options)
             except Exception as exc:  # pydantic.ValidationError or ValueError
-                raise ValueError(f"{self.label}: invalid LoRA option(s): {exc}") from exc
+                raise ConfigError(f"{self.label}: invalid LoRA option(s): {exc}") from exc
 
     def _build(self, concern: str, cls, names: frozenset[str]):
         kwargs = {k: v for k, v in self.options.items() if k in names}
         try:
             return cls(**kwargs)
         except Exception as exc:
-            raise ValueError(f"{self.label}: invalid {concern} option(s) {sorted(kwargs)}: {exc}") from exc
-
-    def concern_options(self, concern: str) -> dict[str, Any]:
-        """The explicitly set options of one concern (``model``, ``scheduler``, ``lora``, ...)."""
-        names = concern_engine_fields()[concern]
-        return {k: v for k, v in self.options.items() if k in names}
+            raise ConfigError(f"{self.label}: invalid {concern} option(s) {sorted(kwargs)}: {exc}") from exc
 
 
 @dataclass
@@ -160,71 +138,34 @@ class GenerationStageConfig(LLMStageConfig):
 
 @dataclass
 class DiffusionStageConfig(BaseVllmOmniStageConfig):
-    """A diffusion stage; ``options`` are ``OmniDiffusionConfig`` fields.
+    """A diffusion stage; ``options`` are the explicitly set ``OmniDiffusionConfig`` fields.
 
-    Diffusion stages do not take vLLM LoRA options: ``enable_lora`` is rejected at
-    resolution. Their LoRA options are ``lora_path``, ``lora_scale``, ``lora_backend``,
-    ``max_loras`` and ``max_cpu_loras``.
+    ``diffusion_config`` is the typed view built from them at construction (defaults
+    applied, every value checked); the model directory is checked when the stage starts
+    (:meth:`OmniDiffusionConfig.with_model`). Diffusion stages do not take vLLM LoRA
+    options: ``enable_lora`` is rejected at resolution; their LoRA options are the
+    ``OmniDiffusionConfig`` fields ``lora_path``, ``lora_scale``, ``lora_backend``,
+    ``max_loras``, ``max_cpu_loras`` and ``max_lora_rank``.
+
+    Raises:
+        ConfigError: ``"<stage label>: <key> must be ..."`` for an invalid option.
     """
+
+    diffusion_config: OmniDiffusionConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_diffusion_option_types(self.label, self.options)
-        backend = self.options.get("lora_backend", "peft")
-        if backend not in ("peft", "distill"):
-            raise ValueError(f"{self.label}: lora_backend must be 'peft' or 'distill', got {backend!r}")
-        if backend == "distill" and not self.options.get("lora_path"):
-            raise ValueError(
-                f"{self.label}: lora_backend='distill' needs lora_path (one or more .safetensors files)"
-            )
+        try:
+            self.diffusion_config = OmniDiffusionConfig(**self.options)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.label}: {exc}") from exc
+        except TypeError as exc:  # an option that is no OmniDiffusionConfig field
+            raise ConfigError(f"{self.label}: invalid diffusion option(s): {exc}") from exc
 
     @property
     def lora_config(self) -> None:
         """Diffusion stages never carry a vLLM LoRAConfig."""
         return None
-
-
-# Diffusion options that must be integers >= 1 (None allowed for the optional ones).
-_DIFFUSION_POSITIVE_INTS = ("max_loras", "max_lora_rank", "max_batch_size", "tensor_parallel_size")
-_DIFFUSION_BOOLS = ("enable_progress_bar", "enforce_eager")
-_DIFFUSION_STRINGS = ("dtype", "device", "pipeline_backend", "lora_backend")
-
-
-def _check_diffusion_option_types(label: str, options: dict[str, Any]) -> None:
-    """Type checks of a diffusion stage's options, so that a bad value fails at resolution
-    (``--dry-run`` included) naming the stage and option, not at engine start."""
-
-    def bad(key: str, want: str) -> ValueError:
-        value = options[key]
-        return ValueError(f"{label}: {key} must be {want}, got {type(value).__name__}: {value!r}")
-
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    for key in _DIFFUSION_POSITIVE_INTS:
-        if key in options and not (is_int(options[key]) and options[key] >= 1):
-            raise bad(key, ">= 1 (an integer)")
-    if options.get("max_cpu_loras") is not None and not (
-        is_int(options["max_cpu_loras"]) and options["max_cpu_loras"] >= 1
-    ):
-        raise bad("max_cpu_loras", ">= 1 (an integer, or unset)")
-    if options.get("seed") is not None and not is_int(options["seed"]):
-        raise bad("seed", "an integer (or unset)")
-    if "lora_scale" in options:
-        scale = options["lora_scale"]
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            raise bad("lora_scale", "a finite number")
-    for key in _DIFFUSION_BOOLS:
-        if key in options and not isinstance(options[key], bool):
-            raise bad(key, "true or false")
-    for key in _DIFFUSION_STRINGS:
-        if options.get(key) is not None and not isinstance(options[key], str):
-            raise bad(key, "a string")
-    paths = options.get("lora_path")
-    if paths is not None:
-        items = [paths] if isinstance(paths, str) else paths
-        if not isinstance(items, list) or not items or not all(isinstance(p, str) and p for p in items):
-            raise bad("lora_path", "a path string or a non-empty list of path strings")
 
 
 _STAGE_CLASSES: dict[str, type[BaseVllmOmniStageConfig]] = {
@@ -238,7 +179,7 @@ def make_stage_config(**kwargs: Any) -> BaseVllmOmniStageConfig:
     """Construct the stage config class matching ``kwargs["stage_type"]``."""
     stage_type = kwargs.get("stage_type")
     if stage_type not in _STAGE_CLASSES:
-        raise ValueError(
+        raise ConfigError(
             f"stage {kwargs.get('stage_id')}: unknown stage_type {stage_type!r}; allowed: {sorted(_STAGE_CLASSES)}"
         )
     return _STAGE_CLASSES[stage_type](**kwargs)

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
-from vllm_omni.errors import StageDeadError
+from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 __all__ = ["DiffusionEngine", "DiffusionOutput"]
@@ -39,10 +39,13 @@ class DiffusionEngine:
             allows it, else ``diffusers.DiffusionPipeline``).
 
     Raises:
-        RuntimeError: a worker failed to start (the worker's traceback is attached).
+        ConfigError: ``od_config`` has no ``model``.
+        StageEngineError: a worker failed to start (the worker's traceback is attached).
     """
 
     def __init__(self, od_config: OmniDiffusionConfig):
+        if od_config.model is None:
+            raise ConfigError("DiffusionEngine needs OmniDiffusionConfig.model (a diffusers directory)")
         self.od_config = od_config
         self._local: DiffusionWorker | None = None
         self._procs: list = []
@@ -74,7 +77,7 @@ class DiffusionEngine:
             for rank, conn in enumerate(self._conns):
                 status, payload = self._recv(rank, conn)
                 if status != "ready":
-                    raise RuntimeError(f"diffusion worker {rank} failed to start") from payload
+                    raise StageEngineError(f"diffusion worker {rank} failed to start") from payload
         except BaseException:
             self.shutdown()
             raise
@@ -122,10 +125,11 @@ class DiffusionEngine:
 
         Raises:
             The first worker exception (re-raised here, worker traceback in its notes),
-            ``RuntimeError`` when a worker process died or the engine is shut down.
+            :class:`StageDeadError` when a worker process died, :class:`StageEngineError` when
+            the engine is shut down.
         """
         if self._closed:
-            raise RuntimeError("DiffusionEngine is shut down")
+            raise StageEngineError("DiffusionEngine is shut down")
         if self._local is not None:
             return [self._local.execute_method(method, *args, **kwargs)]
         for conn in self._conns:

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
 from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
+from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 
@@ -68,7 +70,7 @@ class DiffusionWorker:
             init_diffusion_parallel_state(world_size, rank, distributed_init_method, backend)
         from vllm_omni.diffusion.pipelines import build_pipeline
 
-        self.pipeline = build_pipeline(od_config, device=self.device)
+        self.pipeline: DiffusionPipeline = build_pipeline(od_config, device=self.device)
         self.lora = WorkerLoRA(self.pipeline, od_config)
 
     def generate(
@@ -126,7 +128,7 @@ class DiffusionWorker:
                 sp = sampling_params
                 if isinstance(sp.negative_prompt, list | tuple):
                     if len(sp.negative_prompt) != len(prompts):
-                        raise ValueError(
+                        raise InvalidRequestError(
                             f"negative_prompt has {len(sp.negative_prompt)} entries for {len(prompts)} prompts"
                         )
                     sp = dataclasses.replace(sp, negative_prompt=[sp.negative_prompt[i] for i in keep])
@@ -164,15 +166,15 @@ class DiffusionWorker:
         """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "mixed_lora_batch",
         "lora_layers", "startup_loras"}`` (class names, device as str; sizes must be multiples of
         ``size_factor``)."""
-        denoiser = getattr(self.pipeline, "transformer", None)
+        denoiser = self.pipeline.transformer
         return {
             "rank": self.rank,
             "world_size": self.world_size,
             "device": str(self.device),
             "pipeline": type(self.pipeline).__name__,
             "denoiser": type(denoiser).__name__ if denoiser is not None else None,
-            "size_factor": int(getattr(self.pipeline, "vae_scale_factor", 8)) * 2,
-            "mixed_lora_batch": bool(getattr(self.pipeline, "mixed_lora_batch", False)),
+            "size_factor": int(self.pipeline.vae_scale_factor) * 2,
+            "mixed_lora_batch": self.pipeline.mixed_lora_batch,
             "lora_layers": len(self.lora.manager.wrappers),
             "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],
         }

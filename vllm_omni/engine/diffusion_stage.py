@@ -31,17 +31,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_class
 from vllm_omni.config.stage_config import DiffusionStageConfig
 from vllm_omni.engine.stage_driver import StageDriver
-from vllm_omni.errors import StageDeadError, StageEngineError
+from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams, check_lora_lists
 from vllm_omni.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
-
-#: Stage options that configure the runtime rather than ``OmniDiffusionConfig``.
-STAGE_ONLY_OPTIONS = ("seed", "enforce_eager", "max_batch_size")
-DEFAULT_MAX_BATCH_SIZE = 8
 
 
 @dataclass
@@ -116,35 +113,49 @@ def _shared_negative(items: list[_Pending]) -> str | list[str] | None:
     return ["" if n is None else n for n in negs]
 
 
+def check_pipeline_class(stage: DiffusionStageConfig) -> None:
+    """Fail early when the stage's ``model_arch`` has neither an in-tree nor a diffusers pipeline.
+
+    A stage without ``model_arch`` (its class comes from the model directory) passes here;
+    its directory is checked when the engine starts.
+
+    Raises:
+        StageEngineError: naming the stage and the missing class.
+    """
+    if stage.model_arch and not is_known_pipeline_class(stage.model_arch):
+        raise StageEngineError(
+            f"{stage.label}: unknown pipeline class {stage.model_arch!r}: neither an in-tree pipeline "
+            f"{sorted(IN_TREE_PIPELINES)} nor a class of the installed diffusers; choose a pipeline whose "
+            f"stages use available classes"
+        )
+
+
 class DiffusionStageEngine(StageDriver):
     """Runs one diffusion stage (in this process for TP=1, spawned ranks for TP>1).
 
     Args:
-        stage: the resolved stage config; ``options`` are ``OmniDiffusionConfig`` fields plus
-            ``seed`` (default seed of requests without one), ``max_batch_size`` (prompts per
-            denoiser batch, default 8) and ``enforce_eager`` (accepted; diffusion runs eagerly).
+        stage: the resolved stage config; its ``diffusion_config`` (options already checked)
+            is bound to ``stage.model``. Besides the engine settings it holds ``seed`` (default
+            seed of requests without one) and ``max_batch_size`` (prompts per denoiser batch).
 
     Raises:
-        StageEngineError: invalid options (naming the stage) or the engine failed to start.
+        StageEngineError: no model, an unusable model directory (naming the stage) or the
+            engine failed to start.
     """
 
     def __init__(self, stage: DiffusionStageConfig):
-        from vllm_omni.diffusion.data import OmniDiffusionConfig
         from vllm_omni.diffusion.engine import DiffusionEngine
 
         self.stage = stage
-        options = dict(stage.options)
-        self.default_seed = options.pop("seed", None)
-        options.pop("enforce_eager", None)
-        self.max_batch_size = int(options.pop("max_batch_size", DEFAULT_MAX_BATCH_SIZE))
-        if self.max_batch_size < 1:
-            raise StageEngineError(f"{stage.label}: max_batch_size must be >= 1, got {self.max_batch_size}")
+        check_pipeline_class(stage)
         if not stage.model:
             raise StageEngineError(f"{stage.label}: no model directory given for the diffusion stage")
         try:
-            self.od_config = OmniDiffusionConfig(model=stage.model, **options)
-        except (TypeError, ValueError) as exc:
+            self.od_config = stage.diffusion_config.with_model(stage.model)
+        except ConfigError as exc:
             raise StageEngineError(f"{stage.label}: invalid diffusion option(s): {exc}") from exc
+        self.default_seed = self.od_config.seed
+        self.max_batch_size = self.od_config.max_batch_size
         try:
             self._engine = DiffusionEngine(self.od_config)
             info = self._engine.collective_rpc("describe")[0]

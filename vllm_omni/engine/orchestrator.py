@@ -18,7 +18,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from vllm_omni.config.omni_config import VllmOmniConfig
-from vllm_omni.engine.llm_stage import LLMStageEngine
+from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
+from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
+from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
 from vllm_omni.errors import LoRANotEnabledError, StageEngineError
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -32,7 +34,23 @@ def _stage_text(output: Any, stage_label: str) -> str:
     return text
 
 
-def make_stage_runtime(stage) -> Any:
+def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
+    """Fail before any engine is built when this installation has no implementation of the
+    stage's model class (vLLM's ``ModelRegistry`` for LLM stages; an in-tree or ``diffusers``
+    pipeline class for diffusion stages).
+
+    Raises:
+        StageEngineError: naming the stage and the missing class.
+    """
+    if stage.is_llm:
+        check_model_class(stage)
+    else:
+        from vllm_omni.engine.diffusion_stage import check_pipeline_class
+
+        check_pipeline_class(stage)
+
+
+def make_stage_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
     """Start the runtime of one stage (a vLLM engine or the diffusion engine)."""
     if stage.is_llm:
         return LLMStageEngine(stage)
@@ -44,15 +62,21 @@ def make_stage_runtime(stage) -> Any:
 class Orchestrator:
     """Owns one runtime per stage and chains requests through them.
 
+    Every stage's model class is checked before the first engine is built, so a pipeline
+    with a stage this installation cannot run fails at once.
+
     Raises:
-        StageEngineError: a stage failed to start (stages already started are shut down).
+        StageEngineError: a stage's model class is unavailable (nothing was started) or a
+            stage failed to start (stages already started are shut down).
     """
 
     def __init__(self, config: VllmOmniConfig):
         self.config = config
-        self.runtimes: list[Any] = []
+        self.runtimes: list[StageRuntime] = []
         self._ids = itertools.count()
         self._closed = False
+        for stage in config.stages:
+            check_stage_model_class(stage)
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s", stage.label, stage.model)
@@ -140,25 +164,22 @@ class Orchestrator:
     def prepare_params(self, stage_params: Sequence[Any]) -> list[Any]:
         """``stage_params`` made ready once for many :meth:`submit` calls.
 
-        Each runtime with a ``prepare_params`` (LLM stages: one final output per request)
-        converts its entry, so that submitting many requests with the result does not
-        convert it again per request. Submitting unprepared params stays correct.
+        Each runtime's ``prepare_params`` (LLM stages: one final output per request; identity
+        for diffusion stages) converts its entry, so that submitting many requests with the
+        result does not convert it again per request. Submitting unprepared params stays correct.
         """
         out = list(stage_params)
         for i, runtime in enumerate(self.runtimes[: len(out)]):
-            prepare = getattr(runtime, "prepare_params", None)
-            if prepare is not None:
-                out[i] = prepare(out[i])
+            out[i] = runtime.prepare_params(out[i])
         return out
 
     @contextlib.contextmanager
     def batching(self) -> Iterator[None]:
         """Requests submitted inside this block may share the entry stage's first batch.
 
-        Uses the entry runtime's ``hold()`` when it has one (diffusion stages); a no-op otherwise.
+        Uses the entry runtime's ``hold()``; a no-op once the pipeline is shut down.
         """
-        hold = getattr(self.runtimes[0], "hold", None) if self.runtimes else None
-        with hold() if hold is not None else contextlib.nullcontext():
+        with self.runtimes[0].hold() if self.runtimes else contextlib.nullcontext():
             yield
 
     def _next_input(self, stage_id: int, user_prompt: Any, raw: dict[int, Any]) -> Any:
@@ -182,21 +203,19 @@ class Orchestrator:
             return OmniRequestOutput(
                 request_id, stage.stage_id, "text", prompt, request_output=result, stage_outputs=raw
             )
-        images = getattr(result, "images", None) or []
-        videos = getattr(result, "videos", None) or []
         return OmniRequestOutput(
             request_id,
             stage.stage_id,
-            "video" if videos else "image",
+            "video" if result.videos else "image",
             prompt,
-            images=list(images),
-            videos=[list(v) for v in videos],
-            latents=getattr(result, "latents", None),
+            images=list(result.images),
+            videos=[list(v) for v in result.videos],
+            latents=result.latents,
             stage_outputs=raw,
         )
 
     # ---------------------------------------------------------------- LoRA management
-    def lora_call(self, method: str, *args: Any, stage_id: int | None = None) -> dict[int, Any]:
+    def lora_call(self, method: LoRAMethod, *args: Any, stage_id: int | None = None) -> dict[int, Any]:
         """Call a LoRA management method on every stage that supports LoRA (or on ``stage_id`` only).
 
         An adapter fits one model: on a pipeline mixing LLM and diffusion stages, pass

@@ -48,6 +48,10 @@ class StageDriver:
                 self._holds -= 1
                 self._cv.notify()
 
+    def prepare_params(self, params: Any) -> Any:
+        """``params`` unchanged; runtimes that convert params once for many requests override this."""
+        return params
+
     def _raise_if_unusable(self) -> None:
         if self._closed:
             raise StageEngineError(f"{self.stage.label} is shut down")

@@ -7,13 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.config.diffusion import IN_TREE_PIPELINES
 
-#: ``model_index.json`` ``_class_name`` -> ``"module:Class"`` of the in-tree pipeline.
-IN_TREE_PIPELINES: dict[str, str] = {
-    "ZImagePipeline": "vllm_omni.diffusion.pipelines.z_image:ZImagePipeline",
-}
+if TYPE_CHECKING:
+    from vllm_omni.config.diffusion import OmniDiffusionConfig
+    from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
 
 FALLBACK_PIPELINE = "vllm_omni.diffusion.pipelines.diffusers_fallback:DiffusersFallbackPipeline"
 
@@ -31,7 +29,9 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def build_pipeline(od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
+def build_pipeline(
+    od_config: OmniDiffusionConfig, device: str | torch.device | None = None
+) -> DiffusionPipeline:
     """Instantiate the pipeline ``od_config`` selects (see ``OmniDiffusionConfig.use_in_tree``).
 
     The in-tree pipelines need ``init_diffusion_parallel_state`` to have run in this process.

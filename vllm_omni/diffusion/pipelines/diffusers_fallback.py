@@ -16,6 +16,7 @@ from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
+from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 
@@ -28,6 +29,9 @@ class DiffusersFallbackPipeline:
     pipelines (whose output carries ``.frames``, e.g. Wan) take ``num_images_per_prompt``
     as ``num_videos_per_prompt`` and return their frames in :attr:`DiffusionOutput.videos`.
     """
+
+    #: The denoiser batch layout is diffusers' own: every prompt of a call shares one adapter set.
+    mixed_lora_batch = False
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         self.od_config = od_config
@@ -76,7 +80,9 @@ class DiffusersFallbackPipeline:
             if value is None:
                 continue
             if key not in self._accepted:
-                raise ValueError(f"{type(self.pipe).__name__} does not accept {key!r}; leave it unset")
+                raise InvalidRequestError(
+                    f"{type(self.pipe).__name__} does not accept {key!r}; leave it unset"
+                )
             kwargs[key] = value
         if "max_sequence_length" in self._accepted and sp.max_sequence_length != 512:
             kwargs["max_sequence_length"] = sp.max_sequence_length
@@ -103,7 +109,7 @@ class DiffusersFallbackPipeline:
         video) for ``output_type="pil"`` and ``array`` (``(n, frames, ...)``) otherwise.
 
         Raises:
-            ValueError: height/width not multiples of ``vae_scale_factor * 2`` or an argument
+            InvalidRequestError: height/width not multiples of ``vae_scale_factor * 2`` or an argument
                 the pipeline does not take.
         """
         if isinstance(prompts, str):
@@ -114,7 +120,9 @@ class DiffusersFallbackPipeline:
         for name in ("height", "width"):
             value = getattr(sp, name)
             if value is not None and value % factor:
-                raise ValueError(f"{name} must be a multiple of {factor} for this model, got {value}")
+                raise InvalidRequestError(
+                    f"{name} must be a multiple of {factor} for this model, got {value}"
+                )
         n = sp.num_images_per_prompt
         kwargs = self._kwargs(sp)
         if sp.generator is not None:

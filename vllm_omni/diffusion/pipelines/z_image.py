@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
+from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 DEFAULT_SIZE = 1024
@@ -120,13 +121,15 @@ class ZImagePipeline:
 
     # ------------------------------------------------------------------ checks
     def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
-        """``(height, width)`` after defaults; raises ``ValueError`` unless multiples of ``2 * vae_scale_factor``."""
+        """``(height, width)`` after defaults; raises ``InvalidRequestError`` unless multiples of ``2 * vae_scale_factor``."""
         factor = self.vae_scale_factor * 2
         height = sp.height or DEFAULT_SIZE
         width = sp.width or DEFAULT_SIZE
         for name, value in (("height", height), ("width", width)):
             if value % factor:
-                raise ValueError(f"{name} must be a multiple of {factor} for this model, got {value}")
+                raise InvalidRequestError(
+                    f"{name} must be a multiple of {factor} for this model, got {value}"
+                )
         return height, width
 
     def _negative_prompts(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[str]:
@@ -136,7 +139,7 @@ class ZImagePipeline:
         if isinstance(neg, str):
             return [neg] * len(prompts)
         if len(neg) != len(prompts):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"negative_prompt has {len(neg)} entries for {len(prompts)} prompts; pass one per prompt"
             )
         return list(neg)
@@ -190,14 +193,14 @@ class ZImagePipeline:
         ``latents`` ``(n, 16, H/8, W/8)`` and, unless ``output_type="latent"``, decoded images.
 
         Raises:
-            ValueError: bad sizes (see :meth:`resolve_size`) or negative prompt count.
+            InvalidRequestError: bad sizes (see :meth:`resolve_size`) or negative prompt count.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
             return []
         if sp.extra_args:  # never ignore an argument silently
-            raise ValueError(
+            raise InvalidRequestError(
                 f"extra_args {sorted(sp.extra_args)} are not used by the in-tree Z-Image pipeline; "
                 "run the stage with pipeline_backend='diffusers' to pass pipeline-specific arguments"
             )

@@ -1,0 +1,66 @@
+"""The contract every diffusion pipeline (in-tree or the diffusers fallback) fulfils.
+
+:class:`~vllm_omni.diffusion.worker.DiffusionWorker` drives a pipeline only through this
+Protocol: it patches ``transformer`` (and ``transformer_2`` when present) with LoRA layers,
+checks sizes against ``vae_scale_factor``, batches requests with different adapter sets
+together only when ``mixed_lora_batch`` is true, and calls ``generate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+#: ``lora_context(rows)`` is entered around the denoiser call(s): ``rows`` maps each denoiser
+#: sample to its prompt index (CFG copies included), or ``None`` when every sample shares one
+#: adapter set (pipelines with ``mixed_lora_batch = False``).
+LoRAContextFactory = Callable[[list[int] | None], AbstractContextManager]
+
+
+@runtime_checkable
+class DiffusionPipeline(Protocol):
+    """A text-to-image / text-to-video pipeline owned by one worker rank.
+
+    Attributes:
+        mixed_lora_batch: whether prompts with different adapter sets may share one call of
+            :meth:`generate` (the pipeline reports each denoiser sample's prompt to ``lora_context``).
+        transformer: the denoiser module LoRA patches (``None`` if the pipeline has none).
+        vae_scale_factor: spatial VAE compression; image sizes must be multiples of twice it.
+    """
+
+    mixed_lora_batch: ClassVar[bool]
+
+    @property
+    def transformer(self) -> torch.nn.Module | None: ...
+
+    @property
+    def vae_scale_factor(self) -> int: ...
+
+    def generate(
+        self,
+        prompts: list[str],
+        sp: OmniDiffusionSamplingParams,
+        *,
+        seeds: list[int | None] | None = None,
+        lora_context: LoRAContextFactory | None = None,
+    ) -> list[DiffusionOutput]:
+        """One :class:`DiffusionOutput` per prompt, in order.
+
+        Args:
+            prompts: the texts of one batch.
+            sp: the settings the prompts share (``negative_prompt`` may hold one entry per prompt).
+            seeds: per-prompt seeds overriding ``sp.seed`` (``None`` entries keep it).
+            lora_context: see :data:`LoRAContextFactory`.
+
+        Raises:
+            InvalidRequestError: sizes that are not multiples of ``2 * vae_scale_factor``, or an
+                argument the pipeline does not take.
+        """
+        ...
