@@ -4,8 +4,7 @@ The HTTP server (and any other front end) needs to know what a pipeline answers 
 adapters a request may carry, but not how stages are configured or run.
 :func:`describe_entry_stage` reads the resolved :class:`~vllm_omni.config.VllmOmniConfig`
 once and returns an :class:`EntryStageInfo`; ``Omni`` / ``AsyncOmni`` expose it as
-``entry_stage_info``. Every read of a diffusion stage's options for this purpose happens in
-that one function.
+``entry_stage_info``.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from vllm_omni.config.diffusion import IN_TREE_PIPELINES
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.lora.request import LoRARequest
 
@@ -95,7 +95,6 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
     The one place that reads the entry stage's options for front ends.
     """
     entry = config.entry_stage
-    options = entry.options
     common = {
         "pipeline": config.pipeline.name,
         "model": config.model,
@@ -106,6 +105,7 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
         "output_kinds": frozenset(_output_kind(s) for s in config.stages if s.final_output),
     }
     if entry.is_llm:
+        options = entry.options
         max_len = options.get("max_model_len")
         return EntryStageInfo(
             **common,
@@ -114,18 +114,16 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
             tokenizer=(options.get("tokenizer") or entry.model) if entry.model else None,
             trust_remote_code=bool(options.get("trust_remote_code", False)),
         )
-    from vllm_omni.diffusion.data import in_tree_pipeline_classes
     from vllm_omni.diffusion.worker_lora import startup_lora_request
 
-    raw = options.get("lora_path")
-    paths = tuple([raw] if isinstance(raw, str) else list(raw or []))
-    peft = options.get("lora_backend", "peft") == "peft"
-    backend = options.get("pipeline_backend", "auto")
+    dcfg = entry.diffusion_config
+    paths = tuple(dcfg.startup_lora_paths)
+    peft = dcfg.lora_backend == "peft"
     return EntryStageInfo(
         **common,
-        max_adapters_per_request=int(options.get("max_loras", 1) or 1),
+        max_adapters_per_request=dcfg.max_loras,
         startup_lora_paths=paths,
         startup_adapters=tuple(startup_lora_request(p) for p in paths) if peft else (),
-        startup_lora_scale=float(options.get("lora_scale", 1.0)),
-        accepts_input_image=backend == "diffusers" or entry.model_arch not in in_tree_pipeline_classes(),
+        startup_lora_scale=float(dcfg.lora_scale),
+        accepts_input_image=dcfg.pipeline_backend == "diffusers" or entry.model_arch not in IN_TREE_PIPELINES,
     )

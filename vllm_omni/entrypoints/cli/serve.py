@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Any
 
+from vllm_omni.config.diffusion import LORA_BACKENDS
 from vllm_omni.entrypoints.openai.settings import OmniLaunch, ServerSettings
 from vllm_omni.errors import ConfigError
 
@@ -85,7 +86,7 @@ def _add_omni_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--lora-backend",
-        choices=["peft", "distill"],
+        choices=list(LORA_BACKENDS),
         default=None,
         help="Diffusion stages: 'peft' (request-time adapters, default) or 'distill' "
         "(fuse --lora-path into the weights at start-up).",
