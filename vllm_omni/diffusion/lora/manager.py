@@ -4,11 +4,11 @@ Lifecycle:
 
 1. Construction walks ``named_modules()`` of the denoiser(s) and replaces every supported linear
    layer (vLLM ``ReplicatedLinear`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` /
-   ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and ``torch.nn.Linear``) by a wrapper from
-   :mod:`.layers`. Packed layers are described by the model's ``stacked_params_mapping``.
+   ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and ``torch.nn.Linear``) by its LoRA layer
+   class from :mod:`.layers`. Packed layers are described by the model's ``stacked_params_mapping``.
 2. :meth:`DiffusionLoRAManager.add_lora` reads an adapter into the host LRU cache (``max_cpu_loras``
    entries), checks it against the layers and stores it cut to this rank and laid out for the
-   forward (:class:`~.layers.SlotWeights`, in the LoRA dtype).
+   forward (:class:`~.weights.SlotWeights`, in the LoRA dtype).
 3. :meth:`DiffusionLoRAManager.set_active_adapters` (or the :meth:`activate` context manager) puts
    the batch's adapters into the ``max_loras`` device slots (reusing slots that already hold them;
    on a CPU model a slot refers to the cached tensors, elsewhere they are copied to the device)
@@ -29,14 +29,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from vllm_omni.diffusion.lora.batch_state import LoRABatchState, SlotActivation, scale_runs
 from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
-from vllm_omni.diffusion.lora.layers import (
-    BaseLayerWithLoRA,
-    LoRABatchState,
-    SlotActivation,
-    scale_runs,
-    wrapper_class_for,
-)
+from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
 from vllm_omni.errors import LoRACacheError, LoRAFormatError
@@ -152,9 +147,9 @@ class DiffusionLoRAManager:
             current = getattr(target.parent, target.attr)
             if isinstance(current, BaseLayerWithLoRA):
                 raise ValueError(f"layer {name!r} is already wrapped by another LoRA manager")
-            wrapper_cls = wrapper_class_for(target.module)
-            assert wrapper_cls is not None
-            wrapper = wrapper_cls(target.module, self._state, self.max_loras, self.max_rank, device, dtype)
+            wrapper = target.layer_cls(
+                target.module, self._state, self.max_loras, self.max_rank, device, dtype
+            )
             setattr(target.parent, target.attr, wrapper)
             self.wrappers[name] = wrapper
 
@@ -424,7 +419,7 @@ class DiffusionLoRAManager:
 
     def _publish(self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool) -> None:
         # Plain Python on a [batch, max_loras] table: a switch costs a few microseconds, not a
-        # handful of tiny tensor ops per slot; device tensors are made only for mixed batches.
+        # handful of tiny tensor ops per slot; the layers address rows by host-side runs.
         batch = len(reqs)
         table = [[0.0] * self.max_loras for _ in range(batch)]
         for n, (sample, values) in enumerate(zip(reqs, scales, strict=True)):
@@ -432,23 +427,16 @@ class DiffusionLoRAManager:
                 table[n][self._slots.slot_of(request.lora_int_id)] = value
         matrix = torch.tensor(table, dtype=torch.float32)
         table = matrix.tolist()  # the float32-rounded scales the forward uses
-        device = next(iter(self.wrappers.values())).lora_device if self.wrappers else torch.device("cpu")
         acts: list[SlotActivation] = []
         for slot in range(self.max_loras):
             full = tuple(row[slot] for row in table)
-            nonzero = [n for n, v in enumerate(full) if v != 0.0]
-            if not nonzero:
+            values = [v for v in full if v != 0.0]
+            if not values:
                 continue
-            values = [full[n] for n in nonzero]
             uniform = all(v == values[0] for v in values)
-            every_row = broadcast or len(nonzero) == batch
-            rows = None if every_row else torch.tensor(nonzero, dtype=torch.long).to(device)
+            every_row = broadcast or len(values) == batch
             runs = None if (every_row and uniform) else scale_runs(full)
-            if uniform:
-                acts.append(SlotActivation(slot, rows, values[0], None, full, runs))
-            else:
-                row_scales = torch.tensor(values, dtype=torch.float32).to(device)
-                acts.append(SlotActivation(slot, rows, None, row_scales, full, runs))
+            acts.append(SlotActivation(slot, values[0] if uniform else None, full, runs))
         self.scale_matrix = matrix
         self._state.set(0 if broadcast else batch, tuple(acts))
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import set_forward_context
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -230,7 +231,8 @@ class ZImagePipeline:
                 x = latents.to(self.transformer.dtype)
                 if cfg:
                     x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
-                out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
+                with set_forward_context(num_samples=x.shape[0]):
+                    out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
                 out = torch.stack([o.float() for o in out]).squeeze(2)
                 pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
                 latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
