@@ -34,7 +34,7 @@ from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
-from vllm_omni.errors import LoRACacheError, LoRAFormatError
+from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 
 DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
@@ -79,9 +79,9 @@ def _check_request(request: object) -> tuple[int, str]:
     lora_id = getattr(request, "lora_int_id", None)
     path = getattr(request, "lora_path", None)
     if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
-        raise ValueError(f"lora_int_id must be a positive int, got {lora_id!r}")
+        raise InvalidRequestError(f"lora_int_id must be a positive int, got {lora_id!r}")
     if not path:
-        raise ValueError(f"LoRA {lora_id} has no lora_path")
+        raise InvalidRequestError(f"LoRA {lora_id} has no lora_path")
     return lora_id, str(path)
 
 
@@ -102,7 +102,8 @@ class DiffusionLoRAManager:
         adapter_loader: ``path -> LoRAAdapterWeights`` (default :func:`.loading.load_lora_adapter`).
 
     Raises:
-        ValueError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
+        ConfigError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
+        ValueError: a layer is already wrapped by another manager.
     """
 
     def __init__(
@@ -120,10 +121,10 @@ class DiffusionLoRAManager:
         adapter_loader: Callable[[str], object] | None = None,
     ) -> None:
         if max_loras < 1 or max_rank < 1:
-            raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
+            raise ConfigError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         if max_cpu_loras < max_loras:
-            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+            raise ConfigError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_loras = int(max_loras)
         self.max_rank = int(max_rank)
         self.max_cpu_loras = int(max_cpu_loras)
@@ -201,7 +202,7 @@ class DiffusionLoRAManager:
             entry = self._cache.get(lora_id)
             if entry is not None:
                 if entry.lora_path != path:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"LoRA id {lora_id} is cached for {entry.lora_path!r}, not {path!r}; use a distinct lora_int_id"
                     )
                 continue
@@ -223,7 +224,7 @@ class DiffusionLoRAManager:
             recently used).
 
         Raises:
-            ValueError: bad id / path, or the id is cached for another path.
+            InvalidRequestError: bad id / path, or the id is cached for another path.
             LoRACacheError: the cache is full of pinned / in-use adapters (nothing is read).
             FileNotFoundError, LoRAFormatError: the adapter cannot be read or does not fit the model
                 (cache and slots unchanged).
@@ -258,12 +259,14 @@ class DiffusionLoRAManager:
         """Never evict this adapter from the host cache (it is preferred for keeping a device slot).
 
         Raises:
-            ValueError: the adapter is not cached.
+            InvalidRequestError: the adapter is not cached.
         """
         with self._lock:
             entry = self._cache.get(lora_int_id)
             if entry is None:
-                raise ValueError(f"cannot pin LoRA {lora_int_id}: it is not loaded (call add_lora first)")
+                raise InvalidRequestError(
+                    f"cannot pin LoRA {lora_int_id}: it is not loaded (call add_lora first)"
+                )
             entry.pinned = True
             return True
 
@@ -295,11 +298,11 @@ class DiffusionLoRAManager:
     # ------------------------------------------------------------ activation
     def _validate(self, requests_per_sample: Sequence, scales_per_sample: Sequence) -> tuple[list, list]:
         if isinstance(requests_per_sample, (str, bytes)) or not isinstance(requests_per_sample, Sequence):
-            raise ValueError("requests_per_sample must be a list")
+            raise InvalidRequestError("requests_per_sample must be a list")
         if not isinstance(scales_per_sample, Sequence):
-            raise ValueError("scales_per_sample must be a list")
+            raise InvalidRequestError("scales_per_sample must be a list")
         if len(requests_per_sample) != len(scales_per_sample):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"got {len(requests_per_sample)} request entries but {len(scales_per_sample)} scale entries"
             )
         reqs: list[list[LoRARequest]] = []
@@ -310,29 +313,35 @@ class DiffusionLoRAManager:
         ):
             sample_reqs, sample_scales = list(sample_reqs), list(sample_scales)
             if len(sample_reqs) != len(sample_scales):
-                raise ValueError(f"sample {n}: {len(sample_reqs)} adapters but {len(sample_scales)} scales")
+                raise InvalidRequestError(
+                    f"sample {n}: {len(sample_reqs)} adapters but {len(sample_scales)} scales"
+                )
             if len(sample_reqs) > self.max_loras:
-                raise ValueError(f"sample {n}: {len(sample_reqs)} adapters exceed max_loras={self.max_loras}")
+                raise InvalidRequestError(
+                    f"sample {n}: {len(sample_reqs)} adapters exceed max_loras={self.max_loras}"
+                )
             seen: set[int] = set()
             values: list[float] = []
             for request, scale in zip(sample_reqs, sample_scales, strict=True):
                 lora_id, path = _check_request(request)
                 if lora_id in seen:
-                    raise ValueError(f"sample {n}: LoRA {lora_id} appears twice in one request")
+                    raise InvalidRequestError(f"sample {n}: LoRA {lora_id} appears twice in one request")
                 seen.add(lora_id)
                 if paths.setdefault(lora_id, path) != path:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"LoRA id {lora_id} is used for two paths: {paths[lora_id]!r} and {path!r}"
                     )
                 if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"sample {n}: LoRA {lora_id} scale must be a finite number, got {scale!r}"
                     )
                 values.append(float(scale))
             reqs.append(sample_reqs)
             scales.append(values)
         if len(paths) > self.max_loras:
-            raise ValueError(f"the batch uses {len(paths)} distinct adapters; max_loras={self.max_loras}")
+            raise InvalidRequestError(
+                f"the batch uses {len(paths)} distinct adapters; max_loras={self.max_loras}"
+            )
         return reqs, scales
 
     def set_active_adapters(
@@ -350,7 +359,7 @@ class DiffusionLoRAManager:
                 adapter resident (it still counts toward ``max_loras``) but adds exactly nothing.
 
         Raises:
-            ValueError: (before any work) unequal lengths, more than ``max_loras`` adapters in a
+            InvalidRequestError: (before any work) unequal lengths, more than ``max_loras`` adapters in a
                 sample or in the batch, an adapter twice in one sample, a non-finite scale, a bad
                 request, or one id with two paths.
             LoRACacheError, FileNotFoundError, LoRAFormatError: loading failed (nothing changed).

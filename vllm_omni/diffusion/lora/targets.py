@@ -30,6 +30,7 @@ from vllm_omni.diffusion.lora.formats.model_keys import prepare_adapter_for_mode
 from vllm_omni.diffusion.lora.geometry import LayerGeometry
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA, wrapper_class_for
 from vllm_omni.diffusion.lora.weights import LayerLoRAWeights
+from vllm_omni.errors import ConfigError
 
 StackedParamsMapping = Sequence[tuple[str, str, str | int]]
 
@@ -73,7 +74,7 @@ class TargetIndex:
         strip_prefixes: key prefixes tried away when resolving adapter keys.
 
     Raises:
-        ValueError: a mapping entry's shard id does not exist on the packed layer it names.
+        ConfigError: a mapping entry's shard id does not exist on the packed layer it names.
     """
 
     def __init__(
@@ -112,7 +113,7 @@ class TargetIndex:
                 if sub_qualified is None or sub_qualified in self.targets:
                     continue
                 if shard_id not in target.geometry.shard_ids:
-                    raise ValueError(
+                    raise ConfigError(
                         f"stacked_params_mapping entry ({packed_name!r}, {sub_name!r}, {shard_id!r}): layer "
                         f"{qualified!r} ({type(target.module).__name__}) has no shard {shard_id!r}; "
                         f"known shards: {sorted(target.geometry.shard_ids, key=str)}"
