@@ -6,10 +6,8 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
-from vllm_omni.diffusion.lora.batch_state import LoRABatchState
 from vllm_omni.diffusion.lora.layers.base import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.layers.column_parallel_linear import ColumnParallelLinearWithLoRA
 from vllm_omni.diffusion.lora.layers.linear import LinearWithLoRA
@@ -40,26 +38,6 @@ def wrapper_class_for(module: nn.Module) -> type[BaseLayerWithLoRA] | None:
     return None
 
 
-def from_layer(
-    layer: nn.Module,
-    state: LoRABatchState,
-    max_loras: int,
-    max_rank: int,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """``layer`` wrapped by its LoRA class (see :class:`BaseLayerWithLoRA` for the arguments), or
-    ``layer`` itself when no class replaces it.
-
-    Raises:
-        TypeError: the class refuses the layer's output layout (see its ``geometry_of``).
-    """
-    lora_cls = wrapper_class_for(layer)
-    if lora_cls is None:
-        return layer
-    return lora_cls(layer, state, max_loras, max_rank, device, dtype)
-
-
 __all__ = [
     "LORA_LAYER_CLASSES",
     "BaseLayerWithLoRA",
@@ -69,6 +47,5 @@ __all__ = [
     "QKVParallelLinearWithLoRA",
     "ReplicatedLinearWithLoRA",
     "RowParallelLinearWithLoRA",
-    "from_layer",
     "wrapper_class_for",
 ]

@@ -28,6 +28,8 @@ whose adapters all have scale 0 gets bit-for-bit the base output; scale ``-lambd
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn as nn
 
@@ -105,10 +107,14 @@ class BaseLayerWithLoRA(nn.Module):
             return getattr(super().__getattr__("base_layer"), name)
 
     # ------------------------------------------------------------ layer kind
+    #: the layer kind this class wraps (instances of subclasses too, unless a more specific
+    #: class earlier in the registry claims them); ``None``: none.
+    source_layer_type: ClassVar[type[nn.Module] | None] = None
+
     @classmethod
     def can_replace_layer(cls, source_layer: nn.Module) -> bool:
         """Whether this class wraps ``source_layer`` (the registry asks the most specific first)."""
-        return False
+        return cls.source_layer_type is not None and isinstance(source_layer, cls.source_layer_type)
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:

@@ -15,9 +15,7 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
     """vLLM ``ColumnParallelLinear``: this rank's rows of ``B``; the delta is added before the
     optional all-gather (``gather_output``). Packed subclasses split the output into slices."""
 
-    @classmethod
-    def can_replace_layer(cls, source_layer: nn.Module) -> bool:
-        return isinstance(source_layer, ColumnParallelLinear)
+    source_layer_type = ColumnParallelLinear
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:

@@ -13,9 +13,7 @@ from vllm_omni.diffusion.lora.layers.base import BaseLayerWithLoRA
 class LinearWithLoRA(BaseLayerWithLoRA):
     """``torch.nn.Linear``: one output slice, full ``A`` and ``B``; returns a tensor like the base layer."""
 
-    @classmethod
-    def can_replace_layer(cls, source_layer: nn.Module) -> bool:
-        return isinstance(source_layer, nn.Linear)
+    source_layer_type = nn.Linear
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:

@@ -13,9 +13,7 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     """vLLM ``MergedColumnParallelLinear``: each ``output_sizes`` slice sharded on its own across
     ranks (shard id ``i`` is slice ``i``), as vLLM's weight loader shards the base weight."""
 
-    @classmethod
-    def can_replace_layer(cls, source_layer: nn.Module) -> bool:
-        return isinstance(source_layer, MergedColumnParallelLinear)
+    source_layer_type = MergedColumnParallelLinear
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:

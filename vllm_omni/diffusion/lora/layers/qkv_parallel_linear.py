@@ -14,9 +14,7 @@ class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     sizes; with fewer KV heads than ranks the K / V slices are replicated across
     ``num_kv_head_replicas`` ranks, as the base weight is."""
 
-    @classmethod
-    def can_replace_layer(cls, source_layer: nn.Module) -> bool:
-        return isinstance(source_layer, QKVParallelLinear)
+    source_layer_type = QKVParallelLinear
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:

@@ -13,9 +13,7 @@ class ReplicatedLinearWithLoRA(BaseLayerWithLoRA):
     """vLLM ``ReplicatedLinear``: full ``A`` and ``B`` on every rank; one output slice per entry
     of ``output_sizes`` when the layer has them (``MergedReplicatedLinear``)."""
 
-    @classmethod
-    def can_replace_layer(cls, source_layer: nn.Module) -> bool:
-        return isinstance(source_layer, ReplicatedLinear)
+    source_layer_type = ReplicatedLinear
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:

@@ -15,9 +15,7 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     """vLLM ``RowParallelLinear``: this rank's columns of ``A``; the partial delta is added before
     the all-reduce, which sums it into exactly ``B (A x)``; the bias is added on rank 0 only."""
 
-    @classmethod
-    def can_replace_layer(cls, source_layer: nn.Module) -> bool:
-        return isinstance(source_layer, RowParallelLinear)
+    source_layer_type = RowParallelLinear
 
     @classmethod
     def geometry_of(cls, layer: nn.Module) -> LayerGeometry:
