@@ -4,7 +4,7 @@ Like ``vllm.forward_context``: the runtime (a pipeline's denoising loop) sets th
 denoiser call; layers that need batch metadata (the LoRA layers) read it; models only *declare* what
 only they know, without importing the code that consumes it.
 
-Today the context carries the row layout of ragged inputs. A model that runs a layer on the samples'
+The context carries the row layout of ragged inputs. A model that runs a layer on the samples'
 rows concatenated (``[sum(lengths), d]`` instead of ``[batch, ...]``, e.g. patch / caption embedders)
 wraps that call so per-sample layer logic (a mixed LoRA batch) knows which rows belong to which
 sample::
@@ -29,12 +29,10 @@ class DiffusionForwardContext:
     """Metadata of the denoiser call in progress.
 
     Attributes:
-        num_samples: samples in the denoiser batch (CFG copies included), or ``None`` when unset.
         rows_per_sample: rows of each sample when the current layer inputs concatenate the samples'
             rows (set by the model around such a call), else ``None``.
     """
 
-    num_samples: int | None = None
     rows_per_sample: tuple[int, ...] | None = None
 
 
@@ -59,15 +57,12 @@ def _override(**changes) -> Iterator[DiffusionForwardContext]:
 
 
 @contextmanager
-def set_forward_context(num_samples: int | None = None) -> Iterator[DiffusionForwardContext]:
+def set_forward_context() -> Iterator[DiffusionForwardContext]:
     """Run a denoiser call (or a whole denoising loop) in a fresh context (runtime side).
 
-    Args:
-        num_samples: the leading dimension of the denoiser batch.
+    Nothing declared by an enclosing block leaks into it; the model fills it during the call.
     """
-    with _override(
-        num_samples=None if num_samples is None else int(num_samples), rows_per_sample=None
-    ) as ctx:
+    with _override(rows_per_sample=None) as ctx:
         yield ctx
 
 

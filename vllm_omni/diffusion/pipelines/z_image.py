@@ -225,14 +225,13 @@ class ZImagePipeline:
         scheduler.set_begin_index(0)
         captions = pos + neg
         show = self.od_config.enable_progress_bar and sys.stderr.isatty()
-        with adapters:
+        with adapters, set_forward_context():
             for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
                 t_model = (1000 - t.expand(batch)) / 1000
                 x = latents.to(self.transformer.dtype)
                 if cfg:
                     x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
-                with set_forward_context(num_samples=x.shape[0]):
-                    out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
+                out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
                 out = torch.stack([o.float() for o in out]).squeeze(2)
                 pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
                 latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
