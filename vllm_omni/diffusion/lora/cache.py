@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.errors import LoRACacheError
+from vllm_omni.errors import ConfigError, LoRACacheError
 
 
 @dataclass
@@ -46,7 +46,7 @@ class AdapterCache:
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
-            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
+            raise ConfigError(f"cache capacity must be >= 1, got {capacity}")
         self.capacity = int(capacity)
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
 

@@ -25,6 +25,7 @@ from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.manager import DEFAULT_DENOISER_ATTRS, _mapping_from_models, find_denoisers
 from vllm_omni.diffusion.lora.safetensors_format import adapter_from_state_dict
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+from vllm_omni.errors import ConfigError
 
 AdapterSource = str | os.PathLike[str] | Mapping[str, torch.Tensor] | LoRAAdapterWeights
 
@@ -75,12 +76,12 @@ def fuse_lora_into_model(
         Qualified names of the layers that were modified.
 
     Raises:
-        ValueError: non-finite ``scale``.
+        ConfigError: non-finite ``scale``.
         LoRAFormatError: unreadable adapter, unmatched module names, shape mismatch.
         RuntimeError: a target weight was already processed / repacked, or is quantised.
     """
     if isinstance(scale, bool) or not math.isfinite(float(scale)):
-        raise ValueError(f"LoRA fuse scale must be finite, got {scale!r}")
+        raise ConfigError(f"LoRA fuse scale must be finite, got {scale!r}")
     denoisers = find_denoisers(model, denoiser_attrs)
     mapping = _mapping_from_models(denoisers) if stacked_params_mapping is None else stacked_params_mapping
     index = TargetIndex(denoisers, mapping)
@@ -124,14 +125,14 @@ def fuse_lora_files_into_pipeline(
         denoiser attribute -> fused layer names.
 
     Raises:
-        ValueError: more adapters than denoisers, or ``scales`` of another length.
+        ConfigError: more adapters than denoisers, or ``scales`` of another length.
     """
     denoisers = find_denoisers(pipeline, denoiser_attrs)
     if len(adapters) > len(denoisers):
-        raise ValueError(f"{len(adapters)} LoRA files for {len(denoisers)} denoiser(s) {list(denoisers)}")
+        raise ConfigError(f"{len(adapters)} LoRA files for {len(denoisers)} denoiser(s) {list(denoisers)}")
     scales = [1.0] * len(adapters) if scales is None else list(scales)
     if len(scales) != len(adapters):
-        raise ValueError(f"{len(adapters)} LoRA files but {len(scales)} scales")
+        raise ConfigError(f"{len(adapters)} LoRA files but {len(scales)} scales")
     result: dict[str, list[str]] = {}
     for (attr, module), source, value in zip(denoisers.items(), adapters, scales, strict=False):
         result[attr] = fuse_lora_into_model(module, source, value)

@@ -4,11 +4,11 @@ Lifecycle:
 
 1. Construction walks ``named_modules()`` of the denoiser(s) and replaces every supported linear
    layer (vLLM ``ReplicatedLinear`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` /
-   ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and ``torch.nn.Linear``) by a wrapper from
-   :mod:`.layers`. Packed layers are described by the model's ``stacked_params_mapping``.
+   ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and ``torch.nn.Linear``) by its LoRA layer
+   class from :mod:`.layers`. Packed layers are described by the model's ``stacked_params_mapping``.
 2. :meth:`DiffusionLoRAManager.add_lora` reads an adapter into the host LRU cache (``max_cpu_loras``
    entries), checks it against the layers and stores it cut to this rank and laid out for the
-   forward (:class:`~.layers.SlotWeights`, in the LoRA dtype).
+   forward (:class:`~.weights.SlotWeights`, in the LoRA dtype).
 3. :meth:`DiffusionLoRAManager.set_active_adapters` (or the :meth:`activate` context manager) puts
    the batch's adapters into the ``max_loras`` device slots (reusing slots that already hold them;
    on a CPU model a slot refers to the cached tensors, elsewhere they are copied to the device)
@@ -29,17 +29,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from vllm_omni.diffusion.lora.batch_state import LoRABatchState, SlotActivation, scale_runs
 from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
-from vllm_omni.diffusion.lora.layers import (
-    BaseLayerWithLoRA,
-    LoRABatchState,
-    SlotActivation,
-    scale_runs,
-    wrapper_class_for,
-)
+from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
-from vllm_omni.errors import LoRACacheError, LoRAFormatError
+from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 
 DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
@@ -84,9 +79,9 @@ def _check_request(request: object) -> tuple[int, str]:
     lora_id = getattr(request, "lora_int_id", None)
     path = getattr(request, "lora_path", None)
     if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
-        raise ValueError(f"lora_int_id must be a positive int, got {lora_id!r}")
+        raise InvalidRequestError(f"lora_int_id must be a positive int, got {lora_id!r}")
     if not path:
-        raise ValueError(f"LoRA {lora_id} has no lora_path")
+        raise InvalidRequestError(f"LoRA {lora_id} has no lora_path")
     return lora_id, str(path)
 
 
@@ -107,7 +102,8 @@ class DiffusionLoRAManager:
         adapter_loader: ``path -> LoRAAdapterWeights`` (default :func:`.loading.load_lora_adapter`).
 
     Raises:
-        ValueError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
+        ConfigError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
+        ValueError: a layer is already wrapped by another manager.
     """
 
     def __init__(
@@ -125,10 +121,10 @@ class DiffusionLoRAManager:
         adapter_loader: Callable[[str], object] | None = None,
     ) -> None:
         if max_loras < 1 or max_rank < 1:
-            raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
+            raise ConfigError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         if max_cpu_loras < max_loras:
-            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+            raise ConfigError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_loras = int(max_loras)
         self.max_rank = int(max_rank)
         self.max_cpu_loras = int(max_cpu_loras)
@@ -152,9 +148,9 @@ class DiffusionLoRAManager:
             current = getattr(target.parent, target.attr)
             if isinstance(current, BaseLayerWithLoRA):
                 raise ValueError(f"layer {name!r} is already wrapped by another LoRA manager")
-            wrapper_cls = wrapper_class_for(target.module)
-            assert wrapper_cls is not None
-            wrapper = wrapper_cls(target.module, self._state, self.max_loras, self.max_rank, device, dtype)
+            wrapper = target.layer_cls(
+                target.module, self._state, self.max_loras, self.max_rank, device, dtype
+            )
             setattr(target.parent, target.attr, wrapper)
             self.wrappers[name] = wrapper
 
@@ -206,7 +202,7 @@ class DiffusionLoRAManager:
             entry = self._cache.get(lora_id)
             if entry is not None:
                 if entry.lora_path != path:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"LoRA id {lora_id} is cached for {entry.lora_path!r}, not {path!r}; use a distinct lora_int_id"
                     )
                 continue
@@ -228,7 +224,7 @@ class DiffusionLoRAManager:
             recently used).
 
         Raises:
-            ValueError: bad id / path, or the id is cached for another path.
+            InvalidRequestError: bad id / path, or the id is cached for another path.
             LoRACacheError: the cache is full of pinned / in-use adapters (nothing is read).
             FileNotFoundError, LoRAFormatError: the adapter cannot be read or does not fit the model
                 (cache and slots unchanged).
@@ -263,12 +259,14 @@ class DiffusionLoRAManager:
         """Never evict this adapter from the host cache (it is preferred for keeping a device slot).
 
         Raises:
-            ValueError: the adapter is not cached.
+            InvalidRequestError: the adapter is not cached.
         """
         with self._lock:
             entry = self._cache.get(lora_int_id)
             if entry is None:
-                raise ValueError(f"cannot pin LoRA {lora_int_id}: it is not loaded (call add_lora first)")
+                raise InvalidRequestError(
+                    f"cannot pin LoRA {lora_int_id}: it is not loaded (call add_lora first)"
+                )
             entry.pinned = True
             return True
 
@@ -300,11 +298,11 @@ class DiffusionLoRAManager:
     # ------------------------------------------------------------ activation
     def _validate(self, requests_per_sample: Sequence, scales_per_sample: Sequence) -> tuple[list, list]:
         if isinstance(requests_per_sample, (str, bytes)) or not isinstance(requests_per_sample, Sequence):
-            raise ValueError("requests_per_sample must be a list")
+            raise InvalidRequestError("requests_per_sample must be a list")
         if not isinstance(scales_per_sample, Sequence):
-            raise ValueError("scales_per_sample must be a list")
+            raise InvalidRequestError("scales_per_sample must be a list")
         if len(requests_per_sample) != len(scales_per_sample):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"got {len(requests_per_sample)} request entries but {len(scales_per_sample)} scale entries"
             )
         reqs: list[list[LoRARequest]] = []
@@ -315,29 +313,35 @@ class DiffusionLoRAManager:
         ):
             sample_reqs, sample_scales = list(sample_reqs), list(sample_scales)
             if len(sample_reqs) != len(sample_scales):
-                raise ValueError(f"sample {n}: {len(sample_reqs)} adapters but {len(sample_scales)} scales")
+                raise InvalidRequestError(
+                    f"sample {n}: {len(sample_reqs)} adapters but {len(sample_scales)} scales"
+                )
             if len(sample_reqs) > self.max_loras:
-                raise ValueError(f"sample {n}: {len(sample_reqs)} adapters exceed max_loras={self.max_loras}")
+                raise InvalidRequestError(
+                    f"sample {n}: {len(sample_reqs)} adapters exceed max_loras={self.max_loras}"
+                )
             seen: set[int] = set()
             values: list[float] = []
             for request, scale in zip(sample_reqs, sample_scales, strict=True):
                 lora_id, path = _check_request(request)
                 if lora_id in seen:
-                    raise ValueError(f"sample {n}: LoRA {lora_id} appears twice in one request")
+                    raise InvalidRequestError(f"sample {n}: LoRA {lora_id} appears twice in one request")
                 seen.add(lora_id)
                 if paths.setdefault(lora_id, path) != path:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"LoRA id {lora_id} is used for two paths: {paths[lora_id]!r} and {path!r}"
                     )
                 if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"sample {n}: LoRA {lora_id} scale must be a finite number, got {scale!r}"
                     )
                 values.append(float(scale))
             reqs.append(sample_reqs)
             scales.append(values)
         if len(paths) > self.max_loras:
-            raise ValueError(f"the batch uses {len(paths)} distinct adapters; max_loras={self.max_loras}")
+            raise InvalidRequestError(
+                f"the batch uses {len(paths)} distinct adapters; max_loras={self.max_loras}"
+            )
         return reqs, scales
 
     def set_active_adapters(
@@ -355,7 +359,7 @@ class DiffusionLoRAManager:
                 adapter resident (it still counts toward ``max_loras``) but adds exactly nothing.
 
         Raises:
-            ValueError: (before any work) unequal lengths, more than ``max_loras`` adapters in a
+            InvalidRequestError: (before any work) unequal lengths, more than ``max_loras`` adapters in a
                 sample or in the batch, an adapter twice in one sample, a non-finite scale, a bad
                 request, or one id with two paths.
             LoRACacheError, FileNotFoundError, LoRAFormatError: loading failed (nothing changed).
@@ -424,7 +428,7 @@ class DiffusionLoRAManager:
 
     def _publish(self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool) -> None:
         # Plain Python on a [batch, max_loras] table: a switch costs a few microseconds, not a
-        # handful of tiny tensor ops per slot; device tensors are made only for mixed batches.
+        # handful of tiny tensor ops per slot; the layers address rows by host-side runs.
         batch = len(reqs)
         table = [[0.0] * self.max_loras for _ in range(batch)]
         for n, (sample, values) in enumerate(zip(reqs, scales, strict=True)):
@@ -432,23 +436,16 @@ class DiffusionLoRAManager:
                 table[n][self._slots.slot_of(request.lora_int_id)] = value
         matrix = torch.tensor(table, dtype=torch.float32)
         table = matrix.tolist()  # the float32-rounded scales the forward uses
-        device = next(iter(self.wrappers.values())).lora_device if self.wrappers else torch.device("cpu")
         acts: list[SlotActivation] = []
         for slot in range(self.max_loras):
             full = tuple(row[slot] for row in table)
-            nonzero = [n for n, v in enumerate(full) if v != 0.0]
-            if not nonzero:
+            values = [v for v in full if v != 0.0]
+            if not values:
                 continue
-            values = [full[n] for n in nonzero]
             uniform = all(v == values[0] for v in values)
-            every_row = broadcast or len(nonzero) == batch
-            rows = None if every_row else torch.tensor(nonzero, dtype=torch.long).to(device)
+            every_row = broadcast or len(values) == batch
             runs = None if (every_row and uniform) else scale_runs(full)
-            if uniform:
-                acts.append(SlotActivation(slot, rows, values[0], None, full, runs))
-            else:
-                row_scales = torch.tensor(values, dtype=torch.float32).to(device)
-                acts.append(SlotActivation(slot, rows, None, row_scales, full, runs))
+            acts.append(SlotActivation(slot, values[0] if uniform else None, full, runs))
         self.scale_matrix = matrix
         self._state.set(0 if broadcast else batch, tuple(acts))
 

@@ -6,7 +6,7 @@ names* (the module name inside the first denoiser; ``"<attr>.<name>"`` for furth
 were packed into each of them (``to_q`` -> slice ``q`` of ``to_qkv``).
 
 :func:`bind_adapter` turns a format-neutral :class:`~.adapter.LoRAAdapterWeights` into per-layer
-:class:`~.layers.LayerLoRAWeights` (unsharded, ``s`` folded into ``B``), and refuses adapters that do
+:class:`~.weights.LayerLoRAWeights` (unsharded, ``s`` folded into ``B``), and refuses adapters that do
 not fit: unmatched module names, ranks above ``max_rank``, wrong shapes, or a packed layer targeted
 both whole and per sub-layer.
 """
@@ -27,8 +27,10 @@ from vllm_omni.diffusion.lora.adapter import (
     candidate_module_keys,
 )
 from vllm_omni.diffusion.lora.formats.model_keys import prepare_adapter_for_model
-from vllm_omni.diffusion.lora.geometry import LayerGeometry, is_supported_linear, layer_geometry
-from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA, LayerLoRAWeights
+from vllm_omni.diffusion.lora.geometry import LayerGeometry
+from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA, wrapper_class_for
+from vllm_omni.diffusion.lora.weights import LayerLoRAWeights
+from vllm_omni.errors import ConfigError
 
 StackedParamsMapping = Sequence[tuple[str, str, str | int]]
 
@@ -42,6 +44,7 @@ class LoRATarget:
         module: the base layer (unwrapped).
         geometry: its :class:`~.geometry.LayerGeometry` on this rank.
         parent: module holding it, and ``attr``: its attribute name there (used to swap in a wrapper).
+        layer_cls: the LoRA layer class that replaces it.
     """
 
     name: str
@@ -49,6 +52,7 @@ class LoRATarget:
     geometry: LayerGeometry
     parent: nn.Module
     attr: str
+    layer_cls: type[BaseLayerWithLoRA]
 
 
 def _replace_suffix(name: str, suffix: str, replacement: str) -> str | None:
@@ -70,7 +74,7 @@ class TargetIndex:
         strip_prefixes: key prefixes tried away when resolving adapter keys.
 
     Raises:
-        ValueError: a mapping entry's shard id does not exist on the packed layer it names.
+        ConfigError: a mapping entry's shard id does not exist on the packed layer it names.
     """
 
     def __init__(
@@ -91,14 +95,16 @@ class TargetIndex:
                 if not name:
                     continue
                 base = module.base_layer if isinstance(module, BaseLayerWithLoRA) else module
-                if not is_supported_linear(base) or ".base_layer" in f".{name}":
+                layer_cls = wrapper_class_for(base)
+                if layer_cls is None or ".base_layer" in f".{name}":
                     continue
                 qualified = prefix + name
                 if suffixes is not None and not any(_replace_suffix(qualified, s, s) for s in suffixes):
                     continue
                 parent_name, _, child = name.rpartition(".")
                 parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
-                self.targets[qualified] = LoRATarget(qualified, base, layer_geometry(base), parent, child)
+                geometry = layer_cls.geometry_of(base)
+                self.targets[qualified] = LoRATarget(qualified, base, geometry, parent, child, layer_cls)
         for packed_name, sub_name, shard_id in stacked_params_mapping or ():
             for qualified, target in self.targets.items():
                 if _replace_suffix(qualified, packed_name, packed_name) is None:
@@ -107,7 +113,7 @@ class TargetIndex:
                 if sub_qualified is None or sub_qualified in self.targets:
                     continue
                 if shard_id not in target.geometry.shard_ids:
-                    raise ValueError(
+                    raise ConfigError(
                         f"stacked_params_mapping entry ({packed_name!r}, {sub_name!r}, {shard_id!r}): layer "
                         f"{qualified!r} ({type(target.module).__name__}) has no shard {shard_id!r}; "
                         f"known shards: {sorted(target.geometry.shard_ids, key=str)}"
@@ -130,7 +136,7 @@ def bind_adapter(
     """Bind an adapter's modules to the indexed layers.
 
     Returns:
-        target name -> :class:`~.layers.LayerLoRAWeights` with ``s * B`` folded in (float32, CPU).
+        target name -> :class:`~.weights.LayerLoRAWeights` with ``s * B`` folded in (float32, CPU).
         A sub-layer adapter fills only its slice; the other slices of the packed layer stay ``None``
         (exactly zero). An adapter keyed by the packed layer's own name fills every slice from the
         row-split ``B`` with one shared ``A``.

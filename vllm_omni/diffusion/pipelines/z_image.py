@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import set_forward_context
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.errors import InvalidRequestError
@@ -227,7 +228,7 @@ class ZImagePipeline:
         scheduler.set_begin_index(0)
         captions = pos + neg
         show = self.od_config.enable_progress_bar and sys.stderr.isatty()
-        with adapters:
+        with adapters, set_forward_context():
             for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
                 t_model = (1000 - t.expand(batch)) / 1000
                 x = latents.to(self.transformer.dtype)

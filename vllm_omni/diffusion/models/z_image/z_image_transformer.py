@@ -44,7 +44,7 @@ from vllm_omni.diffusion.distributed.parallel_state import (
     current_vllm_config_for_layers,
     get_tp_rank_and_size,
 )
-from vllm_omni.diffusion.lora.layers import lora_rows_per_sample
+from vllm_omni.diffusion.forward_context import rows_per_sample
 from vllm_omni.diffusion.models.weight_loading import (
     finalize_linear_layers,
     iter_safetensors,
@@ -398,8 +398,9 @@ class ZImageTransformer2DModel(nn.Module):
         Returns ``(x (B, Lmax, dim), freqs (B, Lmax, D/2) complex, mask (B, Lmax) bool or None, lengths)``.
         """
         lengths = [f.shape[0] for f in feats]
-        # The embedder sees the samples' rows concatenated: tell a mixed LoRA batch which rows are whose.
-        with lora_rows_per_sample(lengths):
+        # The embedder sees the samples' rows concatenated: declare which rows are whose (a mixed
+        # LoRA batch reads it from the forward context).
+        with rows_per_sample(lengths):
             x = embed(torch.cat(feats, dim=0))
         x = torch.where(torch.cat(pad_masks).unsqueeze(-1), pad_token.to(x.dtype), x)
         x = pad_sequence(list(x.split(lengths)), batch_first=True)

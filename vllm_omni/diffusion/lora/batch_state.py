@@ -1,0 +1,115 @@
+"""Which device slots apply to which rows of the current batch, with which scales.
+
+The manager publishes one :class:`SlotActivation` per active slot into the :class:`LoRABatchState`
+shared by all its layers; the layers read it in ``forward``. Rows are addressed by host-side runs
+``(start, length, scale)`` over the leading dimension, so a mixed batch needs no gather / scatter
+and no device index tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm_omni.diffusion.forward_context import get_forward_context
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.lora.weights import SlotWeights
+
+
+@dataclass(frozen=True)
+class SlotActivation:
+    """How one device slot applies to the current batch.
+
+    Attributes:
+        slot: device slot index.
+        scale: the common scale of the samples it applies to when they share one, else ``None``.
+        column: the slot's scale for every sample of the batch (``0.0``: not applied).
+        runs: ``(start, length, scale)`` runs of consecutive rows sharing a non-zero scale, or
+            ``None`` when the slot applies to every row with ``scale``.
+    """
+
+    slot: int
+    scale: float | None
+    column: tuple[float, ...] = field(default=(), compare=False)
+    runs: tuple[tuple[int, int, float], ...] | None = field(default=None, compare=False)
+
+
+def scale_runs(
+    values: Sequence[float], lengths: Sequence[int] | None = None
+) -> tuple[tuple[int, int, float], ...]:
+    """``(start, length, scale)`` runs of the rows with a non-zero scale.
+
+    ``values`` holds one scale per sample; ``lengths`` (optional) the number of rows of each sample
+    (default one). Consecutive samples with the same scale are merged into one run.
+    """
+    runs: list[tuple[int, int, float]] = []
+    start = 0
+    for n, value in enumerate(values):
+        length = 1 if lengths is None else int(lengths[n])
+        if value != 0.0 and length:
+            if runs and runs[-1][2] == value and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length, value)
+            else:
+                runs.append((start, length, float(value)))
+        start += length
+    return tuple(runs)
+
+
+class LoRABatchState:
+    """Activation shared by every layer of one manager (set by the manager, read in forward).
+
+    Attributes:
+        batch_size: samples of the activation (``0``: one request broadcast to every row).
+        slots: the active slots.
+        stacked: per layer (``id``), the active adapters stacked into one :class:`SlotWeights`
+            (see :func:`.ops.stack_slot_weights`); built on first use, dropped with the activation.
+        uniform: every one of several active slots applies to every row with one scale, so the
+            layers may stack them.
+    """
+
+    def __init__(self) -> None:
+        self.batch_size: int = 0
+        self.slots: tuple[SlotActivation, ...] = ()
+        self._ragged: dict[tuple[int, tuple[int, ...]], SlotActivation] = {}
+        self.stacked: dict[int, SlotWeights | None] = {}
+        self.uniform = False
+
+    def set(self, batch_size: int, slots: tuple[SlotActivation, ...]) -> None:
+        """Publish a new activation (drops what was derived from the previous one)."""
+        self.batch_size = batch_size
+        self.slots = slots
+        self._ragged = {}
+        self.stacked = {}
+        self.uniform = len(slots) > 1 and all(a.runs is None for a in slots)
+
+    def clear(self) -> None:
+        """No slot applies."""
+        self.set(0, ())
+
+    def for_rows(self, act: SlotActivation, leading: int) -> SlotActivation:
+        """``act`` re-expressed for an input whose leading dimension is ``leading``.
+
+        An input with one row per sample uses ``act`` as is; one whose rows concatenate the
+        samples' rows is mapped through the row layout the model declared in the forward context
+        (:func:`vllm_omni.diffusion.forward_context.rows_per_sample`).
+
+        Raises:
+            RuntimeError: per-sample scales differ but the rows cannot be attributed to samples.
+        """
+        if act.runs is None or leading == self.batch_size:
+            return act
+        lengths = get_forward_context().rows_per_sample
+        if lengths is None or len(lengths) != self.batch_size or sum(lengths) != leading:
+            raise RuntimeError(
+                f"LoRA batch mixes adapter scales across {self.batch_size} samples but this layer got input "
+                f"with leading dimension {leading}; pass one entry per sample of the forward batch, or wrap "
+                "ragged inputs in lora_rows_per_sample(lengths)"
+            )
+        key = (act.slot, lengths)
+        cached = self._ragged.get(key)
+        if cached is None:
+            cached = SlotActivation(act.slot, act.scale, act.column, scale_runs(act.column, lengths))
+            self._ragged[key] = cached
+        return cached
