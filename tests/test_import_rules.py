@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_omni"
 
 
@@ -54,9 +52,6 @@ def test_http_and_cli_import_no_runtime_internals():
     assert not bad, "the HTTP layer / CLI must go through AsyncOmni:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="models still import lora_rows_per_sample; removed by the layers refactor"
-)
 def test_diffusion_models_import_no_lora_code():
     bad = violations(PACKAGE, ["diffusion/models"], ("vllm_omni.diffusion.lora",))
     assert not bad, "diffusion models must not import LoRA code:\n" + "\n".join(bad)
