@@ -214,19 +214,38 @@ class ZImagePipeline:
         pos = [p for p in pos for _ in range(n)]
         neg = [p for p in neg for _ in range(n)]
         latents = self._initial_latents(prompts, sp, height, width, seeds)
-        batch = latents.shape[0]
         sample_prompts = [i for i in range(len(prompts)) for _ in range(n)]
         if cfg:
             sample_prompts = sample_prompts * 2
         adapters = lora_context(sample_prompts) if lora_context is not None else contextlib.nullcontext()
 
+        latents = self._denoise(latents, pos + neg, guidance, sp.num_inference_steps, adapters)
+        results = [
+            DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())
+            for i, p in enumerate(prompts)
+        ]
+        if sp.output_type != "latent":
+            self._decode_into(results, latents, sp.output_type, n)
+        return results
+
+    def _denoise(
+        self,
+        latents: torch.Tensor,
+        captions: list[torch.Tensor],
+        guidance: float,
+        steps: int,
+        adapters: AbstractContextManager,
+    ) -> torch.Tensor:
+        """Run the flow-matching loop on ``latents`` ``(B, 16, H/8, W/8)`` float32; ``captions`` holds
+        ``B`` positive then (with CFG, ``guidance > 0``) ``B`` negative caption features. Returns
+        the final latents, float32."""
+        batch = latents.shape[0]
+        cfg = guidance > 0
         scheduler = type(self.scheduler).from_config(self.scheduler.config)
-        steps = sp.num_inference_steps
         mu = image_shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), scheduler.config)
         sigmas = torch.linspace(1.0, 1.0 / steps, steps).tolist()
         scheduler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
         scheduler.set_begin_index(0)
-        captions = pos + neg
         show = self.od_config.enable_progress_bar and sys.stderr.isatty()
         with adapters, set_forward_context():
             for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
@@ -238,22 +257,20 @@ class ZImagePipeline:
                 out = torch.stack([o.float() for o in out]).squeeze(2)
                 pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
                 latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
+        return latents
 
-        results = [
-            DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())
-            for i, p in enumerate(prompts)
-        ]
-        if sp.output_type == "latent":
-            return results
+    def _decode_into(
+        self, results: list[DiffusionOutput], latents: torch.Tensor, output_type: str, n: int
+    ) -> None:
+        """Decode ``latents`` with the VAE and give each result its ``n`` images (``pil``) or array."""
         decoded = self.vae.decode(
             (latents.to(self.vae.dtype) / self.vae.config.scaling_factor) + self.vae.config.shift_factor,
             return_dict=False,
         )[0]
-        images = self.image_processor.postprocess(decoded, output_type=sp.output_type)
+        images = self.image_processor.postprocess(decoded, output_type=output_type)
         for i, res in enumerate(results):
             chunk = images[i * n : (i + 1) * n]
-            if sp.output_type == "pil":
+            if output_type == "pil":
                 res.images = list(chunk)
             else:
                 res.array = chunk
-        return results

@@ -416,6 +416,48 @@ class ZImageTransformer2DModel(nn.Module):
             mask[i, :n] = True
         return mask
 
+    def _patchify(
+        self, x: list[torch.Tensor], cap_feats: list[torch.Tensor], patch_size: int, f_patch_size: int
+    ) -> tuple[tuple[list, list, list, list], tuple[list, list, list]]:
+        """Per sample: padded image patches ``(N_i, C*f*p*p)``, their pad masks, 3-D position ids and
+        ``(F, H, W)`` sizes; padded caption features with their masks and position ids (the image
+        ids start after the caption's)."""
+        device = x[0].device
+        img_feats, img_masks, img_ids, sizes = [], [], [], []
+        cap_list, cap_masks, cap_ids = [], [], []
+        for image, cap in zip(x, cap_feats, strict=True):
+            cap_padded, cap_mask = self._pad_to_multiple(cap.to(self._dtype))
+            cap_len = cap_padded.shape[0]
+            cap_list.append(cap_padded)
+            cap_masks.append(cap_mask)
+            cap_ids.append(_grid_ids((cap_len, 1, 1), (1, 0, 0), device))
+
+            c, f, h, w = image.shape
+            ft, ht, wt = f // f_patch_size, h // patch_size, w // patch_size
+            patches = image.to(self._dtype).view(c, ft, f_patch_size, ht, patch_size, wt, patch_size)
+            patches = patches.permute(1, 3, 5, 2, 4, 6, 0).reshape(ft * ht * wt, -1)
+            n_patches = patches.shape[0]
+            patches, img_mask = self._pad_to_multiple(patches)
+            ids = _grid_ids((ft, ht, wt), (cap_len + 1, 0, 0), device)
+            ids = torch.cat([ids, ids.new_zeros((patches.shape[0] - n_patches, 3))])
+            img_feats.append(patches)
+            img_masks.append(img_mask)
+            img_ids.append(ids)
+            sizes.append((f, h, w))
+        return (img_feats, img_masks, img_ids, sizes), (cap_list, cap_masks, cap_ids)
+
+    def _unpatchify(
+        self, h_joint: torch.Tensor, sizes: list[tuple[int, int, int]], patch_size: int, f_patch_size: int
+    ) -> list[torch.Tensor]:
+        """The image tokens of each sample (the first ``F*H*W/(f*p*p)`` rows) back to ``(C, F, H, W)``."""
+        outs = []
+        for i, (f, h, w) in enumerate(sizes):
+            ft, ht, wt = f // f_patch_size, h // patch_size, w // patch_size
+            tokens = h_joint[i, : ft * ht * wt]
+            tokens = tokens.view(ft, ht, wt, f_patch_size, patch_size, patch_size, self.out_channels)
+            outs.append(tokens.permute(6, 0, 3, 1, 4, 2, 5).reshape(self.out_channels, f, h, w))
+        return outs
+
     def forward(
         self,
         x: list[torch.Tensor],
@@ -449,27 +491,9 @@ class ZImageTransformer2DModel(nn.Module):
         device = x[0].device
         adaln = self.t_embedder(t * self.t_scale).to(self._dtype)
 
-        img_feats, img_masks, img_ids, sizes = [], [], [], []
-        cap_list, cap_masks, cap_ids = [], [], []
-        for image, cap in zip(x, cap_feats, strict=True):
-            cap_padded, cap_mask = self._pad_to_multiple(cap.to(self._dtype))
-            cap_len = cap_padded.shape[0]
-            cap_list.append(cap_padded)
-            cap_masks.append(cap_mask)
-            cap_ids.append(_grid_ids((cap_len, 1, 1), (1, 0, 0), device))
-
-            c, f, h, w = image.shape
-            ft, ht, wt = f // f_patch_size, h // patch_size, w // patch_size
-            patches = image.to(self._dtype).view(c, ft, f_patch_size, ht, patch_size, wt, patch_size)
-            patches = patches.permute(1, 3, 5, 2, 4, 6, 0).reshape(ft * ht * wt, -1)
-            n_patches = patches.shape[0]
-            patches, img_mask = self._pad_to_multiple(patches)
-            ids = _grid_ids((ft, ht, wt), (cap_len + 1, 0, 0), device)
-            ids = torch.cat([ids, ids.new_zeros((patches.shape[0] - n_patches, 3))])
-            img_feats.append(patches)
-            img_masks.append(img_mask)
-            img_ids.append(ids)
-            sizes.append((f, h, w))
+        (img_feats, img_masks, img_ids, sizes), (cap_list, cap_masks, cap_ids) = self._patchify(
+            x, cap_feats, patch_size, f_patch_size
+        )
 
         xs, x_freqs, x_mask, x_lens = self._embed_padded(
             img_feats, img_masks, img_ids, self.x_pad_token, lambda v: _linear(self.all_x_embedder[key], v)
@@ -498,13 +522,7 @@ class ZImageTransformer2DModel(nn.Module):
             h_joint = block(h_joint, mask, freqs, adaln)
         h_joint = self.all_final_layer[key](h_joint, adaln)
 
-        outs = []
-        for i, (f, h, w) in enumerate(sizes):
-            ft, ht, wt = f // f_patch_size, h // patch_size, w // patch_size
-            tokens = h_joint[i, : ft * ht * wt]
-            tokens = tokens.view(ft, ht, wt, f_patch_size, patch_size, patch_size, self.out_channels)
-            outs.append(tokens.permute(6, 0, 3, 1, 4, 2, 5).reshape(self.out_channels, f, h, w))
-        return outs
+        return self._unpatchify(h_joint, sizes, patch_size, f_patch_size)
 
     # ------------------------------------------------------------------ loading
     @classmethod
