@@ -44,7 +44,9 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
-        [lora_kwargs] = self._entry_lora_kwargs(1, lora_scale, lora_requests, lora_scales)
+        [lora_kwargs] = self._entry_lora_kwargs(
+            [lora_request], params[0], lora_scale, lora_requests, lora_scales
+        )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
 
         def on_output(out: OmniRequestOutput) -> None:
@@ -52,9 +54,7 @@ class AsyncOmni(OmniBase):
                 out.request_id = request_id
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        done = self._orchestrator.submit(
-            prompt, params, lora_request=lora_request, on_output=on_output, **entry_kwargs
-        )
+        done = self._orchestrator.submit(prompt, params, on_output=on_output, **entry_kwargs)
         finished = asyncio.wrap_future(done)
         n_final = sum(1 for s in self.config.stages if s.final_output)
         try:
