@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from vllm import SamplingParams
@@ -16,7 +17,7 @@ from vllm_omni.config.pipeline_registry import (
 )
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import gather_request_adapters
+from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
 
 
 def build_omni_config(
@@ -127,6 +128,7 @@ class OmniBase:
         lora_scales: Any,
         *,
         scale_needs_adapter: bool = True,
+        adapters: Sequence[RequestAdapter] | None = None,
     ) -> list[dict[str, Any]]:
         """Per-prompt adapter keyword arguments of the entry stage: the request-adapter boundary.
 
@@ -144,6 +146,8 @@ class OmniBase:
                 list per prompt; ``lora_scales`` follows the same nesting.
             scale_needs_adapter: ``False`` drops ``lora_scale`` for prompts without an adapter
                 (``lora_request`` given per prompt) instead of refusing it.
+            adapters: the request's adapters already as ``RequestAdapter`` (the HTTP layer's form);
+                the other adapter arguments must then be absent.
 
         Raises:
             InvalidRequestError: these arguments on an LLM entry stage, per-prompt lists of the
@@ -151,6 +155,17 @@ class OmniBase:
         """
         n_prompts = len(loras)
         entry = self.config.entry_stage
+        if adapters is not None:
+            if (
+                lora_scale is not None
+                or lora_requests is not None
+                or lora_scales is not None
+                or any(lr is not None for lr in loras)
+            ):
+                raise InvalidRequestError(
+                    "pass a request's adapters either as adapters or as lora_request / lora_requests, not both"
+                )
+            return [self._entry_adapter_kwargs(adapters, entry_params)] * n_prompts
         if entry.is_llm:
             if lora_scale is not None or lora_requests is not None or lora_scales is not None:
                 raise InvalidRequestError(
@@ -185,6 +200,27 @@ class OmniBase:
             }
             for lr, (reqs, scales) in zip(loras, per, strict=True)
         ]
+
+    def _entry_adapter_kwargs(self, adapters: Sequence[RequestAdapter], entry_params: Any) -> dict[str, Any]:
+        """Entry-stage keyword arguments for adapters given as ``RequestAdapter`` (see above).
+
+        Raises:
+            InvalidRequestError: a list rule, adapters also in ``entry_params``, or (LLM entry
+                stage) more than one adapter or a scale other than 1.0.
+        """
+        entry = self.config.entry_stage
+        adapters = validate_request_adapters(tuple(adapters), field="adapters")
+        if entry.is_llm:
+            if len(adapters) > 1 or any(a.scale not in (None, 1.0) for a in adapters):
+                raise InvalidRequestError(
+                    f"{entry.label} is an LLM stage: one adapter per request, applied at scale 1.0 only"
+                )
+            return {"lora_request": adapters[0].lora if adapters else None}
+        if entry_params.lora_requests:
+            raise InvalidRequestError(
+                "pass a request's adapters either as adapters or as OmniDiffusionSamplingParams.lora_requests"
+            )
+        return {"adapters": adapters}
 
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:

@@ -91,6 +91,8 @@ def validate_request_adapters(
     seen: set[int] = set()
     out = []
     for i, adapter in enumerate(adapters):
+        if not isinstance(adapter, RequestAdapter):
+            raise InvalidRequestError(f"{field}[{i}] must be a RequestAdapter, got {type(adapter).__name__}")
         lora, scale = adapter.lora, adapter.scale
         lora_id = getattr(lora, "lora_int_id", None)
         if (
@@ -110,7 +112,8 @@ def validate_request_adapters(
         if scale is not None and (
             isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
         ):
-            raise InvalidRequestError(f"lora_scales[{i}] must be a finite number, got {scale!r}")
+            scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
+            raise InvalidRequestError(f"{scale_name} must be a finite number, got {scale!r}")
         out.append(adapter if scale is None or type(scale) is float else RequestAdapter(lora, float(scale)))
     return tuple(out)
 
