@@ -82,14 +82,9 @@ class Omni(OmniBase):
             loras = [lora_request] * n
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
+        one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one
         per_prompt_kwargs = self._entry_lora_kwargs(
-            loras,
-            params[0],
-            lora_scale,
-            lora_requests,
-            lora_scales,
-            # lora_scale applies to the prompts that have an adapter
-            scale_needs_adapter=not isinstance(lora_request, list),
+            loras, params[0], lora_scale, lora_requests, lora_scales, scale_needs_adapter=one_adapter
         )
         entry = self._orchestrator.runtimes[0]
         validate = getattr(entry, "validate_request", None)

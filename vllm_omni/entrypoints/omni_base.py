@@ -142,8 +142,7 @@ class OmniBase:
             loras: one ``lora_request`` (or ``None``) per prompt.
             entry_params: the entry stage's sampling params.
             lora_scale: scale of each prompt's ``lora_request``.
-            lora_requests: a list of ``LoRARequest`` (the same set for every prompt) or one such
-                list per prompt; ``lora_scales`` follows the same nesting.
+            lora_requests / lora_scales: one list for every prompt, or one list per prompt.
             scale_needs_adapter: ``False`` drops ``lora_scale`` for prompts without an adapter
                 (``lora_request`` given per prompt) instead of refusing it.
             adapters: the request's adapters already as ``RequestAdapter`` (the HTTP layer's form);
