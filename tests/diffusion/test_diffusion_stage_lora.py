@@ -303,3 +303,22 @@ def test_bad_stage_inputs_name_the_field(tiny_z_image_dir, tmp_path, omni):
         params(num_inference_steps=0)
     # the running stage is unaffected by all of this
     assert omni.generate(PROMPT, params(output_type="pil"))[0].images[0].size == (32, 32)
+
+
+def test_request_adapters_built_at_the_entry_reach_the_worker_unchanged(omni, reqs):
+    """The HTTP form (a tuple of RequestAdapter) runs exactly as the lora_requests / lora_scales form."""
+    from vllm_omni.errors import InvalidRequestError
+    from vllm_omni.lora.request import RequestAdapter
+
+    adapters = (RequestAdapter(reqs["attn"], 0.5), RequestAdapter(reqs["qv"]))
+    [kw] = omni._entry_lora_kwargs([None], params(), None, None, None, adapters=adapters)
+    assert kw == {"adapters": adapters}
+    via_adapters = omni._orchestrator.submit(PROMPT, [params()], **kw).result(timeout=300)[0].latents
+    via_lists = omni.generate(
+        PROMPT, params(), lora_requests=[reqs["attn"], reqs["qv"]], lora_scales=[0.5, 1.0]
+    )[0].latents
+    torch.testing.assert_close(via_adapters, via_lists, rtol=0, atol=0)
+    with pytest.raises(InvalidRequestError, match="not both"):
+        omni._entry_lora_kwargs([reqs["ff"]], params(), None, None, None, adapters=adapters)
+    with pytest.raises(InvalidRequestError, match=r"adapters\[1\].*appears twice"):
+        omni._entry_lora_kwargs([None], params(), None, None, None, adapters=adapters[:1] * 2)

@@ -25,6 +25,7 @@ def tree(tmp_path):
     (root / "pickled" / "adapter_model.bin").write_bytes(b"")
     outside = tmp_path / "outside"
     (outside / "peft").mkdir(parents=True)
+    (outside / "peft" / "adapter_config.json").write_text("{}")
     (outside / "peft" / "adapter_model.safetensors").write_bytes(b"")
     (root / "link_out").symlink_to(outside / "peft", target_is_directory=True)
     (root / "link_in").symlink_to(root / "peft", target_is_directory=True)

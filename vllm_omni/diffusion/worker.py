@@ -80,8 +80,7 @@ class DiffusionWorker:
 
         Returns the outputs on rank 0 and ``None`` on other ranks; raises the first failure.
         """
-        lora = (list(sampling_params.lora_requests), list(sampling_params.lora_scales))
-        results = self.generate_batch(prompts, sampling_params, [lora] * len(prompts))
+        results = self.generate_batch(prompts, sampling_params, [sampling_params.adapters] * len(prompts))
         if results is None:
             return None
         for res in results:
@@ -102,8 +101,8 @@ class DiffusionWorker:
             prompts: one prompt per request.
             sampling_params: the settings the requests share; ``negative_prompt`` may be a list
                 (one per prompt); its ``lora_requests`` are ignored here.
-            lora_sets: per prompt ``(lora_requests, lora_scales)``; empty scales take the defaults
-                (start-up ``lora_scale`` or 1.0).
+            lora_sets: per prompt a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`; a
+                ``None`` scale takes the default (start-up ``lora_scale`` or 1.0).
             seeds: per prompt seed (``None``: ``sampling_params.seed``).
 
         Returns:
@@ -111,16 +110,16 @@ class DiffusionWorker:
             prompt out of the batch (its adapter failed to load: caches unchanged); ``None``
             on other ranks. Errors of the pipeline call itself are raised.
         """
-        lora_sets = lora_sets or [((), ())] * len(prompts)
+        lora_sets = lora_sets or [()] * len(prompts)
         if len(lora_sets) != len(prompts) or (seeds is not None and len(seeds) != len(prompts)):
             raise ValueError("generate_batch needs one lora set (and seed) per prompt")
         results: list[Any] = [None] * len(prompts)
         held: list[list[int]] = []
         keep: list[int] = []
         try:
-            for i, (requests, _) in enumerate(lora_sets):
+            for i, adapters in enumerate(lora_sets):
                 try:
-                    held.append(self.lora.acquire(requests))
+                    held.append(self.lora.acquire(adapters))
                     keep.append(i)
                 except Exception as exc:  # this request only: its adapter cannot be served
                     results[i] = _picklable_error(exc) if self.world_size > 1 else exc

@@ -24,10 +24,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, stable_lora_int_id
 
-#: One request's adapters and their scales (scales may be empty: defaults apply).
-LoRASet = tuple[Sequence[LoRARequest], Sequence[float]]
+#: One request's adapters, each with its scale (``None``: the default applies).
+LoRASet = tuple[RequestAdapter, ...]
 
 
 def startup_lora_request(path: str) -> LoRARequest:
@@ -97,15 +97,16 @@ class WorkerLoRA:
         return self.manager.pin_lora(lora_int_id)
 
     # ------------------------------------------------------------------ requests
-    def resolve_scales(self, requests: Sequence[LoRARequest], scales: Sequence[float]) -> list[float]:
-        """Explicit scales, or per adapter the start-up ``lora_scale`` / ``1.0`` when ``scales`` is empty."""
-        if scales:
-            return [float(s) for s in scales]
-        return [self.default_scales.get(r.lora_int_id, 1.0) for r in requests]
+    def resolve_scales(self, adapters: LoRASet) -> list[float]:
+        """Per adapter its scale, or the start-up ``lora_scale`` / ``1.0`` when it has none."""
+        return [
+            self.default_scales.get(a.lora.lora_int_id, 1.0) if a.scale is None else float(a.scale)
+            for a in adapters
+        ]
 
-    def acquire(self, requests: Sequence[LoRARequest]) -> list[int]:
+    def acquire(self, adapters: LoRASet) -> list[int]:
         """Load (if needed) and hold a request's adapters; nothing changes on failure."""
-        return self.manager.acquire_loras(list(requests)) if requests else []
+        return self.manager.acquire_loras([a.lora for a in adapters]) if adapters else []
 
     def release(self, ids: Sequence[int]) -> None:
         if ids:
@@ -123,7 +124,7 @@ class WorkerLoRA:
         Raises (from the callback):
             ValueError: ``None`` layout but the prompts' sets differ.
         """
-        resolved = [(list(reqs), self.resolve_scales(reqs, scales)) for reqs, scales in sets]
+        resolved = [([a.lora for a in adapters], self.resolve_scales(adapters)) for adapters in sets]
 
         def make(sample_prompts: list[int] | None) -> AbstractContextManager:
             if not any(reqs for reqs, _ in resolved):

@@ -34,9 +34,15 @@ from typing import Any
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_class
 from vllm_omni.config.stage_config import DiffusionStageConfig
 from vllm_omni.engine.stage_driver import StageDriver
-from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
-from vllm_omni.inputs.data import OmniDiffusionSamplingParams, check_lora_lists
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.errors import ConfigError, InvalidRequestError, StageDeadError, StageEngineError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.lora.request import (
+    LoRARequest,
+    RequestAdapter,
+    gather_request_adapters,
+    to_request_adapters,
+    validate_request_adapters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,43 +51,9 @@ logger = logging.getLogger(__name__)
 class _Pending:
     prompt: str
     params: OmniDiffusionSamplingParams
-    lora_requests: list[LoRARequest]
-    lora_scales: list[float]
+    adapters: tuple[RequestAdapter, ...]
     seed: int | None
     future: Future
-
-
-def merge_request_loras(
-    params: OmniDiffusionSamplingParams,
-    lora_request: LoRARequest | None = None,
-    lora_scale: float | None = None,
-    lora_requests: Sequence[LoRARequest] | None = None,
-    lora_scales: Sequence[float] | None = None,
-) -> tuple[list[LoRARequest], list[float]]:
-    """One request's adapters from its sampling params or the ``generate`` conveniences.
-
-    Returns:
-        ``(requests, scales)``; ``scales`` is empty when none were given (defaults apply).
-
-    Raises:
-        ValueError: adapters given in two places, ``lora_request`` together with
-            ``lora_requests``, or a scale without an adapter.
-    """
-    given = [lora_request is not None, bool(lora_requests), bool(params.lora_requests)]
-    if sum(given) > 1:
-        raise ValueError(
-            "pass a request's adapters in one place: lora_request (one adapter), lora_requests (a list) "
-            "or OmniDiffusionSamplingParams.lora_requests"
-        )
-    if lora_scale is not None and lora_request is None:
-        raise ValueError("lora_scale needs lora_request (use lora_scales with lora_requests)")
-    if lora_scales and not lora_requests:
-        raise ValueError("lora_scales needs lora_requests")
-    if lora_request is not None:
-        return [lora_request], ([] if lora_scale is None else [lora_scale])
-    if lora_requests:
-        return list(lora_requests), list(lora_scales or [])
-    return list(params.lora_requests), list(params.lora_scales)
 
 
 def _batch_key(item: _Pending, mixed_lora: bool) -> tuple:
@@ -99,7 +71,7 @@ def _batch_key(item: _Pending, mixed_lora: bool) -> tuple:
         repr(sorted(sp.extra_args.items())),
     )
     if not mixed_lora:
-        key += (tuple(r.lora_int_id for r in item.lora_requests), tuple(item.lora_scales))
+        key += (tuple((a.lora.lora_int_id, a.scale) for a in item.adapters),)
     return key
 
 
@@ -184,6 +156,7 @@ class DiffusionStageEngine(StageDriver):
         lora_scale: float | None = None,
         lora_requests: Sequence[LoRARequest] | None = None,
         lora_scales: Sequence[float] | None = None,
+        adapters: Sequence[RequestAdapter] | None = None,
     ) -> Future:
         """Queue one prompt; the future resolves to its :class:`~vllm_omni.diffusion.data.DiffusionOutput`.
 
@@ -193,14 +166,17 @@ class DiffusionStageEngine(StageDriver):
             lora_request / lora_scale: one adapter and its scale (conveniences).
             lora_requests / lora_scales: several composed adapters (scales default to 1.0 each,
                 or the stage's ``lora_scale`` for a start-up adapter).
+            adapters: the request's adapters as built at the entry point
+                (:func:`~vllm_omni.lora.request.gather_request_adapters`, which merged
+                ``params.lora_requests`` into them); given, the conveniences above must be absent.
 
         Raises (synchronously, before any work):
-            ValueError: a bad prompt, size not a multiple of the model's factor, adapters given
+            InvalidRequestError: a bad prompt, size not a multiple of the model's factor, adapters given
                 twice, unequal lists, more adapters than ``max_loras``, an adapter twice, a
                 NaN / inf scale, or an adapter path that does not exist.
             StageEngineError: the stage is shut down or failed earlier.
         """
-        item = self._prepare(prompt, params, lora_request, lora_scale, lora_requests, lora_scales)
+        item = self._prepare(prompt, params, lora_request, lora_scale, lora_requests, lora_scales, adapters)
         with self._cv:
             self._raise_if_unusable()
             self._queue.append(item)
@@ -221,10 +197,11 @@ class DiffusionStageEngine(StageDriver):
         lora_scale: float | None = None,
         lora_requests: Sequence[LoRARequest] | None = None,
         lora_scales: Sequence[float] | None = None,
+        adapters: Sequence[RequestAdapter] | None = None,
     ) -> _Pending:
         params = params if params is not None else OmniDiffusionSamplingParams()
         if not isinstance(params, OmniDiffusionSamplingParams):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{self.stage.label} takes OmniDiffusionSamplingParams, got {type(params).__name__}"
             )
         if isinstance(prompt, dict):
@@ -232,26 +209,48 @@ class DiffusionStageEngine(StageDriver):
                 params = dataclasses.replace(params, negative_prompt=prompt["negative_prompt"])
             prompt = prompt.get("prompt")
         if not isinstance(prompt, str):
-            raise ValueError(f"{self.stage.label}: prompt must be a string, got {type(prompt).__name__}")
+            raise InvalidRequestError(
+                f"{self.stage.label}: prompt must be a string, got {type(prompt).__name__}"
+            )
         neg = params.negative_prompt
         if isinstance(neg, list | tuple) and len(neg) != 1:
-            raise ValueError(f"negative_prompt has {len(neg)} entries for 1 prompt")
+            raise InvalidRequestError(f"negative_prompt has {len(neg)} entries for 1 prompt")
         for name in ("height", "width"):
             value = getattr(params, name)
             if value is not None and value % self.size_factor:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"{name} must be a multiple of {self.size_factor} for this model, got {value}"
                 )
-        requests, scales = merge_request_loras(params, lora_request, lora_scale, lora_requests, lora_scales)
-        check_lora_lists(requests, scales, self.max_loras)
-        for request in requests:
-            path = str(request.lora_path)
-            if "://" not in path and not os.path.exists(path):
-                raise ValueError(f"LoRA {request.lora_int_id} ({request.lora_name!r}): no such path {path!r}")
+        adapters = self._request_adapters(
+            params, adapters, lora_request, lora_scale, lora_requests, lora_scales
+        )
         seed = params.seed if params.seed is not None else self.default_seed
         if seed is None and params.generator is None:
             seed = random.randrange(2**31 - 1)
-        return _Pending(prompt, params, requests, [float(s) for s in scales], seed, Future())
+        return _Pending(prompt, params, adapters, seed, Future())
+
+    def _request_adapters(
+        self,
+        params: OmniDiffusionSamplingParams,
+        adapters: Sequence[RequestAdapter] | None,
+        *conveniences: Any,
+    ) -> tuple[RequestAdapter, ...]:
+        """The request's adapters (built here unless the entry point did), within ``max_loras``, paths present."""
+        if adapters is None:
+            adapters = gather_request_adapters((params.lora_requests, params.lora_scales), *conveniences)
+        elif any(c is not None for c in conveniences):  # params' lists were merged into adapters
+            raise InvalidRequestError(
+                "adapters is given together with another form of the request's adapters"
+            )
+        adapters = validate_request_adapters(adapters, self.max_loras)
+        for adapter in adapters:
+            lora = adapter.lora
+            path = str(lora.lora_path)
+            if "://" not in path and not os.path.exists(path):
+                raise InvalidRequestError(
+                    f"LoRA {lora.lora_int_id} ({lora.lora_name!r}): no such path {path!r}"
+                )
+        return adapters
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into every worker's host cache; ``True`` if it was newly loaded.
@@ -260,7 +259,7 @@ class DiffusionStageEngine(StageDriver):
             ValueError: bad request / missing path; LoRAFormatError / LoRACacheError from the
                 workers (their caches are unchanged).
         """
-        check_lora_lists([lora_request], [])
+        to_request_adapters([lora_request])
         return self._call_all_ranks("add_lora", lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -303,11 +302,11 @@ class DiffusionStageEngine(StageDriver):
         first = self._queue.popleft()
         key = _batch_key(first, self.mixed_lora_batch)
         batch = [first]
-        ids = {r.lora_int_id for r in first.lora_requests}
+        ids = {a.lora.lora_int_id for a in first.adapters}
         rest: collections.deque[_Pending] = collections.deque()
         while self._queue:
             item = self._queue.popleft()
-            union = ids | {r.lora_int_id for r in item.lora_requests}
+            union = ids | {a.lora.lora_int_id for a in item.adapters}
             if (
                 len(batch) < self.max_batch_size
                 and len(union) <= self.max_loras
@@ -333,7 +332,7 @@ class DiffusionStageEngine(StageDriver):
                 "generate_batch",
                 [item.prompt for item in batch],
                 sp,
-                [(item.lora_requests, item.lora_scales) for item in batch],
+                [item.adapters for item in batch],
                 [item.seed for item in batch],
             )[0]
         except Exception as exc:

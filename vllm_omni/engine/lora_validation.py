@@ -9,15 +9,15 @@ the reason.
 
 Checks, in order:
 
-1. the path is a directory with ``adapter_config.json`` and ``adapter_model.safetensors``
-   (pickle-only ``.bin`` adapters are refused: loading them runs arbitrary code);
-2. vLLM's own ``PEFTHelper`` reads the config and applies vLLM's legality rules
-   (rank <= ``max_lora_rank`` incl. ``rank_pattern``, no DoRA, no bias, no
-   ``modules_to_save`` ...);
-3. every tensor is a floating-point ``lora_A``/``lora_B`` weight of a linear module that
-   exists in the model (and, when the stage sets ``lora_target_modules``, is one of
-   them); ``lora_A`` is ``[r, in_features]`` and ``lora_B`` ``[out_features, r]`` with
-   ``r`` the rank the config declares for that module.
+1. the files and the tensors, with the checks every gate shares
+   (:mod:`vllm_omni.lora.adapter_files`): a directory with ``adapter_config.json`` and
+   ``adapter_model.safetensors`` (pickle is refused), a LoRA config peft reads with a finite
+   ``lora_alpha``, and only finite floating-point ``lora_A``/``lora_B`` pairs;
+2. vLLM's own ``PEFTHelper`` applies vLLM's legality rules (rank <= ``max_lora_rank`` incl.
+   ``rank_pattern``, no DoRA, no bias, no ``modules_to_save`` ...);
+3. every module is a linear layer that exists in the model (and, when the stage sets
+   ``lora_target_modules``, is one of them); ``lora_A`` is ``[r, in_features]`` and
+   ``lora_B`` ``[out_features, r]`` with ``r`` the rank the config declares for that module.
 
 The model's linear layers come from the stage's HF config instantiated on the meta
 device with transformers (no weights are read).
@@ -25,26 +25,24 @@ device with transformers (no weights are read).
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import re
 import threading
 from functools import lru_cache
 
 import torch
-from safetensors import safe_open
 from vllm.config import LoRAConfig
 from vllm.lora.peft_helper import PEFTHelper
 
 from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.lora.adapter_files import (
+    locate_adapter,
+    pair_lora_tensors,
+    read_adapter_config,
+    read_safetensors,
+)
 from vllm_omni.lora.request import LoRARequest
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)(?:\.(?P<name>[^.]+))?\.weight$"
-)
+_PEFT_PREFIX = "base_model.model."
 
 
 def _location(path: str) -> str:
@@ -132,71 +130,22 @@ class LLMAdapterValidator:
             self._passed.pop(lora_int_id, None)
 
     def _check(self, path: str, name: str) -> None:
-        if not path or not os.path.isdir(path):
-            raise InvalidAdapterError(f"{name}: not a directory (expected a PEFT adapter folder)")
-        files = set(os.listdir(path))
-        if ADAPTER_CONFIG not in files:
-            raise InvalidAdapterError(f"{name}: missing {ADAPTER_CONFIG}")
-        if ADAPTER_WEIGHTS not in files:
-            pickled = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
-            hint = f"; pickle files {pickled} are refused (convert them to safetensors)" if pickled else ""
-            raise InvalidAdapterError(f"{name}: missing {ADAPTER_WEIGHTS}{hint}")
-        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-            raw = json.load(f)
-        if not isinstance(raw, dict):
-            raise InvalidAdapterError(f"{name}: {ADAPTER_CONFIG} must hold a JSON object")
-        rank, alpha = raw.get("r", 8), raw.get("lora_alpha")
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise InvalidAdapterError(f"{name}: {ADAPTER_CONFIG} 'r' must be an integer, got {rank!r}")
-        if alpha is not None and (
-            isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha)
-        ):
-            raise InvalidAdapterError(
-                f"{name}: {ADAPTER_CONFIG} 'lora_alpha' must be a finite number, got {alpha!r}"
-            )
-        peft_type = raw.get("peft_type", "LORA")
-        if str(peft_type).upper() != "LORA":
-            raise InvalidAdapterError(f"{name}: peft_type {peft_type!r} is not LoRA")
-        if "lora_alpha" not in raw:
-            raise InvalidAdapterError(
-                f"{name}: {ADAPTER_CONFIG} has no lora_alpha (the scale would be undefined)"
-            )
+        files = locate_adapter(path, shown=name, directory_only=True)
+        read_adapter_config(files.config, source=name)
         try:
             helper = PEFTHelper.from_local_dir(path, max_position_embeddings=None)
             helper.validate_legal(self.lora_config)
         except ValueError as exc:
             raise InvalidAdapterError(f"{name} cannot be served by {self.stage_label}: {exc}") from exc
-        self._check_tensors(path, name, helper)
+        pairs, _ = pair_lora_tensors(read_safetensors(files.weights, name)[0], name)
+        self._check_shapes(pairs, name, helper)
 
-    def _check_tensors(self, path: str, name: str, helper: PEFTHelper) -> None:
+    def _check_shapes(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str, helper) -> None:
         shapes = _linear_shapes(self.model_path)
         targets = self.lora_config.target_modules
         problems: list[str] = []
-        seen: dict[str, dict[str, torch.Size]] = {}
-        with safe_open(os.path.join(path, ADAPTER_WEIGHTS), framework="pt") as f:
-            keys = list(f.keys())
-            if not keys:
-                raise InvalidAdapterError(f"{name}: {ADAPTER_WEIGHTS} holds no tensors")
-            for key in keys:
-                match = _KEY.match(key)
-                if match is None:
-                    problems.append(
-                        f"{key}: not a lora_A/lora_B weight (embeddings, biases, DoRA magnitudes "
-                        "and modules_to_save are not served)"
-                    )
-                    continue
-                sl = f.get_slice(key)
-                dtype = sl.get_dtype()
-                if dtype not in ("F32", "F16", "BF16", "F64"):
-                    problems.append(f"{key}: dtype {dtype} is not floating point")
-                elif not torch.isfinite(f.get_tensor(key)).all():
-                    # NaN / inf weights also corrupt the other adapters sharing the engine's LoRA slots
-                    problems.append(f"{key}: holds NaN or inf values")
-                seen.setdefault(match["module"], {})[match["kind"]] = torch.Size(sl.get_shape())
-        for module, parts in sorted(seen.items()):
-            if set(parts) != {"A", "B"}:
-                problems.append(f"{module}: has lora_{''.join(sorted(parts))} only")
-                continue
+        for key, (a, b) in sorted(pairs.items()):
+            module = key.removeprefix(_PEFT_PREFIX)
             if module not in shapes:
                 problems.append(f"{module}: no linear layer of that name in the model")
                 continue
@@ -205,12 +154,15 @@ class LLMAdapterValidator:
                 continue
             d_in, d_out = shapes[module]
             rank, _ = helper.get_rank_and_scaling(module)
-            a, b = parts["A"], parts["B"]
-            if tuple(a) != (rank, d_in) or tuple(b) != (d_out, rank):
+            if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
                 problems.append(
-                    f"{module}: lora_A {tuple(a)} / lora_B {tuple(b)} do not fit; expected "
+                    f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit; expected "
                     f"({rank}, {d_in}) / ({d_out}, {rank}) for rank {rank} on a {d_in}->{d_out} layer"
                 )
         if problems:
-            shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
-            raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {shown}")
+            raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {_summary(problems)}")
+
+
+def _summary(problems: list[str]) -> str:
+    """The first 8 problems, joined, with a count of the rest."""
+    return "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")

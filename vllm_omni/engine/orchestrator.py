@@ -100,7 +100,9 @@ class Orchestrator:
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
             on_output: called (from an engine thread) with each final-output stage's result.
-            entry_kwargs: extra per-request arguments of the entry stage runtime.
+            entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
+                entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
+                built by the entry point), passed on unchanged.
 
         Returns:
             A future of the list of final-output :class:`OmniRequestOutput` in stage order.

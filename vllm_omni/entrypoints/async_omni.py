@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapter
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -28,6 +28,7 @@ class AsyncOmni(OmniBase):
         lora_scale: float | None = None,
         lora_requests: list[LoRARequest] | None = None,
         lora_scales: list[float] | None = None,
+        adapters: Sequence[RequestAdapter] | None = None,
         **entry_kwargs: Any,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Run one prompt through the pipeline, yielding each final-output stage's result.
@@ -35,6 +36,8 @@ class AsyncOmni(OmniBase):
         ``lora_request`` is attached to the entry stage's request only. For a diffusion entry
         stage ``lora_scale`` scales it, and ``lora_requests`` / ``lora_scales`` compose several
         adapters (scales default to 1.0 each); concurrent requests share denoiser batches.
+        ``adapters`` gives them instead as :class:`~vllm_omni.lora.request.RequestAdapter`
+        (``scale=None``: the stage default), the form the HTTP layer builds.
 
         Raises:
             ValueError: an invalid diffusion request (before anything runs);
@@ -44,7 +47,9 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
-        [lora_kwargs] = self._entry_lora_kwargs(1, lora_scale, lora_requests, lora_scales)
+        [lora_kwargs] = self._entry_lora_kwargs(
+            [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
+        )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
 
         def on_output(out: OmniRequestOutput) -> None:
@@ -52,9 +57,7 @@ class AsyncOmni(OmniBase):
                 out.request_id = request_id
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        done = self._orchestrator.submit(
-            prompt, params, lora_request=lora_request, on_output=on_output, **entry_kwargs
-        )
+        done = self._orchestrator.submit(prompt, params, on_output=on_output, **entry_kwargs)
         finished = asyncio.wrap_future(done)
         n_final = sum(1 for s in self.config.stages if s.final_output)
         try:

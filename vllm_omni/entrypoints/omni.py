@@ -80,22 +80,21 @@ class Omni(OmniBase):
             loras = lora_request
         else:
             loras = [lora_request] * n
-        per_prompt_kwargs = self._entry_lora_kwargs(n, lora_scale, lora_requests, lora_scales)
-        if isinstance(lora_request, list):  # lora_scale applies to the prompts that have an adapter
-            for lr, kw in zip(loras, per_prompt_kwargs):
-                if lr is None:
-                    kw.pop("lora_scale", None)
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
+        one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one
+        per_prompt_kwargs = self._entry_lora_kwargs(
+            loras, params[0], lora_scale, lora_requests, lora_scales, scale_needs_adapter=one_adapter
+        )
         entry = self._orchestrator.runtimes[0]
         validate = getattr(entry, "validate_request", None)
         if validate is not None:  # every request is checked before the first one is queued
-            for p, lr, kw in zip(prompt_list, loras, per_prompt_kwargs):
-                validate(p, params[0], lora_request=lr, **kw, **entry_kwargs)
+            for p, kw in zip(prompt_list, per_prompt_kwargs):
+                validate(p, params[0], **kw, **entry_kwargs)
         with self._orchestrator.batching():
             futures = [
-                self._orchestrator.submit(p, params, lora_request=lr, **kw, **entry_kwargs)
-                for p, lr, kw in zip(prompt_list, loras, per_prompt_kwargs)
+                self._orchestrator.submit(p, params, **kw, **entry_kwargs)
+                for p, kw in zip(prompt_list, per_prompt_kwargs)
             ]
         # Wait without waking per request: every wake-up takes the GIL from the stage's driver
         # thread while it resolves the other requests finished by the same step.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -17,6 +18,8 @@ from vllm_omni.config.pipeline_registry import (
 )
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
+from vllm_omni.errors import InvalidRequestError
+from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
 
 
 def build_omni_config(
@@ -139,48 +142,106 @@ class OmniBase:
         return out
 
     def _entry_lora_kwargs(
-        self, n_prompts: int, lora_scale: Any, lora_requests: Any, lora_scales: Any
+        self,
+        loras: list[Any],
+        entry_params: Any,
+        lora_scale: Any,
+        lora_requests: Any,
+        lora_scales: Any,
+        *,
+        scale_needs_adapter: bool = True,
+        adapters: Sequence[RequestAdapter] | None = None,
     ) -> list[dict[str, Any]]:
-        """Per-prompt diffusion LoRA keyword arguments for the entry stage.
+        """Per-prompt adapter keyword arguments of the entry stage: the request-adapter boundary.
 
-        ``lora_requests`` is a list of ``LoRARequest`` (the same set for every prompt) or a
-        list with one such list per prompt; ``lora_scales`` follows the same nesting.
+        For a diffusion entry stage every public form (``lora_request`` / ``lora_scale``,
+        ``lora_requests`` / ``lora_scales``, the fields of ``entry_params``) becomes one
+        ``{"adapters": tuple[RequestAdapter, ...]}`` per prompt, validated once
+        (:func:`~vllm_omni.lora.request.gather_request_adapters`) and carried unchanged to the
+        diffusion worker. An LLM entry stage takes ``{"lora_request": ...}``.
+
+        Args:
+            loras: one ``lora_request`` (or ``None``) per prompt.
+            entry_params: the entry stage's sampling params.
+            lora_scale: scale of each prompt's ``lora_request``.
+            lora_requests / lora_scales: one list for every prompt, or one list per prompt.
+            scale_needs_adapter: ``False`` drops ``lora_scale`` for prompts without an adapter
+                (``lora_request`` given per prompt) instead of refusing it.
+            adapters: the request's adapters already as ``RequestAdapter`` (the HTTP layer's form);
+                the other adapter arguments must then be absent.
 
         Raises:
-            ValueError: these arguments on an LLM entry stage, or per-prompt lists of the
-                wrong length.
+            InvalidRequestError: these arguments on an LLM entry stage, per-prompt lists of the
+                wrong length, or a rule of :func:`~vllm_omni.lora.request.validate_request_adapters`.
         """
-        if lora_scale is None and lora_requests is None and lora_scales is None:
-            return [{} for _ in range(n_prompts)]
+        n_prompts = len(loras)
         entry = self.config.entry_stage
+        if adapters is not None:
+            if (
+                lora_scale is not None
+                or lora_requests is not None
+                or lora_scales is not None
+                or any(lr is not None for lr in loras)
+            ):
+                raise InvalidRequestError(
+                    "pass a request's adapters either as adapters or as lora_request / lora_requests, not both"
+                )
+            return [self._entry_adapter_kwargs(adapters, entry_params)] * n_prompts
         if entry.is_llm:
-            raise ValueError(
-                f"lora_scale / lora_requests / lora_scales apply to diffusion stages; the entry stage is "
-                f"{entry.label}, which takes one adapter per request through lora_request"
-            )
+            if lora_scale is not None or lora_requests is not None or lora_scales is not None:
+                raise InvalidRequestError(
+                    f"lora_scale / lora_requests / lora_scales apply to diffusion stages; the entry stage is "
+                    f"{entry.label}, which takes one adapter per request through lora_request"
+                )
+            return [{"lora_request": lr} for lr in loras]
         nested = bool(lora_requests) and all(isinstance(x, list | tuple) for x in lora_requests)
         if nested:
             if len(lora_requests) != n_prompts:
-                raise ValueError(f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts")
+                raise InvalidRequestError(
+                    f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts"
+                )
             scales = lora_scales if lora_scales is not None else [None] * n_prompts
             if len(scales) != n_prompts or not all(s is None or isinstance(s, list | tuple) for s in scales):
-                raise ValueError(
+                raise InvalidRequestError(
                     "with one lora_requests list per prompt, pass one lora_scales list per prompt"
                 )
-            per = [(list(r), None if s is None else list(s)) for r, s in zip(lora_requests, scales)]
+            per = list(zip(lora_requests, scales, strict=True))
         else:
             per = [(lora_requests, lora_scales)] * n_prompts
-        out = []
-        for reqs, scales in per:
-            kw: dict[str, Any] = {}
-            if lora_scale is not None:
-                kw["lora_scale"] = lora_scale
-            if reqs is not None:
-                kw["lora_requests"] = reqs
-            if scales is not None:
-                kw["lora_scales"] = scales
-            out.append(kw)
-        return out
+        params_loras = (entry_params.lora_requests, entry_params.lora_scales)
+        return [
+            {
+                "adapters": gather_request_adapters(
+                    params_loras,
+                    lr,
+                    lora_scale if lr is not None or scale_needs_adapter else None,
+                    reqs,
+                    scales,
+                )
+            }
+            for lr, (reqs, scales) in zip(loras, per, strict=True)
+        ]
+
+    def _entry_adapter_kwargs(self, adapters: Sequence[RequestAdapter], entry_params: Any) -> dict[str, Any]:
+        """Entry-stage keyword arguments for adapters given as ``RequestAdapter`` (see above).
+
+        Raises:
+            InvalidRequestError: a list rule, adapters also in ``entry_params``, or (LLM entry
+                stage) more than one adapter or a scale other than 1.0.
+        """
+        entry = self.config.entry_stage
+        adapters = validate_request_adapters(tuple(adapters), field="adapters")
+        if entry.is_llm:
+            if len(adapters) > 1 or any(a.scale not in (None, 1.0) for a in adapters):
+                raise InvalidRequestError(
+                    f"{entry.label} is an LLM stage: one adapter per request, applied at scale 1.0 only"
+                )
+            return {"lora_request": adapters[0].lora if adapters else None}
+        if entry_params.lora_requests:
+            raise InvalidRequestError(
+                "pass a request's adapters either as adapters or as OmniDiffusionSamplingParams.lora_requests"
+            )
+        return {"adapters": adapters}
 
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:

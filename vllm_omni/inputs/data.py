@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from vllm_omni.errors import InvalidRequestError
+from vllm_omni.lora.request import RequestAdapter, to_request_adapters
+
 OUTPUT_TYPES = ("pil", "latent", "np", "pt")
 #: Upper bounds that keep one request from exhausting host memory (noise and prompt padding).
 MAX_IMAGES_PER_PROMPT = 64
@@ -45,11 +48,13 @@ class OmniDiffusionSamplingParams:
         extra_args: pipeline-specific keyword arguments passed through unchanged.
 
     Raises:
-        ValueError: (on construction) for a non-positive size or step count, negative or
+        InvalidRequestError (a ValueError): (on construction) for a non-positive size or step count, negative or
             non-finite guidance, ``num_images_per_prompt`` or ``max_sequence_length`` out of
             range, a non-integer value, an unknown ``output_type``, mismatched
             LoRA list lengths, an adapter listed twice or a non-finite scale; the message names
-            the field and allowed values (see :func:`check_lora_lists`).
+            the field and allowed values (the adapter rules are
+            :func:`vllm_omni.lora.request.validate_request_adapters`; those raise
+            ``InvalidRequestError``, a ``ValueError``).
     """
 
     height: int | None = None
@@ -70,37 +75,52 @@ class OmniDiffusionSamplingParams:
         for name in ("height", "width"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer (multiple of 16), got {value!r}")
+                raise InvalidRequestError(
+                    f"{name} must be a positive integer (multiple of 16), got {value!r}"
+                )
         if not _is_int(self.num_inference_steps) or self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be an integer >= 1, got {self.num_inference_steps!r}")
+            raise InvalidRequestError(
+                f"num_inference_steps must be an integer >= 1, got {self.num_inference_steps!r}"
+            )
         g = self.guidance_scale
         if g is not None and (
             isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g < 0
         ):
-            raise ValueError(f"guidance_scale must be >= 0 and finite (0 disables guidance), got {g!r}")
+            raise InvalidRequestError(
+                f"guidance_scale must be >= 0 and finite (0 disables guidance), got {g!r}"
+            )
         n = self.num_images_per_prompt
         if not _is_int(n) or not 1 <= n <= MAX_IMAGES_PER_PROMPT:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"num_images_per_prompt must be an integer >= 1 and <= {MAX_IMAGES_PER_PROMPT}, got {n!r}"
             )
         if self.output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
+            raise InvalidRequestError(
+                f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}"
+            )
         msl = self.max_sequence_length
         if not _is_int(msl) or not 1 <= msl <= MAX_SEQUENCE_LENGTH:
             # prompts are padded to this length: a huge value exhausts host memory
-            raise ValueError(
+            raise InvalidRequestError(
                 f"max_sequence_length must be an integer in [1, {MAX_SEQUENCE_LENGTH}], got {msl!r}"
             )
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         neg = self.negative_prompt
         if neg is not None and not (
             isinstance(neg, str) or (isinstance(neg, list | tuple) and all(isinstance(x, str) for x in neg))
         ):
-            raise ValueError(f"negative_prompt must be a string or a list of strings, got {neg!r:.200}")
+            raise InvalidRequestError(
+                f"negative_prompt must be a string or a list of strings, got {neg!r:.200}"
+            )
         if not isinstance(self.extra_args, dict):
-            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
-        check_lora_lists(self.lora_requests, self.lora_scales)
+            raise InvalidRequestError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+        to_request_adapters(self.lora_requests, self.lora_scales)
+
+    @property
+    def adapters(self) -> tuple[RequestAdapter, ...]:
+        """``lora_requests`` with their ``lora_scales`` (``scale=None`` where no scales were given)."""
+        return to_request_adapters(self.lora_requests, self.lora_scales)
 
     def make_generators(
         self, n_prompts: int, device: str | torch.device = "cpu"
@@ -111,47 +131,3 @@ class OmniDiffusionSamplingParams:
             return []
         seed = self.seed if self.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         return [torch.Generator(device=device).manual_seed(seed) for _ in range(n_prompts)]
-
-
-def check_lora_lists(lora_requests: Any, lora_scales: Any, max_loras: int | None = None) -> None:
-    """Validate one request's adapter list and scales (no file is read).
-
-    Args:
-        lora_requests: list of ``LoRARequest`` (objects with a positive int ``lora_int_id`` and a
-            ``lora_path``).
-        lora_scales: empty, or one finite number per adapter.
-        max_loras: the stage's limit on adapters per request, when known.
-
-    Raises:
-        ValueError: not a list, unequal lengths, more than ``max_loras`` adapters, the same
-            adapter (``lora_int_id``) twice, a bad request object, or a NaN / inf / non-number scale.
-    """
-    if not isinstance(lora_requests, list | tuple):
-        raise ValueError(f"lora_requests must be a list of LoRARequest, got {type(lora_requests).__name__}")
-    if not isinstance(lora_scales, list | tuple):
-        raise ValueError(f"lora_scales must be a list of numbers, got {type(lora_scales).__name__}")
-    if lora_scales and len(lora_scales) != len(lora_requests):
-        raise ValueError(
-            f"lora_scales must be empty or have one entry per lora_requests entry "
-            f"({len(lora_requests)}), got {len(lora_scales)}"
-        )
-    if max_loras is not None and len(lora_requests) > max_loras:
-        raise ValueError(
-            f"{len(lora_requests)} adapters in one request exceed max_loras={max_loras} of the diffusion stage; "
-            f"raise max_loras or compose fewer adapters"
-        )
-    seen: set[int] = set()
-    for request in lora_requests:
-        lora_id = getattr(request, "lora_int_id", None)
-        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
-            raise ValueError(
-                f"lora_requests entries must be LoRARequest with a positive lora_int_id, got {request!r}"
-            )
-        if not getattr(request, "lora_path", None):
-            raise ValueError(f"LoRA {lora_id} ({getattr(request, 'lora_name', '')!r}) has no lora_path")
-        if lora_id in seen:
-            raise ValueError(f"LoRA {lora_id} appears twice in lora_requests; list each adapter once")
-        seen.add(lora_id)
-    for scale in lora_scales:
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            raise ValueError(f"lora_scales entries must be finite numbers, got {scale!r}")

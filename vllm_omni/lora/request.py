@@ -5,16 +5,35 @@ that an adapter built for an LLM stage and one built for a diffusion stage are t
 object type: ``LoRARequest(lora_name, lora_int_id, lora_path)``. ``lora_int_id`` must be
 a positive integer unique per adapter; :func:`stable_lora_int_id` derives one from a
 path when the caller has none.
+
+:class:`RequestAdapter` is one adapter of one request with its scale. The public inputs
+(``generate``'s ``lora_request`` / ``lora_scale`` / ``lora_requests`` / ``lora_scales`` and the
+fields of ``OmniDiffusionSamplingParams``) become a tuple of them once, at the entry point
+(:func:`gather_request_adapters`), and travel unchanged to the diffusion worker; the list rules
+live in :func:`validate_request_adapters` only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from vllm.lora.request import LoRARequest
 
-__all__ = ["LoRARequest", "stable_lora_int_id"]
+from vllm_omni.errors import InvalidRequestError
+
+__all__ = [
+    "LoRARequest",
+    "RequestAdapter",
+    "gather_request_adapters",
+    "stable_lora_int_id",
+    "to_request_adapters",
+    "validate_request_adapters",
+]
 
 
 def stable_lora_int_id(path: str) -> int:
@@ -28,3 +47,140 @@ def stable_lora_int_id(path: str) -> int:
     digest = hashlib.sha256(key.encode("utf-8")).digest()
     value = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
     return value or 1
+
+
+@dataclass(frozen=True)
+class RequestAdapter:
+    """One adapter of one request, as carried from the entry point to the diffusion worker.
+
+    Attributes:
+        lora: the adapter (``lora_int_id`` positive, ``lora_path`` set).
+        scale: its weight in this request; ``None`` takes the stage default (``1.0``, or the
+            stage's ``lora_scale`` for an adapter pre-loaded from ``lora_path``). ``0`` adds
+            nothing; a negative scale negates the adapter's delta.
+    """
+
+    lora: LoRARequest
+    scale: float | None = None
+
+
+def validate_request_adapters(
+    adapters: Sequence[RequestAdapter], max_loras: int | None = None, *, field: str = "lora_requests"
+) -> tuple[RequestAdapter, ...]:
+    """The list rules of one request's adapters (no file is read).
+
+    Args:
+        adapters: the request's adapters, in order.
+        max_loras: the stage's limit on adapters per request, when known.
+        field: the public name of the adapter list, for messages.
+
+    Returns:
+        ``adapters`` as a tuple, scales as ``float``.
+
+    Raises:
+        InvalidRequestError: more than ``max_loras`` adapters, an entry that is not a
+            ``LoRARequest`` with a positive ``lora_int_id`` and a ``lora_path``, the same
+            ``lora_int_id`` twice, or a scale that is not a finite number; the message names the
+            field and position (``lora_requests[1]``, ``lora_scales[1]``) or ``max_loras``.
+    """
+    if max_loras is not None and len(adapters) > max_loras:
+        raise InvalidRequestError(
+            f"{len(adapters)} adapters in one request exceed max_loras={max_loras} of the diffusion stage; "
+            f"raise max_loras or compose fewer adapters"
+        )
+    seen: set[int] = set()
+    out = []
+    for i, adapter in enumerate(adapters):
+        if not isinstance(adapter, RequestAdapter):
+            raise InvalidRequestError(f"{field}[{i}] must be a RequestAdapter, got {type(adapter).__name__}")
+        lora, scale = adapter.lora, adapter.scale
+        lora_id = getattr(lora, "lora_int_id", None)
+        if (
+            not isinstance(lora, LoRARequest)
+            or isinstance(lora_id, bool)
+            or not isinstance(lora_id, int)
+            or lora_id < 1
+        ):
+            raise InvalidRequestError(
+                f"{field}[{i}] must be a LoRARequest with a positive lora_int_id, got {lora!r:.200}"
+            )
+        if not lora.lora_path:
+            raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path")
+        if lora_id in seen:
+            raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} appears twice; list each adapter once")
+        seen.add(lora_id)
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
+        ):
+            scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
+            raise InvalidRequestError(f"{scale_name} must be a finite number, got {scale!r}")
+        out.append(adapter if scale is None or type(scale) is float else RequestAdapter(lora, float(scale)))
+    return tuple(out)
+
+
+def to_request_adapters(
+    lora_requests: Any, lora_scales: Any = None, max_loras: int | None = None
+) -> tuple[RequestAdapter, ...]:
+    """``lora_requests`` + ``lora_scales`` (the public list form) as validated :class:`RequestAdapter`.
+
+    Args:
+        lora_requests: list or tuple of ``LoRARequest``.
+        lora_scales: ``None`` / empty (every scale takes its default), or one number per adapter.
+        max_loras: see :func:`validate_request_adapters`.
+
+    Raises:
+        InvalidRequestError: not lists, unequal lengths, or a rule of :func:`validate_request_adapters`.
+    """
+    lora_scales = [] if lora_scales is None else lora_scales
+    if not isinstance(lora_requests, list | tuple):
+        raise InvalidRequestError(
+            f"lora_requests must be a list of LoRARequest, got {type(lora_requests).__name__}"
+        )
+    if not isinstance(lora_scales, list | tuple):
+        raise InvalidRequestError(f"lora_scales must be a list of numbers, got {type(lora_scales).__name__}")
+    if lora_scales and len(lora_scales) != len(lora_requests):
+        raise InvalidRequestError(
+            f"lora_scales must be empty or have one entry per lora_requests entry "
+            f"({len(lora_requests)}), got {len(lora_scales)}"
+        )
+    scales = list(lora_scales) or [None] * len(lora_requests)
+    return validate_request_adapters(
+        [RequestAdapter(r, s) for r, s in zip(lora_requests, scales, strict=True)], max_loras
+    )
+
+
+def gather_request_adapters(
+    params_loras: tuple[Sequence[LoRARequest], Sequence[float]] = ((), ()),
+    lora_request: LoRARequest | None = None,
+    lora_scale: float | None = None,
+    lora_requests: Sequence[LoRARequest] | None = None,
+    lora_scales: Sequence[float] | None = None,
+    max_loras: int | None = None,
+) -> tuple[RequestAdapter, ...]:
+    """One request's adapters from whichever public shape carried them.
+
+    Args:
+        params_loras: ``(lora_requests, lora_scales)`` of ``OmniDiffusionSamplingParams``.
+        lora_request / lora_scale: one adapter and its scale (``generate`` convenience).
+        lora_requests / lora_scales: several composed adapters (``generate`` convenience).
+        max_loras: see :func:`validate_request_adapters`.
+
+    Raises:
+        InvalidRequestError: adapters given in two places, ``lora_request`` together with
+            ``lora_requests``, a scale without an adapter, or a list rule.
+    """
+    given = [lora_request is not None, bool(lora_requests), bool(params_loras[0])]
+    if sum(given) > 1:
+        raise InvalidRequestError(
+            "pass a request's adapters in one place: lora_request (one adapter), lora_requests (a list) "
+            "or OmniDiffusionSamplingParams.lora_requests"
+        )
+    if lora_scale is not None and lora_request is None:
+        raise InvalidRequestError("lora_scale needs lora_request (use lora_scales with lora_requests)")
+    if lora_scales and not lora_requests:
+        raise InvalidRequestError("lora_scales needs lora_requests")
+    if lora_request is not None:
+        return to_request_adapters([lora_request], None if lora_scale is None else [lora_scale], max_loras)
+    if lora_requests:
+        return to_request_adapters(lora_requests, lora_scales, max_loras)
+    return to_request_adapters(params_loras[0], params_loras[1], max_loras)

@@ -1,6 +1,6 @@
 """Format-neutral, host-side representation of a LoRA adapter.
 
-Every on-disk format (the PEFT directory in :mod:`.peft_format`, single ``.safetensors`` files in
+Every on-disk format (the PEFT directory and single ``.safetensors`` files read by
 :mod:`.safetensors_format`, and any format added later) is parsed into :class:`LoRAAdapterWeights`:
 a mapping from a module name in the denoiser to that module's ``lora_A`` / ``lora_B`` matrices and
 its adapter scaling ``s``. Binding to concrete layers (packed slices, tensor-parallel shards) is done
@@ -132,20 +132,3 @@ def candidate_module_keys(key: str, strip_prefixes: Iterable[str] = DEFAULT_STRI
                 changed = True
                 break
     return out
-
-
-def check_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, source: str) -> None:
-    """Validate the shapes of one ``(A, B)`` pair.
-
-    Raises:
-        LoRAFormatError: when either matrix is not 2-D (conv LoRA) or their ranks disagree.
-    """
-    if lora_a.ndim != 2 or lora_b.ndim != 2:
-        raise LoRAFormatError(
-            f"{source}: module {module!r} has lora_A {tuple(lora_a.shape)} / lora_B {tuple(lora_b.shape)}; "
-            "only 2-D (linear) LoRA weights are supported"
-        )
-    if lora_a.shape[0] != lora_b.shape[1]:
-        raise LoRAFormatError(
-            f"{source}: module {module!r} has lora_A rank {lora_a.shape[0]} but lora_B rank {lora_b.shape[1]}"
-        )

@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
-from vllm_omni.diffusion.lora.peft_format import ADAPTER_CONFIG_NAME, load_peft_adapter
-from vllm_omni.diffusion.lora.safetensors_format import load_lora_safetensors
+from vllm_omni.diffusion.lora.safetensors_format import load_lora_safetensors, load_peft_adapter
 from vllm_omni.errors import LoRAFormatError
+from vllm_omni.lora.adapter_files import ADAPTER_CONFIG_NAME, SAFETENSORS_SUFFIX, locate_adapter
 
 LoRAReader = Callable[[str], LoRAAdapterWeights]
 _READERS: list[tuple[str, Callable[[str], bool], LoRAReader]] = [
@@ -26,7 +26,7 @@ _READERS: list[tuple[str, Callable[[str], bool], LoRAReader]] = [
         lambda p: os.path.isdir(p) and os.path.isfile(os.path.join(p, ADAPTER_CONFIG_NAME)),
         load_peft_adapter,
     ),
-    ("safetensors", lambda p: os.path.isfile(p) and p.endswith(".safetensors"), load_lora_safetensors),
+    ("safetensors", lambda p: os.path.isfile(p) and p.endswith(SAFETENSORS_SUFFIX), load_lora_safetensors),
 ]
 
 
@@ -54,6 +54,7 @@ def load_lora_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
     for _, accepts, reader in _READERS:
         if accepts(path):
             return reader(path)
+    locate_adapter(path)  # names what is wrong (pickle weights, a missing file), if it can
     known = ", ".join(name for name, _, _ in _READERS)
     raise LoRAFormatError(
         f"{path!r} is neither a PEFT adapter directory ({ADAPTER_CONFIG_NAME} + adapter_model.safetensors) nor a "

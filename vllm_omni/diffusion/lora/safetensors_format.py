@@ -1,4 +1,8 @@
-"""Single-file LoRA checkpoints (``.safetensors``) in any of the key layouts of :mod:`.formats.layouts`.
+"""The diffusion adapter readers: a PEFT directory, or a single ``.safetensors`` file in any key layout.
+
+Files are located, read and checked by :mod:`vllm_omni.lora.adapter_files` (shared with the LLM gate and
+the HTTP registry); this module adds the diffusion key layouts of :mod:`.formats.layouts` and the
+scaling rules of :mod:`.peft_format`, producing a :class:`~.adapter.LoRAAdapterWeights`.
 
 Key layouts: PEFT (``base_model.model.``), diffusers (``transformer.``), ComfyUI (``diffusion_model.``),
 kohya / A1111 (``lora_unet_`` + underscore-flattened module paths). ``lora_down`` / ``lora_up`` are read as
@@ -27,15 +31,16 @@ import torch
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.layouts import detect_layout, normalize_lora_keys, screen_state_dict
-from vllm_omni.diffusion.lora.peft_format import (
-    ADAPTER_CONFIG_NAME,
-    build_module_weights,
-    lora_config_from_dict,
-    read_peft_config,
-    split_lora_state_dict,
-    untargeted_modules,
-)
+from vllm_omni.diffusion.lora.peft_format import build_module_weights, untargeted_modules
 from vllm_omni.errors import LoRAFormatError
+from vllm_omni.lora.adapter_files import (
+    ADAPTER_CONFIG_NAME,
+    locate_adapter,
+    lora_config_from_dict,
+    pair_lora_tensors,
+    read_adapter_config,
+    read_safetensors,
+)
 
 METADATA_KEY = "lora_adapter_metadata"
 _COMPONENT_PREFIXES = ("transformer.", "transformer_2.", "unet.")
@@ -107,22 +112,10 @@ def adapter_from_state_dict(
                 config, meta_config, source, f"{ADAPTER_CONFIG_NAME} and the {METADATA_KEY} header"
             )
     layout = detect_layout(state_dict)
-    pairs, alphas = split_lora_state_dict(
-        normalize_lora_keys(state_dict, source), source, allow_alpha_keys=True
-    )
-    settings: dict = {"rank": None, "lora_alpha": None, "use_rslora": False}
-    settings.update(rank_pattern=None, alpha_pattern=None)
-    if config is not None:
-        settings = dict(
-            rank=getattr(config, "r", None),
-            lora_alpha=getattr(config, "lora_alpha", None),
-            use_rslora=bool(getattr(config, "use_rslora", False)),
-            rank_pattern=getattr(config, "rank_pattern", None) or None,
-            alpha_pattern=getattr(config, "alpha_pattern", None) or None,
-        )
-    modules = build_module_weights(pairs, module_alphas=alphas, source=source, **settings)
+    pairs, alphas = pair_lora_tensors(normalize_lora_keys(state_dict, source), source, allow_alpha_keys=True)
+    modules = build_module_weights(pairs, config=config, module_alphas=alphas, source=source)
     if config is not None and alphas:
-        from_config = build_module_weights(pairs, module_alphas=None, source=source, **settings)
+        from_config = build_module_weights(pairs, config=config, module_alphas=None, source=source)
         stale = sorted(k for k in alphas if not math.isclose(modules[k].scaling, from_config[k].scaling))
         if stale:
             raise LoRAFormatError(
@@ -150,23 +143,34 @@ def load_lora_safetensors(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
 
     Raises:
         FileNotFoundError: missing file.
-        LoRAFormatError: see :func:`adapter_from_state_dict` and :func:`.peft_format.read_peft_config`.
+        LoRAFormatError: see :func:`adapter_from_state_dict` and :mod:`vllm_omni.lora.adapter_files`.
     """
-    from safetensors import safe_open
+    files = locate_adapter(path)
+    return _read(files, os.fspath(path))
 
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"LoRA file not found: {path!r}")
-    directory = os.path.dirname(os.path.abspath(path))
-    config = None
-    if os.path.isfile(os.path.join(directory, ADAPTER_CONFIG_NAME)):
-        config, _ = read_peft_config(directory, source=path)
-    try:
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            metadata = handle.metadata()
-            state_dict = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        if isinstance(exc, LoRAFormatError):
-            raise
-        raise LoRAFormatError(f"{path}: not a readable safetensors file: {exc}") from exc
-    return adapter_from_state_dict(state_dict, metadata=metadata, source=path, config=config)
+
+def load_peft_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
+    """Read a PEFT LoRA directory (peft's ``save_pretrained`` layout) into host memory.
+
+    Args:
+        path: directory holding ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+    Returns:
+        :class:`LoRAAdapterWeights` with module keys as stored (``base_model.model.`` still
+        present; prefixes are resolved when binding to a model), float32 CPU tensors, and each
+        module's scaling ``s`` per peft's rules (rsLoRA, ``rank_pattern``, ``alpha_pattern``).
+
+    Raises:
+        FileNotFoundError: the directory is missing.
+        LoRAFormatError: a missing or pickle-only file, an unsupported PEFT feature (DoRA,
+            modules_to_save, bias, ...), a config without ``lora_alpha``, malformed or quantised
+            tensors, or declared ranks that disagree with the stored tensors.
+    """
+    files = locate_adapter(path)
+    return _read(files, files.weights)
+
+
+def _read(files, source: str) -> LoRAAdapterWeights:
+    config = None if files.config is None else read_adapter_config(files.config, source=source)[0]
+    state_dict, metadata = read_safetensors(files.weights, source)
+    return adapter_from_state_dict(state_dict, metadata=metadata, source=source, config=config)

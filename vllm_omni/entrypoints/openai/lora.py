@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
+from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.lora.adapter_files import locate_adapter
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
 ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id")
@@ -34,7 +36,6 @@ MAX_SCALE = 100.0
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ITEMS = 16  # hard cap before any per-pipeline limit
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _INT_ID_MAX = 2**31 - 1
 
 
@@ -246,25 +247,17 @@ class AdapterRegistry:
 
 
 def check_adapter_files(location: str, shown: str) -> None:
-    """Refuse anything that is not a safetensors adapter (file or PEFT directory).
+    """Refuse anything that is not a safetensors adapter (file or PEFT directory); see
+    :func:`vllm_omni.lora.adapter_files.locate_adapter`. Nothing is read.
 
     The message names the path as the client gave it (``shown``), never the resolved one.
+
+    Raises:
+        OpenAIError: (400) missing, pickle, or not a safetensors adapter.
     """
-    if os.path.isfile(location):
-        if not location.endswith(".safetensors"):
-            raise bad_request(
-                f"adapter {shown!r}: only .safetensors files are served (pickle files are refused)"
-            )
-        return
-    if not os.path.isdir(location):
-        raise bad_request(f"adapter {shown!r} was not found", "lora")
     try:
-        files = os.listdir(location)
-    except OSError:
-        raise bad_request(f"adapter {shown!r} is not readable", "lora") from None
-    if not any(f.endswith(".safetensors") for f in files):
-        pickled = any(f.endswith(PICKLE_SUFFIXES) for f in files)
-        reason = (
-            "holds only pickle weights, which are refused" if pickled else "holds no .safetensors weights"
-        )
-        raise bad_request(f"adapter {shown!r} {reason}; convert it to safetensors", "lora")
+        locate_adapter(location, shown=f"adapter {shown!r}")
+    except FileNotFoundError:
+        raise bad_request(f"adapter {shown!r} was not found", "lora") from None
+    except InvalidAdapterError as exc:
+        raise bad_request(str(exc), "lora") from None

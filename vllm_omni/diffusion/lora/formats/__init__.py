@@ -5,6 +5,6 @@
 * :mod:`.model_keys`: at bind time, diffusers' key converter for the model family or generic kohya
   un-flattening against the model's own module names.
 
-The readers themselves are :mod:`..peft_format` (PEFT directories) and :mod:`..safetensors_format`
-(single files); :mod:`..loading` picks one by path. See ``docs/user_guide/lora_formats.md``.
+The readers themselves are in :mod:`..safetensors_format` (PEFT directories and single files, scaling
+rules in :mod:`..peft_format`); :mod:`..loading` picks one by path. See ``docs/user_guide/lora_formats.md``.
 """

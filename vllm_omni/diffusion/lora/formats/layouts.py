@@ -24,24 +24,13 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from vllm_omni.errors import LoRAFormatError
+from vllm_omni.lora.adapter_files import check_dtypes
+from vllm_omni.lora.adapter_files import listing as _listing
 
 KOHYA_UNET_PREFIX = "lora_unet_"
 COMFYUI_PREFIX = "diffusion_model."
 DIFFUSERS_PREFIX = "transformer."
 PEFT_PREFIX = "base_model.model."
-
-#: dtypes an adapter tensor may have; anything else (int8/uint8/fp8/bool ...) is a quantised or
-#: otherwise packed tensor that cannot be used without its dequantisation recipe.
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-_SHOWN = 12
-
-
-def _listing(keys: Iterable[str]) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f" (+{len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else "")
-
 
 # (predicate on the key, what it is, what the user can do). First match wins.
 _REFUSED_KEYS: tuple[tuple[Callable[[str], bool], str, str], ...] = (
@@ -103,13 +92,7 @@ def screen_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> No
         raise LoRAFormatError(
             f"{source}: {what} are not supported ({fix}); offending keys: {_listing(found[n])}"
         )
-    bad_dtype = {k: t.dtype for k, t in state_dict.items() if t.dtype not in FLOAT_DTYPES}
-    if bad_dtype:
-        dtypes = sorted({str(d) for d in bad_dtype.values()})
-        raise LoRAFormatError(
-            f"{source}: quantised or non-float adapter tensors ({', '.join(dtypes)}) are not supported; "
-            f"save the adapter in float16/bfloat16/float32; offending keys: {_listing(bad_dtype)}"
-        )
+    check_dtypes(state_dict, source)
 
 
 def detect_layout(keys: Iterable[str]) -> str:

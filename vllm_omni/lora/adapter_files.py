@@ -1,0 +1,337 @@
+"""Adapter files: the one place that locates, reads and checks a LoRA adapter on disk.
+
+Used by every gate: the LLM stage (:mod:`vllm_omni.engine.lora_validation`), the diffusion
+readers (:mod:`vllm_omni.diffusion.lora.peft_format` / ``safetensors_format``) and the HTTP
+adapter registry (:mod:`vllm_omni.entrypoints.openai.lora`).
+
+* :func:`locate_adapter`: a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+  or one ``.safetensors`` file; pickle formats (:data:`PICKLE_SUFFIXES`) are refused, since
+  loading them can run arbitrary code. Nothing is read.
+* :func:`read_adapter_config` / :func:`lora_config_from_dict`: the configuration as peft's own
+  ``LoraConfig``, refusing what would silently change the math (no ``lora_alpha``, a non-integer
+  ``r``, a non-finite alpha) and features this runtime does not implement (:func:`check_lora_config`).
+* :func:`read_safetensors`: tensors and header metadata, with safetensors only.
+* :func:`pair_lora_tensors`: ``lora_A`` / ``lora_B`` grouped per module, floating-point and finite.
+* :func:`declared_rank_alpha`: a module's ``r`` / ``lora_alpha`` after ``rank_pattern`` /
+  ``alpha_pattern``, matched with peft's ``get_pattern_key``.
+
+Every refusal is a :class:`~vllm_omni.errors.LoRAFormatError` (an ``InvalidAdapterError``) whose
+message starts with the file or adapter it is about and names the offending module or key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from vllm_omni.errors import LoRAFormatError
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+SAFETENSORS_SUFFIX = ".safetensors"
+#: File suffixes of pickle-based checkpoints (torch.save / pickle): refused everywhere.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: dtypes an adapter tensor may have; anything else (int8/uint8/fp8/bool ...) is a quantised or
+#: otherwise packed tensor that cannot be used without its dequantisation recipe.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# "<module>.lora_A.weight" or "<module>.lora_A.<adapter name>.weight"
+LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+_ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
+_SHOWN = 12
+
+# Config fields whose non-default value changes the math in ways this runtime does not implement.
+_UNSUPPORTED_FIELDS: tuple[tuple[str, str], ...] = (
+    ("use_dora", "DoRA (weight-decomposed LoRA) needs magnitude vectors and a norm per forward"),
+    ("modules_to_save", "modules_to_save replaces whole modules, which request-time LoRA cannot swap"),
+    ("lora_bias", "LoRA bias terms are not supported"),
+    ("trainable_token_indices", "trainable token embeddings are not supported"),
+    ("layer_replication", "layer replication is not supported"),
+    ("target_parameters", "LoRA on raw parameters (target_parameters) is not supported"),
+    ("use_qalora", "QA-LoRA is not supported"),
+    ("use_bdlora", "block-diagonal LoRA is not supported"),
+    ("alora_invocation_tokens", "activated LoRA (aLoRA) is not supported"),
+)
+
+
+def listing(keys: Any) -> str:
+    """Up to 12 sorted keys, quoted, with a count of the rest (for error messages)."""
+    keys = sorted(keys)
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return shown + (f" (+{len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else "")
+
+
+# ---------------------------------------------------------------------------- location
+@dataclass(frozen=True)
+class AdapterFiles:
+    """Where an adapter's files are.
+
+    Attributes:
+        weights: the ``.safetensors`` file.
+        config: the ``adapter_config.json`` beside it, or ``None``.
+        is_directory: the adapter was given as a PEFT directory.
+    """
+
+    weights: str
+    config: str | None
+    is_directory: bool
+
+
+def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, directory_only: bool = False):
+    """Find an adapter's files without reading them.
+
+    Args:
+        path: a PEFT directory or a single ``.safetensors`` file.
+        shown: how to name the adapter in messages (default: ``path`` as given).
+        directory_only: accept only a PEFT directory (vLLM's LLM LoRA loads directories).
+
+    Returns:
+        :class:`AdapterFiles`.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (not with ``directory_only``).
+        LoRAFormatError: a pickle file, a file that is not ``.safetensors``, a directory without
+            ``adapter_config.json`` or ``adapter_model.safetensors`` (pickle files found are named),
+            or (``directory_only``) anything but a directory.
+    """
+    path = os.fspath(path)
+    shown = path if shown is None else shown
+    if directory_only and not os.path.isdir(path):
+        raise LoRAFormatError(f"{shown}: not a directory (expected a PEFT adapter folder)")
+    if os.path.isfile(path):
+        if path.endswith(SAFETENSORS_SUFFIX):
+            config = os.path.join(os.path.dirname(os.path.abspath(path)), ADAPTER_CONFIG_NAME)
+            return AdapterFiles(path, config if os.path.isfile(config) else None, False)
+        kind = (
+            "a pickle file, which is refused (loading it can run code)"
+            if path.endswith(PICKLE_SUFFIXES)
+            else ("not a .safetensors file")
+        )
+        raise LoRAFormatError(f"{shown}: {kind}; only safetensors adapters are served")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"LoRA adapter not found: {shown!r}")
+    try:
+        files = set(os.listdir(path))
+    except OSError:
+        raise LoRAFormatError(f"{shown}: the directory is not readable") from None
+    pickled = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+    if ADAPTER_WEIGHTS_NAME not in files:
+        hint = f"; pickle files {pickled} are refused (convert them to safetensors)" if pickled else ""
+        raise LoRAFormatError(f"{shown}: missing {ADAPTER_WEIGHTS_NAME}{hint}")
+    if ADAPTER_CONFIG_NAME not in files:
+        raise LoRAFormatError(f"{shown}: missing {ADAPTER_CONFIG_NAME} (not a PEFT adapter directory)")
+    return AdapterFiles(
+        os.path.join(path, ADAPTER_WEIGHTS_NAME), os.path.join(path, ADAPTER_CONFIG_NAME), True
+    )
+
+
+# ---------------------------------------------------------------------------- configuration
+def check_lora_config(config: Any, source: str) -> None:
+    """Reject PEFT configurations whose features this runtime does not implement.
+
+    Raises:
+        LoRAFormatError: non-LoRA PEFT type, ``bias`` other than ``"none"``, or a set DoRA /
+            ``modules_to_save`` / LoRA-bias / trainable-token / ... field (named).
+    """
+    peft_type = getattr(config, "peft_type", None)
+    peft_type_name = getattr(peft_type, "value", peft_type)
+    if str(peft_type_name).upper() != "LORA":
+        raise LoRAFormatError(f"{source}: PEFT type {peft_type_name!r} is not LoRA")
+    for name, why in _UNSUPPORTED_FIELDS:
+        value = getattr(config, name, None)
+        if value:
+            raise LoRAFormatError(f"{source}: {name}={value!r} is not supported: {why}")
+    bias = getattr(config, "bias", "none") or "none"
+    if bias != "none":
+        raise LoRAFormatError(
+            f"{source}: bias={bias!r} is not supported: trained bias vectors replace the base layer's bias, "
+            "which request-time LoRA cannot swap; retrain with bias='none'"
+        )
+
+
+def _check_raw_config(raw: Mapping[str, Any], source: str) -> None:
+    peft_type = raw.get("peft_type") or "LORA"
+    if str(peft_type).upper() != "LORA":
+        raise LoRAFormatError(f"{source}: PEFT type {peft_type!r} is not LoRA")
+    if raw.get("lora_alpha") is None:
+        raise LoRAFormatError(
+            f"{source}: {ADAPTER_CONFIG_NAME} has no lora_alpha, so the adapter scaling lora_alpha / r is unknown "
+            '(peft would silently use its default 8); add "lora_alpha" (the value used in training) to the config'
+        )
+    rank, alpha = raw.get("r", 8), raw["lora_alpha"]
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise LoRAFormatError(f"{source}: {ADAPTER_CONFIG_NAME} 'r' must be an integer, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoRAFormatError(
+            f"{source}: {ADAPTER_CONFIG_NAME} 'lora_alpha' must be a finite number, got {alpha!r}"
+        )
+
+
+def lora_config_from_dict(raw: Mapping[str, Any], source: str) -> Any:
+    """peft's ``LoraConfig`` from a configuration dict (``adapter_config.json`` content or the
+    diffusers ``lora_adapter_metadata`` header), after the checks of the module docstring.
+
+    Raises:
+        LoRAFormatError: not a JSON object, not LoRA, no ``lora_alpha``, a non-integer ``r``, a
+            non-finite ``lora_alpha``, a field peft refuses, or an unsupported feature.
+    """
+    from peft import LoraConfig
+
+    if not isinstance(raw, Mapping):
+        raise LoRAFormatError(f"{source}: the LoRA config must be a JSON object")
+    _check_raw_config(raw, source)
+    known = {f.name for f in fields(LoraConfig)}
+    kwargs = {k: v for k, v in raw.items() if k in known and k not in ("peft_type", "task_type")}
+    try:
+        config = LoraConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise LoRAFormatError(f"{source}: invalid LoRA config: {exc}") from exc
+    check_lora_config(config, source)
+    return config
+
+
+def read_adapter_config(config_file: str, source: str | None = None) -> tuple[Any, dict]:
+    """Read an ``adapter_config.json`` (a file, or the directory holding it) with peft's ``LoraConfig``.
+
+    Returns:
+        ``(config, raw_json)``.
+
+    Raises:
+        LoRAFormatError: unreadable or invalid JSON, or what :func:`lora_config_from_dict` refuses.
+    """
+    if os.path.isdir(config_file):
+        config_file = os.path.join(config_file, ADAPTER_CONFIG_NAME)
+    source = source or config_file
+    try:
+        with open(config_file) as handle:
+            raw = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LoRAFormatError(f"{source}: {ADAPTER_CONFIG_NAME} is not readable JSON: {exc}") from exc
+    return lora_config_from_dict(raw, source), raw
+
+
+def declared_rank_alpha(config: Any, module_key: str) -> tuple[int, float]:
+    """``(r, lora_alpha)`` peft gives ``module_key`` (name inside the base model, no wrapper prefix):
+    ``rank_pattern`` / ``alpha_pattern`` entries first (peft's ``get_pattern_key``), else ``r`` / ``lora_alpha``.
+    """
+    from peft.utils.other import get_pattern_key
+
+    rank, alpha = config.r, config.lora_alpha
+    if config.rank_pattern:
+        rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module_key), rank)
+    if config.alpha_pattern:
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module_key), alpha)
+    return int(rank), alpha
+
+
+# ---------------------------------------------------------------------------- tensors
+def read_safetensors(
+    path: str, source: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """All tensors (CPU, as stored) and the header metadata of a ``.safetensors`` file.
+
+    Raises:
+        LoRAFormatError: the file is not a readable safetensors file.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            metadata = handle.metadata()
+            return {key: handle.get_tensor(key) for key in handle.keys()}, metadata  # noqa: SIM118
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise LoRAFormatError(f"{source or path}: not a readable safetensors file: {exc}") from exc
+
+
+def check_dtypes(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raises LoRAFormatError: a tensor is not float16/bfloat16/float32/float64 (keys and dtypes named)."""
+    bad = {k: t.dtype for k, t in state_dict.items() if t.dtype not in FLOAT_DTYPES}
+    if bad:
+        dtypes = sorted({str(d) for d in bad.values()})
+        raise LoRAFormatError(
+            f"{source}: quantised or non-float adapter tensors ({', '.join(dtypes)}) are not supported; "
+            f"save the adapter in float16/bfloat16/float32; offending keys: {listing(bad)}"
+        )
+
+
+def _check_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, source: str) -> None:
+    if lora_a.ndim != 2 or lora_b.ndim != 2:
+        raise LoRAFormatError(
+            f"{source}: module {module!r} has lora_A {tuple(lora_a.shape)} / lora_B {tuple(lora_b.shape)}; "
+            "only 2-D (linear) LoRA weights are supported"
+        )
+    if lora_a.shape[0] != lora_b.shape[1]:
+        raise LoRAFormatError(
+            f"{source}: module {module!r} has lora_A rank {lora_a.shape[0]} but lora_B rank {lora_b.shape[1]}"
+        )
+    if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
+        # NaN / inf weights would also corrupt the other adapters sharing a batch
+        raise LoRAFormatError(f"{source}: module {module!r} holds NaN or inf weights")
+
+
+def pair_lora_tensors(
+    state_dict: Mapping[str, torch.Tensor], source: str, *, allow_alpha_keys: bool = False
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]:
+    """Group ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` tensors by module.
+
+    Args:
+        state_dict: key -> tensor (an adapter-name component before ``weight`` is accepted).
+        source: file or adapter name for messages.
+        allow_alpha_keys: accept ``<module>.alpha`` scalar tensors (kohya / ComfyUI exports).
+
+    Returns:
+        ``(pairs, alphas)``: module key (as stored, prefixes kept) -> ``(A [r, d_in], B [d_out, r])``
+        as float32 CPU tensors, and module key -> alpha for modules that carry one.
+
+    Raises:
+        LoRAFormatError: a non-float tensor, keys that are not LoRA weights (named), a module twice
+            or with only one of A / B, several adapters in one file, non-2-D or rank-mismatched
+            pairs, NaN / inf weights, no weights at all.
+    """
+    check_dtypes(state_dict, source)
+    parts: dict[str, dict[str, torch.Tensor]] = {"A": {}, "B": {}}
+    alphas: dict[str, float] = {}
+    adapter_names: set[str] = set()
+    unknown: list[str] = []
+    for key, tensor in state_dict.items():
+        match = LORA_KEY.match(key)
+        if match:
+            adapter_names.update([match["adapter"]] if match["adapter"] else [])
+            target = parts[match["which"]]
+            if match["module"] in target:
+                raise LoRAFormatError(
+                    f"{source}: module {match['module']!r} appears twice (several adapters?)"
+                )
+            target[match["module"]] = tensor.detach().to("cpu", torch.float32)
+        elif allow_alpha_keys and _ALPHA_KEY.match(key) and tensor.numel() == 1:
+            alphas[_ALPHA_KEY.match(key)["module"]] = float(tensor.reshape(()).float().item())
+        else:
+            unknown.append(key)
+    if unknown:
+        raise LoRAFormatError(
+            f"{source}: keys that are not LoRA A/B weights (embeddings, biases, DoRA magnitudes and "
+            f"modules_to_save are not served): {listing(unknown)}"
+        )
+    if len(adapter_names) > 1:
+        raise LoRAFormatError(
+            f"{source}: holds several adapters ({sorted(adapter_names)}); save them separately"
+        )
+    lonely = sorted(set(parts["A"]) ^ set(parts["B"]))
+    if lonely:
+        raise LoRAFormatError(f"{source}: modules with only one of lora_A / lora_B: {lonely}")
+    if not parts["A"]:
+        raise LoRAFormatError(f"{source}: holds no LoRA weights")
+    pairs = {m: (a, parts["B"][m]) for m, a in parts["A"].items()}
+    for module, (lora_a, lora_b) in pairs.items():
+        _check_pair(module, lora_a, lora_b, source)
+    stray = sorted(set(alphas) - set(pairs))
+    if stray:
+        raise LoRAFormatError(f"{source}: alpha values for modules without LoRA weights: {stray}")
+    return pairs, alphas
