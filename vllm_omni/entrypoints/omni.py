@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, wait
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.errors import InvalidRequestError
+from vllm_omni.lora.request import LoRARequest, RequestAdapter
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -29,6 +31,7 @@ class Omni(OmniBase):
         lora_scale: float | None = None,
         lora_requests: list[LoRARequest] | list[list[LoRARequest]] | None = None,
         lora_scales: list[float] | list[list[float]] | None = None,
+        adapters: Sequence[RequestAdapter] | None = None,
         use_tqdm: bool = True,
         **entry_kwargs: Any,
     ) -> list[OmniRequestOutput]:
@@ -46,6 +49,9 @@ class Omni(OmniBase):
             lora_requests / lora_scales: adapters composed in one request (diffusion entry
                 stages): a list of ``LoRARequest`` for every prompt, or one list per prompt;
                 scales default to 1.0 each.
+            adapters: the same adapters for every prompt as
+                :class:`~vllm_omni.lora.request.RequestAdapter` (``scale=None``: the stage
+                default), instead of the ``lora_*`` arguments.
             use_tqdm: show a progress bar over requests.
 
         Returns:
@@ -53,30 +59,18 @@ class Omni(OmniBase):
             diffusion stages fill ``images`` (PIL) and ``latents``.
 
         Raises:
-            ValueError: prompts given twice or not at all, mismatched per-prompt lists, diffusion
-                LoRA arguments on an LLM entry stage, or (diffusion) an invalid request;
+            InvalidRequestError (a ValueError): prompts given twice or not at all, mismatched
+                per-prompt lists, diffusion LoRA arguments on an LLM entry stage, or (diffusion)
+                an invalid request;
             LoRANotEnabledError / InvalidAdapterError / StageEngineError: before any request
                 starts when the adapter cannot be served; otherwise the first failure.
         """
-        if prompts is not None and prompt is not None:
-            raise ValueError("pass the prompts either positionally / as prompts= or as prompt=, not both")
-        prompts = prompt if prompts is None else prompts
-        if prompts is None:
-            raise ValueError("generate() needs a prompt (prompts=... or prompt=...)")
+        prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
-        single = isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        )
-        if not single and not isinstance(prompts, list | tuple):
-            raise ValueError(
-                "prompts must be a string, a list of token ids, a prompt dict or a list of those, "
-                f"got {type(prompts).__name__}"
-            )
-        prompt_list = [prompts] if single else list(prompts)
         n = len(prompt_list)
         if isinstance(lora_request, list):
             if len(lora_request) != n:
-                raise ValueError(f"got {len(lora_request)} lora_request entries for {n} prompts")
+                raise InvalidRequestError(f"got {len(lora_request)} lora_request entries for {n} prompts")
             loras = lora_request
         else:
             loras = [lora_request] * n
@@ -84,30 +78,23 @@ class Omni(OmniBase):
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
         one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one
         per_prompt_kwargs = self._entry_lora_kwargs(
-            loras, params[0], lora_scale, lora_requests, lora_scales, scale_needs_adapter=one_adapter
+            loras,
+            params[0],
+            lora_scale,
+            lora_requests,
+            lora_scales,
+            scale_needs_adapter=one_adapter,
+            adapters=adapters,
         )
         entry = self._orchestrator.runtimes[0]
-        validate = getattr(entry, "validate_request", None)
-        if validate is not None:  # every request is checked before the first one is queued
-            for p, kw in zip(prompt_list, per_prompt_kwargs):
-                validate(p, params[0], **kw, **entry_kwargs)
+        for p, kw in zip(prompt_list, per_prompt_kwargs):  # all checked before the first is queued
+            entry.validate_request(p, params[0], **kw, **entry_kwargs)
         with self._orchestrator.batching():
             futures = [
                 self._orchestrator.submit(p, params, **kw, **entry_kwargs)
                 for p, kw in zip(prompt_list, per_prompt_kwargs)
             ]
-        # Wait without waking per request: every wake-up takes the GIL from the stage's driver
-        # thread while it resolves the other requests finished by the same step.
-        if not use_tqdm or len(futures) < 2:
-            wait(futures, return_when=FIRST_EXCEPTION)  # one wake-up
-        else:
-            with tqdm(total=len(futures), desc="Requests") as bar:
-                pending = futures
-                while pending:  # one wake-up per group of requests that finish together
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    bar.update(len(done))
-                    if any(fut.exception() is not None for fut in done):
-                        break
+        _wait_all(futures, use_tqdm)
         results: list[OmniRequestOutput] = []
         for fut in futures:  # prompt order; raises the first failure in that order
             results.extend(fut.result())
@@ -142,3 +129,43 @@ class Omni(OmniBase):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _prompt_list(prompts: Any, prompt: Any) -> list[Any]:
+    """``generate``'s prompts as a list (``prompt=`` is an alias of ``prompts``).
+
+    Raises:
+        InvalidRequestError: both or neither given, or not a prompt / list of prompts.
+    """
+    if prompts is not None and prompt is not None:
+        raise InvalidRequestError(
+            "pass the prompts either positionally / as prompts= or as prompt=, not both"
+        )
+    prompts = prompt if prompts is None else prompts
+    if prompts is None:
+        raise InvalidRequestError("generate() needs a prompt (prompts=... or prompt=...)")
+    single = isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    )
+    if not single and not isinstance(prompts, list | tuple):
+        raise InvalidRequestError(
+            "prompts must be a string, a list of token ids, a prompt dict or a list of those, "
+            f"got {type(prompts).__name__}"
+        )
+    return [prompts] if single else list(prompts)
+
+
+def _wait_all(futures: list[Future], use_tqdm: bool) -> None:
+    """Wait until every request is done or one failed, without waking per request: every
+    wake-up takes the GIL from the stage's driver thread while it resolves the other requests
+    finished by the same step."""
+    if not use_tqdm or len(futures) < 2:
+        wait(futures, return_when=FIRST_EXCEPTION)  # one wake-up
+        return
+    with tqdm(total=len(futures), desc="Requests") as bar:
+        pending = futures
+        while pending:  # one wake-up per group of requests that finish together
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            bar.update(len(done))
+            if any(fut.exception() is not None for fut in done):
+                break

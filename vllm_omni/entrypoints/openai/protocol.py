@@ -134,7 +134,8 @@ class DiffusionFields(_Body):
                 )
         return height, width
 
-    def diffusion_params(self, n: int = 1, lora_requests=(), lora_scales=()):
+    def diffusion_params(self, n: int = 1):
+        """The request's diffusion settings (its adapters travel separately, as ``RequestAdapter`` s)."""
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         height, width = self.hw()
@@ -145,8 +146,6 @@ class DiffusionFields(_Body):
                 kwargs[name] = value
         if self.num_frames is not None:
             kwargs["extra_args"] = {"num_frames": self.num_frames}
-        kwargs["lora_requests"] = list(lora_requests)
-        kwargs["lora_scales"] = list(lora_scales)
         try:
             return OmniDiffusionSamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:

@@ -22,7 +22,6 @@ from vllm_omni.entrypoints.openai.errors import bad_request
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import (
     Adapters,
-    diffusion_lora,
     output_images,
     read_json,
     resolve_adapters,
@@ -84,7 +83,7 @@ def prepare_text_chat(state: ServerState, req: ChatCompletionRequest, adapters: 
 def prepare_image_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:
     """The last user message as an image prompt, and its params."""
     prompt = last_user_text(req)
-    dparams = req.diffusion_params(req.n, *diffusion_lora(state, adapters))
+    dparams = req.diffusion_params(req.n)
     sp = req.sampling_params() if state.info.has_llm_stage else None
     return PreparedRun(prompt, stage_params(state, sp, dparams), adapters)
 

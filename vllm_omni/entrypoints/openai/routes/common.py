@@ -12,10 +12,10 @@ from fastapi.responses import Response
 from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, engine_errors, not_found
 from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
 
-#: One request's adapters: each with the scale the request gave (``None``: the default).
-Adapters = list[tuple[LoRARequest, float | None]]
+#: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
+Adapters = tuple[RequestAdapter, ...]
 
 
 async def read_json(request: Request) -> Any:
@@ -33,46 +33,27 @@ async def read_json(request: Request) -> Any:
 
 
 def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapters:
-    """Adapters for one request from its ``model`` and ``lora`` fields.
+    """Adapters for one request from its ``model`` and ``lora`` fields (``None`` scale: the default).
 
     Raises:
-        OpenAIError: 404 for an unknown ``model``; 400 for a malformed or refused ``lora``.
+        OpenAIError: 404 for an unknown ``model``; 400 for a malformed or refused ``lora``
+            (the list rules are :func:`~vllm_omni.lora.request.validate_request_adapters`).
     """
     info = state.info
     limit = info.max_adapters_per_request
-    chosen: Adapters = []
+    chosen: list[RequestAdapter] = []
     if model is not None and model not in state.registry.base_names:
         if model not in state.registry.named:
             raise not_found(f"The model `{model}` does not exist.", "model")
-        chosen.append((state.registry.named[model], None))
+        chosen.append(RequestAdapter(state.registry.named[model]))
     specs = parse_lora_field(lora, max_items=limit)
-    chosen.extend((state.registry.to_request(spec), spec.scale) for spec in specs)
-    ids = [r.lora_int_id for r, _ in chosen]
-    if len(set(ids)) != len(ids):
-        raise bad_request("the same adapter is given more than once", "lora")
-    if len(chosen) > limit:
+    chosen.extend(RequestAdapter(state.registry.to_request(spec), spec.scale) for spec in specs)
+    if info.is_llm and (len(chosen) > 1 or any(a.scale not in (None, 1.0) for a in chosen)):
         raise bad_request(
-            f"too many adapters: {len(chosen)}; this pipeline applies at most {limit} per request", "lora"
+            f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0", "lora"
         )
-    if info.is_llm and any(scale not in (None, 1.0) for _, scale in chosen):
-        raise bad_request(f"{info.label} is an LLM stage: vLLM applies adapters at scale 1.0 only", "lora")
-    return chosen
-
-
-def diffusion_lora(state: ServerState, adapters: Adapters) -> tuple[list[LoRARequest], list[float]]:
-    """``(lora_requests, lora_scales)`` for a diffusion entry stage.
-
-    No scale given: ``lora_scales`` is empty (the stage applies its defaults). Some given: an
-    unset one is the entry stage's default for that adapter (``lora_scale`` for a start-up
-    adapter, 1.0 otherwise). An LLM entry stage takes its adapter itself: ``([], [])``.
-    """
-    info = state.info
-    if info.is_llm:
-        return [], []
-    requests = [r for r, _ in adapters]
-    if all(s is None for _, s in adapters):
-        return requests, []
-    return requests, [s if s is not None else info.default_lora_scale(r.lora_int_id) for r, s in adapters]
+    with engine_errors("lora"):
+        return validate_request_adapters(chosen, limit, field="lora")
 
 
 def stage_params(state: ServerState, llm_params: Any, diffusion_params: Any) -> list[Any]:
@@ -95,11 +76,10 @@ async def run_pipeline(state: ServerState, prompt: Any, params: list[Any], adapt
     Raises:
         OpenAIError: the engine's errors, mapped by type (:func:`~..errors.engine_errors`).
     """
-    lora_request = adapters[0][0] if adapters and state.info.is_llm else None
     outputs = []
     with engine_errors("lora"):
         async for out in state.omni.generate(
-            prompt, params, request_id=f"req-{uuid.uuid4().hex}", lora_request=lora_request
+            prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters
         ):
             outputs.append(out)
     return outputs

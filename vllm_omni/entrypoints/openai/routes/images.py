@@ -13,7 +13,6 @@ from vllm_omni.entrypoints.openai.errors import bad_request
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import (
     default_llm_params,
-    diffusion_lora,
     output_images,
     read_json,
     resolve_adapters,
@@ -53,7 +52,7 @@ async def generate_images(state: ServerState, req: ImageGenerationRequest, image
     if "image" not in info.output_kinds:
         raise bad_request(f"pipeline {info.pipeline!r} does not produce images")
     adapters = resolve_adapters(state, req.model, req.lora)
-    dparams = req.diffusion_params(req.n, *diffusion_lora(state, adapters))
+    dparams = req.diffusion_params(req.n)
     if image is not None:
         if not info.accepts_input_image:
             raise bad_request(

@@ -13,7 +13,6 @@ from vllm_omni.entrypoints.openai.errors import bad_request
 from vllm_omni.entrypoints.openai.protocol import VideoGenerationRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import (
     default_llm_params,
-    diffusion_lora,
     read_json,
     resolve_adapters,
     run_pipeline,
@@ -33,7 +32,7 @@ async def videos_generations(request: Request) -> JSONResponse:
     if "video" not in state.info.output_kinds:
         raise bad_request(f"pipeline {state.info.pipeline!r} does not produce video")
     adapters = resolve_adapters(state, req.model, req.lora)
-    dparams = req.diffusion_params(1, *diffusion_lora(state, adapters))
+    dparams = req.diffusion_params(1)
     params = stage_params(state, default_llm_params(state), dparams)
     frames = media.video_frames(await run_pipeline(state, req.prompt, params, adapters))
     item: dict[str, Any] = {"num_frames": len(frames), "fps": req.fps}
