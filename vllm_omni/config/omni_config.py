@@ -106,12 +106,14 @@ class VllmOmniConfig:
         """The config of stage ``stage_id``.
 
         Raises:
-            KeyError: no such stage (the message lists the valid ids).
+            ConfigError: no such stage (the message lists the valid ids).
         """
         for stage in self.stages:
             if stage.stage_id == stage_id:
                 return stage
-        raise KeyError(f"pipeline {self.pipeline.name!r} has no stage {stage_id}; stages: {self.stage_ids}")
+        raise ConfigError(
+            f"pipeline {self.pipeline.name!r} has no stage {stage_id}; stages: {self.stage_ids}"
+        )
 
     @property
     def stage_ids(self) -> list[int]:

@@ -33,7 +33,7 @@ from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine.lora_validation import LLMAdapterValidator
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
-from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError, StageEngineError
+from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,9 @@ class LLMStageEngine(StageDriver):
             LoRANotEnabledError / InvalidAdapterError: as :meth:`submit`.
         """
         if kwargs:
-            raise ValueError(f"{self.stage.label} does not take {sorted(kwargs)} (diffusion-stage arguments)")
+            raise InvalidRequestError(
+                f"{self.stage.label} does not take {sorted(kwargs)} (diffusion-stage arguments)"
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"{self.stage.label} takes vllm.SamplingParams, got {type(params).__name__}: {params!r:.200}"
@@ -207,7 +209,9 @@ class LLMStageEngine(StageDriver):
         seed = params.seed
         if seed is not None and not -(2**63) <= seed < 2**63:
             # out of int64 the engine step fails, and a failed step kills the whole stage
-            raise ValueError(f"{self.stage.label}: SamplingParams.seed must fit in int64, got {seed}")
+            raise InvalidRequestError(
+                f"{self.stage.label}: SamplingParams.seed must fit in int64, got {seed}"
+            )
         if lora_request is not None:
             self._require_lora()
             self._validate_adapter(lora_request)

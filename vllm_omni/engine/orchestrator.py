@@ -227,7 +227,7 @@ class Orchestrator:
             ``{stage_id: result}`` for the stages that implement it.
 
         Raises:
-            KeyError: no stage ``stage_id``.
+            ConfigError: no stage ``stage_id``.
             LoRANotEnabledError: no (selected) stage of the pipeline has LoRA enabled (message lists them).
         """
         self.check_open()

@@ -9,6 +9,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm_omni.config.fields import lora_engine_arg_names
 from vllm_omni.config.lora import OmniStageLoRAConfig
 from vllm_omni.config.stage_config import LLMStageConfig
+from vllm_omni.errors import ConfigError
 
 
 def project_stage_engine_kwargs(stage: LLMStageConfig) -> dict[str, Any]:
@@ -19,10 +20,10 @@ def project_stage_engine_kwargs(stage: LLMStageConfig) -> dict[str, Any]:
     the LoRA options that were set explicitly, through the generated field map.
 
     Raises:
-        ValueError: the stage has no model path.
+        ConfigError: the stage has no model path.
     """
     if not stage.model:
-        raise ValueError(
+        raise ConfigError(
             f"{stage.label}: no model path; pass model=... or set 'model' in the stage's deploy entry"
         )
     lora_names = lora_engine_arg_names()

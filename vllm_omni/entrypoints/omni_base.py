@@ -18,7 +18,7 @@ from vllm_omni.config.pipeline_registry import (
 )
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
-from vllm_omni.errors import InvalidRequestError
+from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
 
 
@@ -36,13 +36,13 @@ def build_omni_config(
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if model is not None and not isinstance(model, str):
-        raise ValueError(f"model must be a model directory or hub id string, got {type(model).__name__}")
+        raise ConfigError(f"model must be a model directory or hub id string, got {type(model).__name__}")
     deploy = load_deploy_config(deploy_config)
     name = pipeline or (deploy.pipeline if deploy is not None else None)
     model = model or (deploy.model if deploy is not None else None)
     if name is None:
         if model is None:
-            raise ValueError("pass model=<path> (or a deploy config naming a pipeline and its models)")
+            raise ConfigError("pass model=<path> (or a deploy config naming a pipeline and its models)")
         resolved = pipeline_for_model(model)
     else:
         hf_config = None
@@ -105,12 +105,12 @@ class OmniBase:
         stage (``None`` entries take the default).
 
         Raises:
-            ValueError: a per-stage list of the wrong length, or an entry of the wrong type.
+            InvalidRequestError: a per-stage list of the wrong length, or an entry of the wrong type.
         """
         stages = self.config.stages
         per_stage = isinstance(sampling_params, list | tuple)
         if per_stage and len(sampling_params) != len(stages):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"sampling_params has {len(sampling_params)} entries but pipeline "
                 f"{self.config.pipeline.name!r} has {len(stages)} stages; pass one per stage or a single object"
             )
@@ -120,7 +120,7 @@ class OmniBase:
             kinds = {SamplingParams if s.is_llm else OmniDiffusionSamplingParams for s in stages}
             if not isinstance(sampling_params, tuple(kinds)):
                 names = " or ".join(sorted(k.__name__ for k in kinds))
-                raise ValueError(
+                raise InvalidRequestError(
                     f"sampling_params must be {names} (or one per stage) for pipeline "
                     f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
                 )
@@ -136,7 +136,7 @@ class OmniBase:
             elif params is None or not per_stage:
                 out.append(kind())
             else:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"sampling_params[{i}] for {stage.label} must be {kind.__name__}, got {type(params).__name__}"
                 )
         return out

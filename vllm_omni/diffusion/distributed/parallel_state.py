@@ -17,6 +17,8 @@ import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import parallel_state as vllm_ps
 
+from vllm_omni.errors import ConfigError
+
 _VLLM_CONFIG: VllmConfig | None = None
 
 
@@ -53,7 +55,7 @@ def init_diffusion_parallel_state(
     if vllm_ps.model_parallel_is_initialized():
         current = vllm_ps.get_tp_group().world_size
         if current != world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"this process already runs tensor-parallel size {current}; cannot re-initialise with {world_size}"
             )
         return _VLLM_CONFIG or VllmConfig()

@@ -20,6 +20,8 @@ from torch import nn
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+from vllm_omni.errors import ConfigError
+
 StackedParamsMapping = list[tuple[str, str, str | int]]
 
 
@@ -112,7 +114,7 @@ def load_stacked_weights(
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if strict and (unexpected or missing):
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint does not match {type(model).__name__}: unexpected tensors {sorted(unexpected)[:20]}, "
             f"parameters without weights {missing[:20]}"
         )

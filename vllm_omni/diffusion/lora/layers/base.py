@@ -37,6 +37,7 @@ from vllm_omni.diffusion.lora.batch_state import LoRABatchState
 from vllm_omni.diffusion.lora.geometry import LayerGeometry
 from vllm_omni.diffusion.lora.ops import add_lora, stack_slot_weights
 from vllm_omni.diffusion.lora.weights import LayerLoRAWeights, SlotWeights
+from vllm_omni.errors import InvalidAdapterError
 
 
 def _default_device_dtype(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -134,19 +135,19 @@ class BaseLayerWithLoRA(nn.Module):
         The result lives on the host, in the layer's LoRA dtype (pinned when the LoRA device is CUDA).
 
         Raises:
-            ValueError: wrong number of slices, a rank above ``max_rank``, or mismatched shapes.
+            InvalidAdapterError: wrong number of slices, a rank above ``max_rank``, or mismatched shapes.
         """
         g = self.geometry
         if len(weights.slices) != len(g.slices):
-            raise ValueError(f"expected {len(g.slices)} output slices, got {len(weights.slices)}")
+            raise InvalidAdapterError(f"expected {len(g.slices)} output slices, got {len(weights.slices)}")
         for sl, pair in zip(g.slices, weights.slices, strict=True):
             if pair is None:
                 continue
             lora_a, lora_b = pair
             if lora_a.shape[0] > self.max_rank:
-                raise ValueError(f"LoRA rank {lora_a.shape[0]} exceeds max_rank {self.max_rank}")
+                raise InvalidAdapterError(f"LoRA rank {lora_a.shape[0]} exceeds max_rank {self.max_rank}")
             if lora_a.shape[1] != g.in_features or lora_b.shape[0] != sl.global_size:
-                raise ValueError(
+                raise InvalidAdapterError(
                     f"LoRA shapes A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a slice of "
                     f"{sl.global_size} rows x {g.in_features} inputs"
                 )
@@ -155,7 +156,7 @@ class BaseLayerWithLoRA(nn.Module):
         ranks = tuple(0 if pair is None else int(pair[0].shape[0]) for pair in weights.slices)
         present = [i for i, rank in enumerate(ranks) if rank]
         if not present:
-            raise ValueError("the adapter leaves every slice of this layer untouched")
+            raise InvalidAdapterError("the adapter leaves every slice of this layer untouched")
 
         def local_b(index: int) -> torch.Tensor:
             start, length = g.slices[index].rows_within_slice()

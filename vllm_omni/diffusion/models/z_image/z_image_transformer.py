@@ -50,6 +50,7 @@ from vllm_omni.diffusion.models.weight_loading import (
     iter_safetensors,
     load_stacked_weights,
 )
+from vllm_omni.errors import ConfigError
 
 ADALN_EMBED_DIM = 256
 SEQ_MULTI_OF = 32
@@ -118,7 +119,7 @@ class ZImageAttention(nn.Module):
         super().__init__()
         _, tp_size = get_tp_rank_and_size()
         if n_heads % tp_size:
-            raise ValueError(f"n_heads={n_heads} is not divisible by tensor_parallel_size={tp_size}")
+            raise ConfigError(f"n_heads={n_heads} is not divisible by tensor_parallel_size={tp_size}")
         self.head_dim = dim // n_heads
         self.local_heads = n_heads // tp_size
         self.to_qkv = QKVParallelLinear(
@@ -325,9 +326,9 @@ class ZImageTransformer2DModel(nn.Module):
     ):
         super().__init__()
         if siglip_feat_dim is not None:
-            raise ValueError("siglip_feat_dim is set: the Z-Image omni variant is not supported in-tree")
+            raise ConfigError("siglip_feat_dim is set: the Z-Image omni variant is not supported in-tree")
         if dim % n_heads or dim // n_heads != sum(axes_dims):
-            raise ValueError(f"head_dim = dim / n_heads must equal sum(axes_dims)={sum(axes_dims)}")
+            raise ConfigError(f"head_dim = dim / n_heads must equal sum(axes_dims)={sum(axes_dims)}")
         self.in_channels = self.out_channels = in_channels
         self.dim = dim
         self.n_heads = n_heads
