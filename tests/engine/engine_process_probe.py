@@ -1,7 +1,7 @@
 """Runs one engine in a fresh process for the tests that must not share pytest's process.
 
-``python tests/engine/engine_process_probe.py MODE ASSETS_DIR`` prints one JSON line
-``{"patched": bool, "outputs": {...}}`` and exits 0; a crash (SIGILL) shows in the exit status.
+``python tests/engine/engine_process_probe.py MODE ASSETS_DIR`` prints one line
+``@@probe {"outputs": {...}, ...}`` and exits 0; a crash (SIGILL) shows in the exit status.
 
 Modes:
     ``raw-mixed``: raw ``vllm.LLM`` (float32, max_loras=2), one alternating adapter / no-adapter
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ MIXED_PROMPTS = ["hello world", "the quick brown fox", "a b c"]
 N_TOKENS = 10
 #: the short prompts of issue 13 item 1, as token ids (1, 2 and 4 tokens)
 SHORT_PROMPTS = [[72], [72, 105], [72, 105, 32, 116]]
+_TAG = "@@probe "  # prefix of the result line (vLLM's processes print to stdout too)
 
 
 def mixed_prompt(i: int) -> str:
@@ -92,6 +94,28 @@ def _short_prompts(assets: Path, with_permission: bool) -> dict:
     return {"outputs": out}
 
 
+def run_probe(mode: str, assets_dir: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run ``engine_process_probe.py MODE`` in a fresh interpreter with this checkout first on the path."""
+    full_env = {**os.environ, **env}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), *([env["PYTHONPATH"]] if "PYTHONPATH" in env else [])]
+    )
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), mode, str(assets_dir)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def probe_result(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, f"probe exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_TAG)]
+    assert lines, f"probe printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return json.loads(lines[-1][len(_TAG) :])
+
+
 def main(argv: list[str]) -> int:
     mode, assets = argv[0], Path(argv[1])
     if mode == "raw-mixed":
@@ -100,7 +124,7 @@ def main(argv: list[str]) -> int:
         result = _short_prompts(assets, with_permission=mode == "short-prompts")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    print(json.dumps(result), flush=True)
+    print(_TAG + json.dumps(result), flush=True)
     return 0
 
 

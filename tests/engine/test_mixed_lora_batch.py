@@ -8,10 +8,6 @@ and fails, saying so, once upstream is right.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -19,33 +15,12 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.engine.engine_process_probe import MIXED_NAMES, N_TOKENS, mixed_prompt
+from tests.engine.engine_process_probe import MIXED_NAMES, N_TOKENS, mixed_prompt, probe_result, run_probe
 from tests.llm_reference import hf_greedy
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.platform import PATCHED_LORA_OPS, patch_torch_lora_ops, torch_lora_ops_patched
 
-PROBE = Path(__file__).with_name("engine_process_probe.py")
-REPO_ROOT = PROBE.parents[2]
-
-
-def run_probe(mode: str, assets_dir: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run ``engine_process_probe.py MODE`` in a fresh interpreter with this checkout first on the path."""
-    full_env = {**os.environ, **env}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT), *([env["PYTHONPATH"]] if "PYTHONPATH" in env else [])]
-    )
-    return subprocess.run(
-        [sys.executable, str(PROBE), mode, str(assets_dir)],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def probe_result(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, f"probe exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def references(assets) -> list[list[int]]:
