@@ -29,6 +29,7 @@ from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.platform import request_amx_permission
 
 
 class DiffusionWorker:
@@ -53,6 +54,7 @@ class DiffusionWorker:
         world_size: int = 1,
         distributed_init_method: str | None = None,
     ):
+        request_amx_permission()  # this process may run AMX kernels (bf16 on AVX-512/AMX CPUs)
         self.od_config = od_config
         self.rank = rank
         self.world_size = world_size

