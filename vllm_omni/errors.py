@@ -45,7 +45,16 @@ class OmniUserError(OmniError, ValueError):
 
 
 class ConfigError(OmniUserError):
-    """A configuration value is wrong: an option, a stage override, a deploy YAML entry or a CLI flag."""
+    """A configuration value is wrong: an option, a stage override, a deploy YAML entry or a CLI flag.
+
+    Attributes:
+        options: the option names the error is about, when the raiser knows them (``()``
+            otherwise); the resolver uses them to name the input each value came from.
+    """
+
+    def __init__(self, *args: object, options: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(*args)
+        self.options = tuple(options)
 
 
 class InvalidRequestError(OmniUserError):

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.entrypoints.server_utils import console_script, server_env
+from vllm_omni.config.overrides import CLI_INPUT_NAMES
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli.serve import parse_serve_argv
 from vllm_omni.entrypoints.omni_base import build_omni_config
@@ -185,11 +186,40 @@ def python_error(*args, **kwargs) -> str:
     ],
 )
 def test_cli_errors_are_the_python_errors(tiny_llm_assets, monkeypatch, capsys, flags, kwargs):
+    """The same resolution fails the same way; only the inputs are named with their CLI spelling."""
     model = str(tiny_llm_assets.model_dir)
     code, err = run_main([model, "--omni", *flags], monkeypatch, capsys)
     pipeline = flags[flags.index("--pipeline") + 1] if "--pipeline" in flags else None
     assert code == 2
-    assert python_error(model, pipeline, **kwargs) in err
+    assert python_error(model, pipeline, input_names=CLI_INPUT_NAMES, **kwargs) in err
+    assert "keyword argument" not in err  # the Python spelling
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--stage-overrides", '{"0": {"enable_loar": true}}'],
+            "--stage-overrides, stage 0 (llm_ar): unknown option 'enable_loar' (did you mean 'enable_lora'?)",
+        ),
+        (
+            ["--stage-overrides", '{"0": {"enable_lora": true, "max_lora_rank": 63}}'],
+            "--stage-overrides, stage 0 (llm_ar): max_lora_rank=63: Input should be 1, 8, 16",
+        ),
+        (
+            ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
+            "--max-cpu-loras and --max-loras, stage 0 (llm_ar): invalid LoRA option(s) "
+            "['max_cpu_loras', 'max_loras']: max_cpu_loras (1) must be >= max_loras (2)",
+        ),
+        (
+            ["--pipeline", "llm_chain", "--enable-lora"],
+            "--enable-lora: global vLLM LoRA option(s) ['enable_lora'] are ambiguous",
+        ),
+    ],
+)
+def test_cli_errors_name_the_flag_and_stage(tiny_llm_assets, monkeypatch, capsys, flags, message):
+    code, err = run_main([str(tiny_llm_assets.model_dir), *flags], monkeypatch, capsys)
+    assert code == 2 and f"vllm-omni serve: error: {message}" in err
 
 
 def test_distill_without_lora_path_fails_before_loading(tiny_z_image_dir, monkeypatch, capsys):
