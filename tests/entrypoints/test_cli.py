@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -272,3 +273,50 @@ def test_serve_starts_the_config_it_resolved(tiny_llm_assets, monkeypatch):
         cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128"])
     assert len(built) == 1 and started == built
     assert started[0].entry_stage.options["max_model_len"] == 128
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_unknown_flags_get_a_suggestion(tiny_llm_assets, monkeypatch, capsys, tmp_path, warm):
+    """The full parser (cold cache) and the cached answer (warm) say the same thing."""
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))
+    argv = [str(tiny_llm_assets.model_dir), "--max-model-len", "64", "--enable-loar", "--max_lora_rnak=8"]
+    if warm:
+        run_main([str(tiny_llm_assets.model_dir), "--no-such-flag"], monkeypatch, capsys)  # fills the cache
+        assert list(tmp_path.glob("cli-*.json"))
+    code, err = run_main(argv, monkeypatch, capsys)
+    assert code == 2
+    assert (
+        "vllm-omni serve: error: unknown option '--enable-loar' (did you mean '--enable-lora'?); "
+        "unknown option '--max-lora-rnak' (did you mean '--max-lora-rank'?)"
+    ) in err
+    # abbreviations are not accepted (the cached answer could not know them)
+    code, err = run_main([str(tiny_llm_assets.model_dir), "--enable-lor"], monkeypatch, capsys)
+    assert code == 2 and "unknown option '--enable-lor' (did you mean '--enable-lora'?)" in err
+
+
+def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch, capsys, tmp_path):
+    """With a warm cache, --help and flag errors import neither vLLM nor torch (well under 3 s)."""
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit):
+        cli_main.main(["serve", "--help"])  # builds the full parser and the cache
+    full_help = capsys.readouterr().out
+    probe = (
+        "import sys, time\n"
+        "from vllm_omni.entrypoints.cli.main import main\n"
+        "t = time.perf_counter()\n"
+        "for argv in (['serve', '--help'], ['serve', 'm', '--enable-loar']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        print('exit', e.code, file=sys.stderr)\n"
+        "print('seconds', time.perf_counter() - t, 'vllm' in sys.modules, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    env = server_env(VLLM_OMNI_CACHE_ROOT=str(tmp_path), COLUMNS=os.environ.get("COLUMNS", ""))
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout == full_help
+    assert "exit 0" in out.stderr and "exit 2" in out.stderr
+    assert "unknown option '--enable-loar' (did you mean '--enable-lora'?)" in out.stderr
+    seconds, vllm_loaded, torch_loaded = out.stderr.split("seconds ")[1].split()
+    assert (vllm_loaded, torch_loaded) == ("False", "False") and float(seconds) < 3

@@ -6,7 +6,6 @@ malformed override never reaches engine start.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -16,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from vllm_omni.errors import ConfigError
+from vllm_omni.errors import ConfigError, did_you_mean
 
 _STAGE_KEY = re.compile(r"^stage_(\d+)_(.+)$")
 
@@ -38,10 +37,7 @@ PYTHON_INPUT_NAMES = InputNames()
 CLI_INPUT_NAMES = InputNames(stage_overrides="--stage-overrides", cli=True)
 
 
-def suggest(key: str, candidates: Any) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``candidates``, or ``""``."""
-    match = difflib.get_close_matches(key, sorted(candidates), n=1, cutoff=0.75)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+suggest = did_you_mean  # `` (did you mean 'x'?)`` for the closest candidate, or ``""``
 
 
 def validation_problems(exc: ValidationError) -> list[tuple[tuple, str, str, Any]]:
