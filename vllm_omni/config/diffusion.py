@@ -194,7 +194,8 @@ class OmniDiffusionConfig:
             )
         if self.lora_backend == "distill" and not self.keep_base_weights:
             raise ConfigError(
-                "lora_backend='distill' fuses into the dense base weights and needs keep_base_weights=True"
+                "lora_backend='distill' fuses into the dense base weights and needs keep_base_weights=True",
+                options=("lora_backend", "keep_base_weights"),
             )
         startup = len(self.startup_lora_paths) if self.lora_backend == "peft" else 0
         if self.max_cpu_loras is None:

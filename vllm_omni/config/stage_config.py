@@ -189,7 +189,7 @@ class DiffusionStageConfig(BaseVllmOmniStageConfig):
         try:
             self.diffusion_config = OmniDiffusionConfig(**self.options)
         except ConfigError as exc:
-            named = [k for k in exc.options if k in self.options] or sorted(self.options)
+            named = [k for k in exc.options if k in self.options]  # none known: the stage label alone
             raise ConfigError(f"{self.where(named)}: {exc}", options=exc.options) from exc
         except TypeError as exc:  # an option that is no OmniDiffusionConfig field
             raise self.option_error(self.options, exc, "invalid diffusion option(s)") from exc
