@@ -22,6 +22,9 @@ or the module, and where it helps, the knob to turn.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "ConfigError",
     "InvalidAdapterError",
@@ -45,7 +48,16 @@ class OmniUserError(OmniError, ValueError):
 
 
 class ConfigError(OmniUserError):
-    """A configuration value is wrong: an option, a stage override, a deploy YAML entry or a CLI flag."""
+    """A configuration value is wrong: an option, a stage override, a deploy YAML entry or a CLI flag.
+
+    Attributes:
+        options: the option names the error is about, when the raiser knows them (``()``
+            otherwise); the resolver uses them to name the input each value came from.
+    """
+
+    def __init__(self, *args: object, options: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(*args)
+        self.options = tuple(options)
 
 
 class InvalidRequestError(OmniUserError):
@@ -74,3 +86,9 @@ class StageEngineError(OmniError, RuntimeError):
 
 class StageDeadError(StageEngineError):
     """A stage's engine (or one of its worker processes) is gone; the stage serves no more requests."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` naming the closest of ``candidates`` to ``name``, or ``""``."""
+    match = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.75)
+    return f" (did you mean {match[0]!r}?)" if match else ""

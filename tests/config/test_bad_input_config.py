@@ -24,12 +24,18 @@ def diffusion_dir():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"enable_lora": "false"}, r"Stage 0 \(llm_ar\): enable_lora must be true or false, got 'false'"),
+        (
+            {"enable_lora": "false"},
+            r"^keyword argument 'enable_lora', stage 0 \(llm_ar\): enable_lora must be true or false, got 'false'",
+        ),
         ({"stage_overrides": {"0": {"enable_lora": "no"}}}, "enable_lora must be true or false"),
         ({"stage_overrides": {"0": {1: 2}}}, r"stage_overrides\['0'\]: option names must be strings"),
         ({"stage_overrides": {"²": {}}}, "keys must be stage ids"),
         ({"stage_overrides": {"０": {}}}, "keys must be stage ids"),
-        ({"final_output": "no"}, r"Stage 0 \(llm_ar\): final_output must be true or false"),
+        (
+            {"final_output": "no"},
+            r"^keyword argument 'final_output', stage 0 \(llm_ar\): final_output must be true or false",
+        ),
         ({"engine_input_source": "x"}, "engine_input_source must be a list of stage ids"),
         ({"engine_input_source": 5}, "engine_input_source must be a list of stage ids"),
         ({"model_arch": 5}, "model_arch must be a string"),
@@ -59,7 +65,7 @@ def test_llm_stage_option_types(llm_dir, kwargs, message):
     ],
 )
 def test_diffusion_stage_option_types(diffusion_dir, kwargs, message):
-    with pytest.raises(ValueError, match=r"Stage 0 \(diffusion\): " + message):
+    with pytest.raises(ValueError, match=r"^keyword argument '\w+', stage 0 \(diffusion\): " + message):
         build_omni_config(diffusion_dir, **kwargs)
 
 

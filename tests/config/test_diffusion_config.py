@@ -58,7 +58,10 @@ def test_stage_carries_typed_config_with_defaults_and_explicit_options():
     ],
 )
 def test_every_option_check_runs_at_resolution_with_config_error(options, message):
-    with pytest.raises(ConfigError, match=r"^Stage 0 \(diffusion\): " + message):
+    with pytest.raises(
+        ConfigError,
+        match=r"^keyword argument '\w+'( and keyword argument '\w+')*, stage 0 \(diffusion\): " + message,
+    ):
         resolve("wan2_2_ti2v", **options)
 
 

@@ -14,6 +14,7 @@ from vllm_omni.config import (
 )
 from vllm_omni.config.fields import lora_engine_field_map
 from vllm_omni.config.pipeline_registry import pipeline_for_model, registered_pipelines
+from vllm_omni.errors import ConfigError
 
 
 def resolve(name, deploy_config=None, **overrides):
@@ -164,10 +165,13 @@ def test_distill_without_lora_path_rejected():
 def test_misspelled_key_names_stage_type_key_and_suggestion():
     with pytest.raises(ValueError) as info:
         resolve("qwen3_tts", stage_overrides={"1": {"enable_loar": True}})
-    assert "Stage 1 (llm_generation)" in str(info.value)
-    assert "'enable_loar' (did you mean 'enable_lora'?)" in str(info.value)
+    assert str(info.value).startswith(
+        "stage_overrides, stage 1 (llm_generation): unknown option 'enable_loar' (did you mean 'enable_lora'?)"
+    )
     with pytest.raises(
-        ValueError, match=r"option 'max_lora_rnak' is not accepted by any stage.*did you mean 'max_lora_rank'"
+        ValueError,
+        match=r"^keyword argument 'max_lora_rnak': option 'max_lora_rnak' is not accepted by any stage.*"
+        r"did you mean 'max_lora_rank'",
     ):
         resolve("qwen3_tts", max_lora_rnak=8)
     with pytest.raises(ValueError, match="'cpu_offload_gb'"):
@@ -209,20 +213,27 @@ def test_malformed_deploy_configs(tmp_path):
         resolve("qwen3_tts", deploy_config=str(bad))
     with pytest.raises(ValueError, match="cannot read deploy config"):
         resolve("qwen3_tts", deploy_config=str(tmp_path / "missing.yaml"))
-    with pytest.raises(ValueError, match=r"Stage 0 \(llm_ar\).*'enable_loar'"):
+    with pytest.raises(
+        ValueError, match=r"^deploy config, stages\[0\], stage 0 \(llm_ar\): unknown option 'enable_loar'"
+    ):
         resolve(
             "qwen3_tts", deploy_config={"stages": [{"stage_id": 0, "engine_extras": {"enable_loar": True}}]}
         )
 
 
 def test_upstream_lora_validation_runs_at_construction():
-    with pytest.raises(ValueError, match=r"Stage 0 \(llm_ar\): invalid LoRA option"):
+    with pytest.raises(
+        ValueError,
+        match=r"^stage_0_max_lora_rank, stage 0 \(llm_ar\): max_lora_rank=63: Input should be 1, 8, 16",
+    ):
         resolve("qwen3_tts", stage_0_enable_lora=True, stage_0_max_lora_rank=63)
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
         resolve("qwen3_tts", stage_0_enable_lora=True, stage_0_max_loras=2, stage_0_max_cpu_loras=1)
     cfg = resolve("qwen3_tts", stage_0_enable_lora=True, stage_0_max_loras=3, stage_0_max_cpu_loras=0)
     assert cfg.stage_by_id(0).lora_config.max_cpu_loras == 3  # non-positive means unset
-    with pytest.raises(ValueError, match=r"Stage 0 \(llm_ar\): invalid cache option"):
+    with pytest.raises(
+        ValueError, match=r"^stage_0_gpu_memory_utilization, stage 0 \(llm_ar\): gpu_memory_utilization=5.0: "
+    ):
         resolve("qwen3_tts", stage_0_gpu_memory_utilization=5.0)
 
 
@@ -297,3 +308,35 @@ def test_default_pipeline_from_model_directory(tmp_path):
     assert [(s.stage_type, s.model_arch) for s in p.stages] == [("diffusion", "ZImagePipeline")]
     with pytest.raises(ValueError, match="has neither model_index.json"):
         pipeline_for_model(str(tmp_path))
+
+
+def test_errors_name_the_input_and_stage(tmp_path):
+    """Each input path is named in the message: stage_overrides, stage_N_<key>, a deploy YAML file."""
+    with pytest.raises(
+        ConfigError, match=r"^stage_overrides, stage 0 \(llm_ar\): unknown option 'enable_loar'"
+    ):
+        resolve("qwen3_tts", stage_overrides='{"0": {"enable_loar": true}}')
+    with pytest.raises(
+        ConfigError, match=r"^stage_1_enable_loar, stage 1 \(llm_generation\): unknown option"
+    ):
+        resolve("qwen3_tts", stage_1_enable_loar=True)
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("stages:\n  - stage_id: 0\n    engine_extras: {enable_lora: true, max_lora_rank: 63}\n")
+    with pytest.raises(
+        ConfigError, match=rf"^deploy config '{deploy}', stages\[0\], stage 0 \(llm_ar\): max_lora_rank=63: "
+    ):
+        resolve("qwen3_tts", deploy_config=str(deploy))
+    # the last input that set a value is the one named
+    with pytest.raises(ConfigError, match=r"^stage_0_max_lora_rank, stage 0 \(llm_ar\): max_lora_rank=63"):
+        resolve("qwen3_tts", stage_overrides={"0": {"enable_lora": True}}, stage_0_max_lora_rank=63)
+
+
+def test_deploy_schema_errors_are_rewritten(tmp_path):
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("pipline: x\nstages:\n  - stage_id: 0\n  - stage_id: one\n")
+    with pytest.raises(ConfigError) as info:
+        resolve("qwen3_tts", deploy_config=str(deploy))
+    message = str(info.value)
+    assert f"deploy config '{deploy}', stages[1].stage_id: Input should be a valid integer" in message
+    assert f"deploy config '{deploy}', pipline: unknown key (did you mean 'pipeline'?)" in message
+    assert "errors.pydantic.dev" not in message and "validation error" not in message

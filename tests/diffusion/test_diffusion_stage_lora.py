@@ -297,7 +297,7 @@ def test_bad_stage_inputs_name_the_field(tiny_z_image_dir, tmp_path, omni):
     ):
         Omni(model=str(model))
     # checked when the config resolves (before any engine starts), naming the stage
-    with pytest.raises(ValueError, match=r"Stage 0 \(diffusion\): max_lora_rank must be >= 1"):
+    with pytest.raises(ValueError, match=r"stage 0 \(diffusion\): max_lora_rank must be >= 1"):
         Omni(model=str(tiny_z_image_dir), max_lora_rank=0)
     with pytest.raises(ValueError, match="num_inference_steps must be an integer >= 1"):
         params(num_inference_steps=0)

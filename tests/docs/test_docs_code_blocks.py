@@ -17,7 +17,10 @@ PAGES = [str(p.relative_to(DOCS_DIR)) for p in doc_pages()]
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_page_blocks(page, docs_assets_root, tmp_path):
+def test_page_blocks(page, docs_assets_root, tmp_path, monkeypatch):
+    monkeypatch.delenv(
+        "VLLM_CPU_KVCACHE_SPACE", raising=False
+    )  # as in a fresh shell: the budget is automatic
     blocks = extract_blocks(DOCS_DIR / page)
     runner = PageRunner(page, docs_assets_root, tmp_path)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
 from tests.entrypoints.server_utils import console_script, server_env
+from vllm_omni.config.overrides import CLI_INPUT_NAMES
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli.serve import parse_serve_argv
 from vllm_omni.entrypoints.omni_base import build_omni_config
@@ -185,11 +187,40 @@ def python_error(*args, **kwargs) -> str:
     ],
 )
 def test_cli_errors_are_the_python_errors(tiny_llm_assets, monkeypatch, capsys, flags, kwargs):
+    """The same resolution fails the same way; only the inputs are named with their CLI spelling."""
     model = str(tiny_llm_assets.model_dir)
     code, err = run_main([model, "--omni", *flags], monkeypatch, capsys)
     pipeline = flags[flags.index("--pipeline") + 1] if "--pipeline" in flags else None
     assert code == 2
-    assert python_error(model, pipeline, **kwargs) in err
+    assert python_error(model, pipeline, input_names=CLI_INPUT_NAMES, **kwargs) in err
+    assert "keyword argument" not in err  # the Python spelling
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--stage-overrides", '{"0": {"enable_loar": true}}'],
+            "--stage-overrides, stage 0 (llm_ar): unknown option 'enable_loar' (did you mean 'enable_lora'?)",
+        ),
+        (
+            ["--stage-overrides", '{"0": {"enable_lora": true, "max_lora_rank": 63}}'],
+            "--stage-overrides, stage 0 (llm_ar): max_lora_rank=63: Input should be 1, 8, 16",
+        ),
+        (
+            ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
+            "--max-cpu-loras and --max-loras, stage 0 (llm_ar): invalid LoRA option(s) "
+            "['max_cpu_loras', 'max_loras']: max_cpu_loras (1) must be >= max_loras (2)",
+        ),
+        (
+            ["--pipeline", "llm_chain", "--enable-lora"],
+            "--enable-lora: global vLLM LoRA option(s) ['enable_lora'] are ambiguous",
+        ),
+    ],
+)
+def test_cli_errors_name_the_flag_and_stage(tiny_llm_assets, monkeypatch, capsys, flags, message):
+    code, err = run_main([str(tiny_llm_assets.model_dir), *flags], monkeypatch, capsys)
+    assert code == 2 and f"vllm-omni serve: error: {message}" in err
 
 
 def test_distill_without_lora_path_fails_before_loading(tiny_z_image_dir, monkeypatch, capsys):
@@ -242,3 +273,50 @@ def test_serve_starts_the_config_it_resolved(tiny_llm_assets, monkeypatch):
         cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128"])
     assert len(built) == 1 and started == built
     assert started[0].entry_stage.options["max_model_len"] == 128
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_unknown_flags_get_a_suggestion(tiny_llm_assets, monkeypatch, capsys, tmp_path, warm):
+    """The full parser (cold cache) and the cached answer (warm) say the same thing."""
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))
+    argv = [str(tiny_llm_assets.model_dir), "--max-model-len", "64", "--enable-loar", "--max_lora_rnak=8"]
+    if warm:
+        run_main([str(tiny_llm_assets.model_dir), "--no-such-flag"], monkeypatch, capsys)  # fills the cache
+        assert list(tmp_path.glob("cli-*.json"))
+    code, err = run_main(argv, monkeypatch, capsys)
+    assert code == 2
+    assert (
+        "vllm-omni serve: error: unknown option '--enable-loar' (did you mean '--enable-lora'?); "
+        "unknown option '--max-lora-rnak' (did you mean '--max-lora-rank'?)"
+    ) in err
+    # abbreviations are not accepted (the cached answer could not know them)
+    code, err = run_main([str(tiny_llm_assets.model_dir), "--enable-lor"], monkeypatch, capsys)
+    assert code == 2 and "unknown option '--enable-lor' (did you mean '--enable-lora'?)" in err
+
+
+def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch, capsys, tmp_path):
+    """With a warm cache, --help and flag errors import neither vLLM nor torch (well under 3 s)."""
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit):
+        cli_main.main(["serve", "--help"])  # builds the full parser and the cache
+    full_help = capsys.readouterr().out
+    probe = (
+        "import sys, time\n"
+        "from vllm_omni.entrypoints.cli.main import main\n"
+        "t = time.perf_counter()\n"
+        "for argv in (['serve', '--help'], ['serve', 'm', '--enable-loar']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        print('exit', e.code, file=sys.stderr)\n"
+        "print('seconds', time.perf_counter() - t, 'vllm' in sys.modules, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    env = server_env(VLLM_OMNI_CACHE_ROOT=str(tmp_path), COLUMNS=os.environ.get("COLUMNS", ""))
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout == full_help
+    assert "exit 0" in out.stderr and "exit 2" in out.stderr
+    assert "unknown option '--enable-loar' (did you mean '--enable-lora'?)" in out.stderr
+    seconds, vllm_loaded, torch_loaded = out.stderr.split("seconds ")[1].split()
+    assert (vllm_loaded, torch_loaded) == ("False", "False") and float(seconds) < 3

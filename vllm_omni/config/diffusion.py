@@ -57,7 +57,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _bad(key: str, value: Any, want: str) -> ConfigError:
-    return ConfigError(f"{key} must be {want}, got {type(value).__name__}: {value!r}")
+    return ConfigError(f"{key} must be {want}, got {type(value).__name__}: {value!r}", options=(key,))
 
 
 def is_known_pipeline_class(class_name: str | None) -> bool:
@@ -156,14 +156,20 @@ class OmniDiffusionConfig:
         if not isinstance(self.dtype, str | torch.dtype):
             raise _bad("dtype", self.dtype, "a string or a torch.dtype")
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be a torch.dtype or one of {list(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(
+                f"dtype must be a torch.dtype or one of {list(DTYPES)}, got {self.dtype!r}",
+                options=("dtype",),
+            )
         if self.device is not None and (
             not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda")
         ):
-            raise ConfigError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
+            raise ConfigError(
+                f"device must be 'cpu', 'cuda' or None, got {self.device!r}", options=("device",)
+            )
         if self.pipeline_backend not in PIPELINE_BACKENDS:
             raise ConfigError(
-                f"pipeline_backend must be one of {list(PIPELINE_BACKENDS)}, got {self.pipeline_backend!r}"
+                f"pipeline_backend must be one of {list(PIPELINE_BACKENDS)}, got {self.pipeline_backend!r}",
+                options=("pipeline_backend",),
             )
         scale = self.lora_scale
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
@@ -177,22 +183,33 @@ class OmniDiffusionConfig:
 
     def _check_lora(self) -> None:
         if self.lora_backend not in LORA_BACKENDS:
-            raise ConfigError(f"lora_backend must be one of {list(LORA_BACKENDS)}, got {self.lora_backend!r}")
+            raise ConfigError(
+                f"lora_backend must be one of {list(LORA_BACKENDS)}, got {self.lora_backend!r}",
+                options=("lora_backend",),
+            )
         if self.lora_backend == "distill" and not self.startup_lora_paths:
-            raise ConfigError("lora_backend='distill' needs lora_path (one or more .safetensors files)")
+            raise ConfigError(
+                "lora_backend='distill' needs lora_path (one or more .safetensors files)",
+                options=("lora_backend", "lora_path"),
+            )
         if self.lora_backend == "distill" and not self.keep_base_weights:
             raise ConfigError(
-                "lora_backend='distill' fuses into the dense base weights and needs keep_base_weights=True"
+                "lora_backend='distill' fuses into the dense base weights and needs keep_base_weights=True",
+                options=("lora_backend", "keep_base_weights"),
             )
         startup = len(self.startup_lora_paths) if self.lora_backend == "peft" else 0
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras + startup
         if self.max_cpu_loras < self.max_loras:
-            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+                options=("max_cpu_loras", "max_loras"),
+            )
         if startup and self.max_cpu_loras < startup:
             raise ConfigError(
                 f"max_cpu_loras ({self.max_cpu_loras}) is smaller than the {startup} start-up adapter(s) of "
-                f"lora_path, which are pinned in the cache; raise max_cpu_loras"
+                f"lora_path, which are pinned in the cache; raise max_cpu_loras",
+                options=("max_cpu_loras", "lora_path"),
             )
 
     def _check_model(self) -> None:

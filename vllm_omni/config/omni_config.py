@@ -21,7 +21,6 @@ Rules (see docs/design/lora.md):
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +33,13 @@ from vllm_omni.config.fields import (
     owned_keys,
 )
 from vllm_omni.config.overrides import (
+    PYTHON_INPUT_NAMES,
     DeployConfig,
+    InputNames,
     load_deploy_config,
     parse_stage_overrides,
     split_stage_scoped_keys,
+    suggest,
 )
 from vllm_omni.config.pipeline_registry import PipelineConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig, make_stage_config
@@ -50,41 +52,42 @@ _ROUTING_KEYS = ("stage_overrides", "deploy_config")
 _SHARED_LORA_NAMES = frozenset({"max_cpu_loras", "max_loras"})
 
 
-def _normalise_aliases(options: dict[str, Any], stage_type: str) -> dict[str, Any]:
-    if stage_type == "diffusion":
-        return dict(options)
-    out = {}
-    for key, value in options.items():
-        out[LORA_FIELD_ALIASES.get(key, key)] = value
-    return out
-
-
 def _vllm_lora_keys() -> frozenset[str]:
     return lora_engine_arg_names() | frozenset(LORA_FIELD_ALIASES)
 
 
-def _suggest(key: str, candidates: set[str]) -> str:
-    match = difflib.get_close_matches(key, sorted(candidates), n=1, cutoff=0.75)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+def _where(origins: dict[str, str], key: str, label: str) -> str:
+    """``<input that set key>, stage N (type)``: where a stage's option came from."""
+    source = origins.get(key)
+    return f"{source}, {label[0].lower()}{label[1:]}" if source else label
 
 
-def _check_meta_types(label: str, meta: dict[str, Any]) -> None:
+def _check_meta_types(label: str, meta: dict[str, Any], origins: dict[str, str]) -> None:
     """Stage-level keys must have their own types (``bool("no")`` would be ``True``)."""
     for key in ("model", "model_arch"):
         value = meta.get(key)
         if value is not None and not isinstance(value, str | os.PathLike):
-            raise ConfigError(f"{label}: {key} must be a string, got {type(value).__name__}: {value!r}")
+            raise ConfigError(
+                f"{_where(origins, key, label)}: {key} must be a string, got {type(value).__name__}: {value!r}",
+                options=(key,),
+            )
     if "model" in meta and meta["model"] is not None:
         meta["model"] = os.fspath(meta["model"])
     if "final_output" in meta and not isinstance(meta["final_output"], bool):
-        raise ConfigError(f"{label}: final_output must be true or false, got {meta['final_output']!r}")
+        raise ConfigError(
+            f"{_where(origins, 'final_output', label)}: final_output must be true or false, "
+            f"got {meta['final_output']!r}",
+            options=("final_output",),
+        )
     if "engine_input_source" in meta:
         source = meta["engine_input_source"]
         if not isinstance(source, list | tuple) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in source
         ):
             raise ConfigError(
-                f"{label}: engine_input_source must be a list of stage ids (integers >= 0), got {source!r}"
+                f"{_where(origins, 'engine_input_source', label)}: engine_input_source must be a list of "
+                f"stage ids (integers >= 0), got {source!r}",
+                options=("engine_input_source",),
             )
 
 
@@ -131,6 +134,7 @@ class VllmOmniConfig:
         cli_overrides: dict[str, Any] | None = None,
         deploy_config: str | os.PathLike | dict | DeployConfig | None = None,
         model: str | None = None,
+        input_names: InputNames = PYTHON_INPUT_NAMES,
     ) -> VllmOmniConfig:
         """Resolve every input path into typed stage configs.
 
@@ -141,14 +145,18 @@ class VllmOmniConfig:
                 ``deploy_config`` entry is used when the argument is not given.
             deploy_config: deploy YAML path, dict or :class:`DeployConfig`.
             model: default model path for stages that name none.
+            input_names: how messages name the inputs (``CLI_INPUT_NAMES`` for the command line).
 
         Raises:
             ConfigError: malformed overrides, unknown stage ids, unowned/misspelled keys,
                 global vLLM LoRA options on a multi-stage pipeline, ``enable_lora`` on a
-                diffusion stage, or an invalid option value (vLLM's validation).
+                diffusion stage, or an invalid option value (vLLM's validation). Messages name
+                the input each offending value came from and the stage.
         """
         explicit = dict(cli_overrides or {})
-        stage_overrides = parse_stage_overrides(explicit.pop("stage_overrides", None))
+        stage_overrides = parse_stage_overrides(
+            explicit.pop("stage_overrides", None), input_names.stage_overrides
+        )
         deploy_source = explicit.pop("deploy_config", None)
         deploy = load_deploy_config(deploy_config if deploy_config is not None else deploy_source)
         global_opts, stage_keys = split_stage_scoped_keys(explicit)
@@ -161,8 +169,8 @@ class VllmOmniConfig:
         n = pipeline.num_stages
         deploy_opts = deploy.stage_options() if deploy is not None else {}
         for source, per_stage in (
-            ("deploy config", deploy_opts),
-            ("stage_overrides", stage_overrides),
+            (deploy.source_name if deploy is not None else "deploy config", deploy_opts),
+            (input_names.stage_overrides, stage_overrides),
             ("stage_N_<key> options", stage_keys),
         ):
             bad = sorted(i for i in per_stage if i >= n)
@@ -171,24 +179,29 @@ class VllmOmniConfig:
                     f"{source}: no stage(s) {bad} in pipeline {pipeline.name!r}, whose stages are {list(range(n))}"
                 )
 
-        routed_global = cls._route_global_options(pipeline, global_opts)
+        routed_global = cls._route_global_options(pipeline, global_opts, input_names)
         stages = []
         for stage_id, spec in enumerate(pipeline.stages):
             merged: dict[str, Any] = {}
-            for layer in (
-                spec.defaults,
-                deploy_opts.get(stage_id, {}),
-                routed_global.get(stage_id, {}),
-                stage_overrides.get(stage_id, {}),
-                stage_keys.get(stage_id, {}),
+            origins: dict[str, str] = {}  # option -> the input that set it (the last layer wins)
+            deploy_name = deploy.stage_source(stage_id) if deploy is not None else ""
+            for layer, name_of in (
+                (spec.defaults, lambda key: f"pipeline {pipeline.name!r} defaults"),
+                (deploy_opts.get(stage_id, {}), lambda key, name=deploy_name: name),
+                (routed_global.get(stage_id, {}), input_names.global_option),
+                (stage_overrides.get(stage_id, {}), lambda key: input_names.stage_overrides),
+                (stage_keys.get(stage_id, {}), lambda key, i=stage_id: f"stage_{i}_{key}"),
             ):
-                merged.update(_normalise_aliases(layer, spec.stage_type))
-            stages.append(cls._build_stage(pipeline, stage_id, merged, model))
+                for key, value in layer.items():
+                    name = key if spec.stage_type == "diffusion" else LORA_FIELD_ALIASES.get(key, key)
+                    merged[name] = value
+                    origins[name] = name_of(key)
+            stages.append(cls._build_stage(pipeline, stage_id, merged, model, origins))
         return cls(pipeline=pipeline, stages=stages, model=model)
 
     @staticmethod
     def _route_global_options(
-        pipeline: PipelineConfig, global_opts: dict[str, Any]
+        pipeline: PipelineConfig, global_opts: dict[str, Any], input_names: InputNames = PYTHON_INPUT_NAMES
     ) -> dict[int, dict[str, Any]]:
         """Decide which stages each global option applies to (see the module docstring)."""
         routed: dict[int, dict[str, Any]] = {}
@@ -217,47 +230,61 @@ class VllmOmniConfig:
                 allowed = set().union(*(owned_keys(s.stage_type) for s in pipeline.stages))
                 kinds = sorted({s.stage_type for s in pipeline.stages})
                 raise ConfigError(
-                    f"option {key!r} is not accepted by any stage of pipeline {pipeline.name!r} "
-                    f"(stage types {kinds}){_suggest(key, allowed)}"
+                    f"{input_names.global_option(key)}: option {key!r} is not accepted by any stage of "
+                    f"pipeline {pipeline.name!r} (stage types {kinds}){suggest(key, allowed)}",
+                    options=(key,),
                 )
             for i in targets:
                 routed.setdefault(i, {})[key] = value
         if rejected_lora:
             example = "{" + ", ".join(f'"{k}": ...' for k in sorted(rejected_lora)) + "}"
             raise ConfigError(
+                f"{', '.join(input_names.global_option(k) for k in sorted(rejected_lora))}: "
                 f"global vLLM LoRA option(s) {sorted(rejected_lora)} are ambiguous on multi-stage pipeline "
                 f"{pipeline.name!r}: its LLM stages are {llm_ids}, and a request's adapter only reaches the "
                 f"entry stage. Scope them to a stage instead, e.g. "
                 f'stage_overrides={{"{llm_ids[0] if llm_ids else 0}": {example}}} in Python, '
                 f"--stage-overrides '{{\"{llm_ids[0] if llm_ids else 0}\": {example}}}' on the command line, "
-                f"stage_{llm_ids[0] if llm_ids else 0}_<option>=..., or the stage's deploy YAML entry."
+                f"stage_{llm_ids[0] if llm_ids else 0}_<option>=..., or the stage's deploy YAML entry.",
+                options=sorted(rejected_lora),
             )
         return routed
 
     @staticmethod
     def _build_stage(
-        pipeline: PipelineConfig, stage_id: int, merged: dict[str, Any], default_model: str | None
+        pipeline: PipelineConfig,
+        stage_id: int,
+        merged: dict[str, Any],
+        default_model: str | None,
+        origins: dict[str, str] | None = None,
     ) -> BaseVllmOmniStageConfig:
         spec = pipeline.stages[stage_id]
         label = f"Stage {stage_id} ({spec.stage_type})"
+        origins = origins or {}
         if "stage_type" in merged and merged.pop("stage_type") != spec.stage_type:
-            raise ConfigError(f"{label}: stage_type cannot be changed from {spec.stage_type!r} by options")
+            raise ConfigError(
+                f"{_where(origins, 'stage_type', label)}: stage_type cannot be changed from "
+                f"{spec.stage_type!r} by options",
+                options=("stage_type",),
+            )
         meta = {k: merged.pop(k) for k in list(merged) if k in STAGE_META_KEYS}
         allowed = owned_keys(spec.stage_type)
         if spec.stage_type == "diffusion":
             vllm_lora = sorted(k for k in merged if k in _vllm_lora_keys() and k not in DIFFUSION_LORA_FIELDS)
             if vllm_lora:
                 raise ConfigError(
-                    f"{label} does not accept vLLM LoRA option(s) {vllm_lora}: diffusion stages use the "
-                    f"diffusion LoRA manager; set {' / '.join(sorted(DIFFUSION_LORA_FIELDS))} on this stage instead"
+                    f"{'; '.join(_where(origins, k, label) for k in vllm_lora)}: {label} does not accept vLLM LoRA option(s) {vllm_lora}: diffusion stages use the "
+                    f"diffusion LoRA manager; set {' / '.join(sorted(DIFFUSION_LORA_FIELDS))} on this stage instead",
+                    options=vllm_lora,
                 )
         unknown = sorted(k for k in merged if k not in allowed)
         if unknown:
-            hints = "; ".join(f"{k!r}{_suggest(k, set(allowed) | STAGE_META_KEYS)}" for k in unknown)
-            raise ConfigError(
-                f"{label} of pipeline {pipeline.name!r} has option(s) that no structured stage config owns: {hints}"
+            hints = "; ".join(
+                f"{_where(origins, k, label)}: unknown option {k!r}{suggest(k, set(allowed) | STAGE_META_KEYS)}"
+                for k in unknown
             )
-        _check_meta_types(label, meta)
+            raise ConfigError(f"{hints} (pipeline {pipeline.name!r})", options=unknown)
+        _check_meta_types(label, meta, origins)
         source = meta.get("engine_input_source", list(spec.engine_input_source))
         model = meta.get("model") or default_model
         if model is not None and spec.model_subfolder and not meta.get("model"):
@@ -270,4 +297,5 @@ class VllmOmniConfig:
             engine_input_source=list(source),
             final_output=bool(meta.get("final_output", spec.final_output)),
             options=merged,
+            origins=origins,
         )

@@ -9,14 +9,64 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from vllm_omni.errors import ConfigError
+from vllm_omni.errors import ConfigError, did_you_mean
 
 _STAGE_KEY = re.compile(r"^stage_(\d+)_(.+)$")
+
+
+@dataclass(frozen=True)
+class InputNames:
+    """How error messages name each input path: the Python spellings by default,
+    :data:`CLI_INPUT_NAMES` for ``vllm serve ... --omni``."""
+
+    stage_overrides: str = "stage_overrides"
+    cli: bool = False
+
+    def global_option(self, key: str) -> str:
+        """The name of global option ``key``: ``--max-lora-rank`` or ``keyword argument 'max_lora_rank'``."""
+        return f"--{key.replace('_', '-')}" if self.cli else f"keyword argument {key!r}"
+
+
+PYTHON_INPUT_NAMES = InputNames()
+CLI_INPUT_NAMES = InputNames(stage_overrides="--stage-overrides", cli=True)
+
+
+suggest = did_you_mean  # `` (did you mean 'x'?)`` for the closest candidate, or ``""``
+
+
+def validation_problems(exc: ValidationError) -> list[tuple[tuple, str, str, Any]]:
+    """``(loc, type, text, input)`` of each error in a pydantic ``ValidationError``; ``text`` is
+    the raising validator's own message for value errors, pydantic's short ``msg`` otherwise."""
+    out = []
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        kind = err.get("type", "")
+        text = str(cause) if kind == "value_error" and cause is not None else err["msg"]
+        out.append((tuple(err.get("loc", ())), kind, text, err.get("input")))
+    return out
+
+
+def _loc_path(loc: tuple) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+
+
+def _deploy_schema_error(name: str, exc: ValidationError) -> ConfigError:
+    """``deploy config <file>, stages[1].stage_id: <what is wrong> (got <value>)`` per error."""
+    lines = []
+    for loc, kind, text, value in validation_problems(exc):
+        where = f"{name}, {_loc_path(loc)}" if loc else name
+        if kind == "extra_forbidden" and loc:
+            allowed = list(DeployConfig.model_fields)
+            lines.append(f"{where}: unknown key{suggest(str(loc[-1]), allowed)}; allowed: {allowed}")
+        else:
+            lines.append(f"{where}: {text} (got {value!r})")
+    return ConfigError("; ".join(lines))
 
 
 def _stage_id(key: Any, source: str) -> int:
@@ -108,13 +158,14 @@ class DeployStageEntry(BaseModel):
             raise ValueError(f"stage_id must be an integer, got {value!r}")
         return value
 
-    def options(self) -> dict[str, Any]:
-        """Top-level fields merged with ``engine_extras`` (a key in both is an error)."""
+    def options(self, source: str = "deploy config") -> dict[str, Any]:
+        """Top-level fields merged with ``engine_extras`` (a key in both is an error naming ``source``)."""
         top = dict(self.model_extra or {})
         both = sorted(set(top) & set(self.engine_extras))
         if both:
             raise ConfigError(
-                f"deploy config stage {self.stage_id}: {both} set both as stage fields and in engine_extras"
+                f"{source}, stage {self.stage_id}: {both} set both as stage fields and in engine_extras",
+                options=both,
             )
         return {**top, **self.engine_extras}
 
@@ -127,14 +178,27 @@ class DeployConfig(BaseModel):
     pipeline: str | None = None
     model: str | None = None
     stages: list[DeployStageEntry] = Field(default_factory=list)
+    _source_name: str = PrivateAttr(default="deploy config")
+
+    @property
+    def source_name(self) -> str:
+        """How messages name this config: ``deploy config '<file>'`` (or ``deploy config``)."""
+        return self._source_name
+
+    def stage_source(self, stage_id: int) -> str:
+        """``deploy config '<file>', stages[<i>]``: where stage ``stage_id``'s entry is."""
+        for i, entry in enumerate(self.stages):
+            if entry.stage_id == stage_id:
+                return f"{self.source_name}, stages[{i}]"
+        return self.source_name
 
     def stage_options(self) -> dict[int, dict[str, Any]]:
         """``{stage_id: options}``; a stage id listed twice is an error."""
         out: dict[int, dict[str, Any]] = {}
         for entry in self.stages:
             if entry.stage_id in out:
-                raise ConfigError(f"deploy config: stage_id {entry.stage_id} is listed twice")
-            out[entry.stage_id] = entry.options()
+                raise ConfigError(f"{self.source_name}: stage_id {entry.stage_id} is listed twice")
+            out[entry.stage_id] = entry.options(self.stage_source(entry.stage_id))
         return out
 
 
@@ -162,6 +226,8 @@ def load_deploy_config(source: str | os.PathLike | dict | DeployConfig | None) -
     if not isinstance(data, dict):
         raise ConfigError(f"{name} must be a mapping with a 'stages:' list, got {type(data).__name__}")
     try:
-        return DeployConfig.model_validate(data)
+        deploy = DeployConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{name} is invalid: {exc}") from exc
+        raise _deploy_schema_error(name, exc) from exc
+    deploy._source_name = name
+    return deploy

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import ConfigDict
+from pydantic import ConfigDict, ValidationError
 from vllm.config import CacheConfig, LoadConfig
 from vllm.config.utils import config
 
 from vllm_omni.config.diffusion import OmniDiffusionConfig
-from vllm_omni.config.fields import LLM_STAGE_TYPES, STAGE_TYPES, concern_engine_fields
+from vllm_omni.config.fields import LLM_STAGE_TYPES, LORA_FIELD_ALIASES, STAGE_TYPES, concern_engine_fields
 from vllm_omni.config.lora import OmniStageLoRAConfig
+from vllm_omni.config.overrides import validation_problems
 from vllm_omni.errors import ConfigError
 
 
@@ -63,6 +64,8 @@ class BaseVllmOmniStageConfig:
         engine_input_source: ids of the stages whose outputs feed this one.
         final_output: whether this stage's output is returned to the caller.
         options: the resolved explicit options (engine/diffusion option names).
+        origins: option name -> the input that set it (``--stage-overrides``, ``deploy config
+            'd.yaml', stages[0]``, ...); errors name it.
     """
 
     stage_id: int
@@ -72,6 +75,7 @@ class BaseVllmOmniStageConfig:
     engine_input_source: list[int] = field(default_factory=list)
     final_output: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stage_type not in STAGE_TYPES:
@@ -87,6 +91,29 @@ class BaseVllmOmniStageConfig:
     @property
     def label(self) -> str:
         return f"Stage {self.stage_id} ({self.stage_type})"
+
+    def where(self, keys: Any) -> str:
+        """``<inputs that set keys>, stage N (type)``; just the stage label when none is known."""
+        sources = list(dict.fromkeys(self.origins[k] for k in keys if k in self.origins))
+        stage = f"stage {self.stage_id} ({self.stage_type})"
+        return f"{' and '.join(sources)}, {stage}" if sources else self.label
+
+    def option_error(self, keys: Any, exc: Exception, what: str) -> ConfigError:
+        """A :class:`ConfigError` for ``exc`` raised while checking the options ``keys``: one
+        ``<input>, stage N (type): <key>=<value>: <problem>`` per pydantic error, else
+        ``<inputs>, stage N (type): <what> <keys>: <exc>``."""
+        keys = sorted(keys)
+        if isinstance(exc, ValidationError):
+            lines = []
+            for loc, _, text, value in validation_problems(exc):
+                key = LORA_FIELD_ALIASES.get(str(loc[0]), str(loc[0])) if loc else None
+                if key in self.options:
+                    lines.append(f"{self.where([key])}: {key}={value!r}: {text}")
+                else:
+                    lines.append(f"{self.where(keys)}: {what} {keys}: {text}")
+            return ConfigError("; ".join(lines), options=keys)
+        named = [k for k in getattr(exc, "options", ()) if k in self.options] or keys
+        return ConfigError(f"{self.where(named)}: {what} {named}: {exc}", options=named)
 
 
 @dataclass
@@ -111,19 +138,23 @@ class LLMStageConfig(BaseVllmOmniStageConfig):
         enable = self.options.get("enable_lora")
         if enable is not None and not isinstance(enable, bool):
             # a string such as "false" is truthy and would silently turn LoRA on
-            raise ConfigError(f"{self.label}: enable_lora must be true or false, got {enable!r}")
+            raise ConfigError(
+                f"{self.where(['enable_lora'])}: enable_lora must be true or false, got {enable!r}",
+                options=("enable_lora",),
+            )
         if enable:
+            lora_keys = [k for k in self.options if k in concerns["lora"] and k != "enable_lora"]
             try:
                 self.lora_config = OmniStageLoRAConfig.from_engine_options(self.options)
             except Exception as exc:  # pydantic.ValidationError or ValueError
-                raise ConfigError(f"{self.label}: invalid LoRA option(s): {exc}") from exc
+                raise self.option_error(lora_keys, exc, "invalid LoRA option(s)") from exc
 
     def _build(self, concern: str, cls, names: frozenset[str]):
         kwargs = {k: v for k, v in self.options.items() if k in names}
         try:
             return cls(**kwargs)
         except Exception as exc:
-            raise ConfigError(f"{self.label}: invalid {concern} option(s) {sorted(kwargs)}: {exc}") from exc
+            raise self.option_error(kwargs, exc, f"invalid {concern} option(s)") from exc
 
 
 @dataclass
@@ -158,9 +189,10 @@ class DiffusionStageConfig(BaseVllmOmniStageConfig):
         try:
             self.diffusion_config = OmniDiffusionConfig(**self.options)
         except ConfigError as exc:
-            raise ConfigError(f"{self.label}: {exc}") from exc
+            named = [k for k in exc.options if k in self.options]  # none known: the stage label alone
+            raise ConfigError(f"{self.where(named)}: {exc}", options=exc.options) from exc
         except TypeError as exc:  # an option that is no OmniDiffusionConfig field
-            raise ConfigError(f"{self.label}: invalid diffusion option(s): {exc}") from exc
+            raise self.option_error(self.options, exc, "invalid diffusion option(s)") from exc
 
     @property
     def lora_config(self) -> None:

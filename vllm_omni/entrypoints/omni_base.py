@@ -10,7 +10,7 @@ from typing import Any
 from vllm import SamplingParams
 
 from vllm_omni.config.omni_config import VllmOmniConfig
-from vllm_omni.config.overrides import load_deploy_config
+from vllm_omni.config.overrides import PYTHON_INPUT_NAMES, InputNames, load_deploy_config
 from vllm_omni.config.pipeline_registry import (
     pipeline_for_model,
     read_model_dir_config,
@@ -26,12 +26,15 @@ def build_omni_config(
     model: str | None,
     pipeline: str | None = None,
     deploy_config: Any = None,
+    *,
+    input_names: InputNames = PYTHON_INPUT_NAMES,
     **kwargs: Any,
 ) -> VllmOmniConfig:
     """Resolve the pipeline and every option into a :class:`VllmOmniConfig`.
 
     The pipeline is, in order: ``pipeline=`` (a registered name), the deploy config's
     ``pipeline:``, or the single-stage default derived from ``model``'s directory.
+    ``input_names`` says how errors name the inputs (``CLI_INPUT_NAMES`` for ``serve``).
     """
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -51,7 +54,7 @@ def build_omni_config(
             hf_config = cfg if kind == "llm" else None
         resolved = resolve_pipeline_config(name, hf_config)
     return VllmOmniConfig.from_pipeline_config(
-        resolved, cli_overrides=kwargs, deploy_config=deploy, model=model
+        resolved, cli_overrides=kwargs, deploy_config=deploy, model=model, input_names=input_names
     )
 
 

@@ -4,36 +4,51 @@ vLLM's own CLI (``vllm.entrypoints.cli.main``) checks ``sys.argv`` for ``--omni`
 parsing anything and, when it is there, calls :func:`main` here with ``sys.argv``
 untouched. So ``vllm serve <model> --omni [flags]`` and ``vllm-omni serve <model> [flags]``
 run the same code; ``--omni`` itself is accepted and ignored.
+
+This module imports neither vLLM nor torch: ``--help`` and unknown flags are answered from
+the cache of :mod:`vllm_omni.entrypoints.cli.fast` when it is warm; the full parser (which
+needs vLLM's ``EngineArgs``) is built only for everything else.
 """
 
 from __future__ import annotations
 
 import sys
 
-from vllm_omni.entrypoints.cli.serve import USAGE, make_serve_parser, run_serve
+from vllm_omni.entrypoints.cli import fast
 
 
 def make_parser():
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    """The ``vllm-omni`` parser with its ``serve`` subcommand (imports vLLM)."""
+    from vllm_omni.entrypoints.cli.serve import USAGE, OmniArgumentParser, make_serve_parser
 
-    parser = FlexibleArgumentParser(prog="vllm-omni", description="vllm-omni command line")
+    parser = OmniArgumentParser(prog="vllm-omni", description="vllm-omni command line", allow_abbrev=False)
     sub = parser.add_subparsers(dest="subcommand")
     serve = sub.add_parser(
         "serve",
         usage=USAGE,
         help="Start the OpenAI-compatible server for a pipeline.",
         description="Start an OpenAI-compatible HTTP server over AsyncOmni.",
+        allow_abbrev=False,
     )
     make_serve_parser(serve)
+    parser.serve_parser = serve
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``serve``); ``argv`` defaults to ``sys.argv[1:]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    answered = fast.try_fast(argv)
+    if answered is not None:  # as argparse would: exit, except for the bare command
+        if argv:
+            raise SystemExit(answered)
+        return answered
     parser = make_parser()
+    fast.save(parser, parser.serve_parser)
     args = parser.parse_args(argv)
     if args.subcommand == "serve":
+        from vllm_omni.entrypoints.cli.serve import run_serve
+
         run_serve(args)
         return 0
     parser.print_help()

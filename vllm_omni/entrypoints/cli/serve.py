@@ -26,7 +26,10 @@ import os
 import sys
 from typing import Any
 
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
 from vllm_omni.config.diffusion import LORA_BACKENDS
+from vllm_omni.entrypoints.cli.fast import unknown_flags_message
 from vllm_omni.entrypoints.openai.settings import OmniLaunch, ServerSettings
 from vllm_omni.errors import ConfigError
 
@@ -34,6 +37,22 @@ USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [option
 
 # Dests of EngineArgs flags that configure the HTTP server, not a stage.
 _FRONTEND_ENGINE_DESTS = ("served_model_name",)
+
+
+class OmniArgumentParser(FlexibleArgumentParser):
+    """vLLM's parser (``--snake_case`` flags, ``--help=<topic>``, JSON dotted forms) with
+    ``allow_abbrev=False`` and a spelling suggestion for each unknown flag, as for options."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a.partition("=")[0] for a in extras if a.startswith("--")]
+        if unknown and self._subparsers is None:  # the leaf parser knows its options
+            self.error(unknown_flags_message(unknown, [s for a in self._actions for s in a.option_strings]))
+        return namespace, extras
 
 
 def _add_frontend_args(parser: argparse.ArgumentParser) -> None:
@@ -112,16 +131,15 @@ def _add_omni_args(parser: argparse.ArgumentParser) -> None:
 
 
 def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Add the ``serve`` flags to ``parser`` (a new ``FlexibleArgumentParser`` when ``None``).
+    """Add the ``serve`` flags to ``parser`` (a new :class:`OmniArgumentParser` when ``None``).
 
     vLLM's engine flags are added with suppressed defaults, so the parsed namespace holds
     only the engine flags that were actually given.
     """
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     if parser is None:
-        parser = FlexibleArgumentParser(prog="vllm-omni serve", usage=USAGE)
+        parser = OmniArgumentParser(prog="vllm-omni serve", usage=USAGE)
     parser.add_argument("model_tag", nargs="?", default=None, help="Model directory or hub id.")
     _add_frontend_args(parser)
     _add_omni_args(parser)

@@ -29,9 +29,12 @@ class OmniLaunch:
         Raises:
             ValueError / KeyError (``ConfigError`` where classified): the options do not resolve.
         """
+        from vllm_omni.config.overrides import CLI_INPUT_NAMES
         from vllm_omni.entrypoints.omni_base import build_omni_config
 
-        return build_omni_config(self.model, self.pipeline, self.deploy_config, **self.options)
+        return build_omni_config(
+            self.model, self.pipeline, self.deploy_config, input_names=CLI_INPUT_NAMES, **self.options
+        )
 
 
 @dataclass
