@@ -207,7 +207,9 @@ class AdapterRegistry:
                 continue
             resolved = os.path.realpath(opened)
             if not any(_inside(resolved, root) for root in self.roots):
-                shown = os.path.join(path, os.path.basename(opened)) if files.is_directory else path
+                folder = path if files.is_directory else os.path.dirname(path)
+                shown = path if opened == files.weights and not files.is_directory else None
+                shown = shown or os.path.join(folder, os.path.basename(opened))
                 raise bad_request(
                     f"adapter file {shown!r} is not allowed: it resolves outside the server's --lora-dirs "
                     f"roots (every file of a request adapter must lie inside them)",
