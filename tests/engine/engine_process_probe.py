@@ -11,6 +11,9 @@ Modes:
         1-, 2- and 4-token prompts with and without an adapter.
     ``short-prompts-no-amx``: the same with :func:`vllm_omni.platform.request_amx_permission`
         disabled (the control run: on AMX CPUs it must die with SIGILL).
+    ``raw-targets``: raw ``vllm.LLM`` (float32) with ``lora_target_modules`` from the JSON list in
+        ``$PROBE_TARGETS``, one greedy request with ``adapter_a``; ``outputs`` holds its token ids,
+        or ``error`` what vLLM raised.
 
 vLLM's general plugins are disabled with ``VLLM_PLUGINS`` set by the caller where the run
 must not get vllm_omni's plugin (an installed checkout registers it).
@@ -94,6 +97,33 @@ def _short_prompts(assets: Path, with_permission: bool) -> dict:
     return {"outputs": out}
 
 
+def _raw_targets(assets: Path) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    targets = json.loads(os.environ["PROBE_TARGETS"])
+    llm = LLM(
+        str(assets / "model"),
+        enable_lora=True,
+        max_lora_rank=16,
+        lora_target_modules=targets,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+    try:
+        result = llm.generate(
+            MIXED_PROMPTS[0],
+            params,
+            lora_request=LoRARequest("a", 1, str(assets / "adapter_a")),
+            use_tqdm=False,
+        )
+    except Exception as exc:  # vLLM refusing the adapter is one of the answers
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"outputs": list(result[0].outputs[0].token_ids)}
+
+
 def run_probe(mode: str, assets_dir: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
     """Run ``engine_process_probe.py MODE`` in a fresh interpreter with this checkout first on the path."""
     full_env = {**os.environ, **env}
@@ -120,6 +150,8 @@ def main(argv: list[str]) -> int:
     mode, assets = argv[0], Path(argv[1])
     if mode == "raw-mixed":
         result = _raw_mixed(assets)
+    elif mode == "raw-targets":
+        result = _raw_targets(assets)
     elif mode in ("short-prompts", "short-prompts-no-amx"):
         result = _short_prompts(assets, with_permission=mode == "short-prompts")
     else:

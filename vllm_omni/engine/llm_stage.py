@@ -63,6 +63,15 @@ def check_model_class(stage: LLMStageConfig) -> None:
         )
 
 
+def lora_compute_dtype(vllm_config: Any) -> Any:
+    """The dtype vLLM computes LoRA in: the resolved ``lora_dtype``, else the model's dtype."""
+    import torch
+
+    lora_config = getattr(vllm_config, "lora_config", None)
+    dtype = getattr(lora_config, "lora_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else vllm_config.model_config.dtype
+
+
 @dataclass(slots=True)
 class _Pending:
     request_id: str
@@ -90,7 +99,9 @@ class LLMStageEngine(StageDriver):
         prepare_engine_process()
         engine_args = project_stage_engine_args(stage)
         self.validator = (
-            LLMAdapterValidator(stage.label, stage.model, stage.lora_config) if stage.lora_config else None
+            LLMAdapterValidator(stage.label, stage.model, stage.lora_config, stage.model_arch)
+            if stage.lora_config
+            else None
         )
         self._ids = itertools.count()
         self._init_driver()
@@ -125,6 +136,8 @@ class LLMStageEngine(StageDriver):
     def _run(self, engine_cls, engine_args, started: Future) -> None:
         try:
             self._engine = engine_cls.from_engine_args(engine_args)
+            if self.validator is not None:
+                self.validator.compute_dtype = lora_compute_dtype(self._engine.vllm_config)
         except BaseException as exc:
             started.set_exception(exc)
             return

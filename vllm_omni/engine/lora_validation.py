@@ -15,9 +15,17 @@ Checks, in order:
    ``lora_alpha``, and only finite floating-point ``lora_A``/``lora_B`` pairs;
 2. vLLM's own ``PEFTHelper`` applies vLLM's legality rules (rank <= ``max_lora_rank`` incl.
    ``rank_pattern``, no DoRA, no bias, no ``modules_to_save`` ...);
-3. every module is a linear layer that exists in the model (and, when the stage sets
-   ``lora_target_modules``, is one of them); ``lora_A`` is ``[r, in_features]`` and
-   ``lora_B`` ``[out_features, r]`` with ``r`` the rank the config declares for that module.
+3. every module is a linear layer that exists in the model; ``lora_A`` is ``[r, in_features]``
+   and ``lora_B`` ``[out_features, r]`` with ``r`` the rank the config declares for that module;
+4. when the stage sets ``lora_target_modules``, vLLM will wrap the layer that module runs in:
+   the check is vLLM's own ``is_in_target_modules`` on the runtime name (``q_proj`` runs in the
+   packed ``qkv_proj`` per the model class's ``packed_modules_mapping``, so ``["qkv_proj"]``
+   covers a ``q_proj`` adapter, and ``["q_proj"]`` covers all of ``qkv_proj``). A module vLLM
+   would not wrap is refused: vLLM would load it and silently leave it out;
+5. the update of every module is representable in the engine's LoRA dtype
+   (:func:`~vllm_omni.lora.adapter_files.update_range_problem`): a finite ``lora_alpha`` of 1e300,
+   or finite weights that overflow there, would otherwise write inf into the shared LoRA
+   buffers and corrupt every later request of the stage.
 
 The model's linear layers come from the stage's HF config instantiated on the meta
 device with transformers (no weights are read).
@@ -39,6 +47,7 @@ from vllm_omni.lora.adapter_files import (
     pair_lora_tensors,
     read_adapter_config,
     read_safetensors,
+    update_range_problem,
 )
 from vllm_omni.lora.request import LoRARequest
 
@@ -65,6 +74,35 @@ def _linear_shapes(model_path: str) -> dict[str, tuple[int, int]]:
     }
 
 
+@lru_cache(maxsize=8)
+def _architecture(model_path: str) -> str | None:
+    from transformers import AutoConfig
+
+    return (getattr(AutoConfig.from_pretrained(model_path), "architectures", None) or [None])[0]
+
+
+@lru_cache(maxsize=8)
+def packed_modules_mapping(model_arch: str | None) -> dict[str, list[str]]:
+    """vLLM's ``packed_modules_mapping`` of the model class (``{"qkv_proj": ["q_proj", ...]}``);
+    ``{}`` when the architecture is unknown to vLLM's registry or packs nothing."""
+    from vllm import ModelRegistry
+
+    registered = ModelRegistry.models.get(model_arch) if model_arch else None
+    if registered is None:
+        return {}
+    mapping = getattr(registered.load_model_cls(), "packed_modules_mapping", None) or {}
+    return {parent: list(children) for parent, children in mapping.items()}
+
+
+def runtime_module_name(module: str, packed: dict[str, list[str]]) -> str:
+    """The name of the vLLM layer an adapter module runs in (``...q_proj`` -> ``...qkv_proj``)."""
+    prefix, _, suffix = module.rpartition(".")
+    for parent, children in packed.items():
+        if suffix in children:
+            return f"{prefix}.{parent}" if prefix else parent
+    return module
+
+
 class LLMAdapterValidator:
     """Validates adapters for one LLM stage and remembers the ones that passed.
 
@@ -72,12 +110,25 @@ class LLMAdapterValidator:
         stage_label: e.g. ``"Stage 0 (llm_ar)"``, used in messages.
         model_path: the stage's model directory (its ``config.json`` gives layer shapes).
         lora_config: the stage's LoRA options (rank limit, target modules).
+        model_arch: the vLLM model class name (its ``packed_modules_mapping`` maps adapter
+            modules to the layers ``lora_target_modules`` selects).
+        compute_dtype: the dtype the engine computes LoRA in; the engine sets the resolved
+            one (:attr:`compute_dtype`) once it is built.
     """
 
-    def __init__(self, stage_label: str, model_path: str, lora_config: LoRAConfig):
+    def __init__(
+        self,
+        stage_label: str,
+        model_path: str,
+        lora_config: LoRAConfig,
+        model_arch: str | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
         self.stage_label = stage_label
         self.model_path = model_path
         self.lora_config = lora_config
+        self.model_arch = model_arch
+        self.compute_dtype = compute_dtype
         self._passed: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -142,25 +193,45 @@ class LLMAdapterValidator:
 
     def _check_shapes(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str, helper) -> None:
         shapes = _linear_shapes(self.model_path)
-        targets = self.lora_config.target_modules
         problems: list[str] = []
         for key, (a, b) in sorted(pairs.items()):
             module = key.removeprefix(_PEFT_PREFIX)
             if module not in shapes:
                 problems.append(f"{module}: no linear layer of that name in the model")
                 continue
-            if targets and module.rsplit(".", 1)[-1] not in targets:
-                problems.append(f"{module}: not in the stage's lora_target_modules {targets}")
+            untargeted = self._untargeted(module)
+            if untargeted:
+                problems.append(untargeted)
                 continue
             d_in, d_out = shapes[module]
-            rank, _ = helper.get_rank_and_scaling(module)
+            rank, scaling = helper.get_rank_and_scaling(module)
             if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
                 problems.append(
                     f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit; expected "
                     f"({rank}, {d_in}) / ({d_out}, {rank}) for rank {rank} on a {d_in}->{d_out} layer"
                 )
+                continue
+            overflow = update_range_problem(a, b, scaling, self.compute_dtype)
+            if overflow:
+                problems.append(f"{module}: {overflow}")
         if problems:
             raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {_summary(problems)}")
+
+    def _untargeted(self, module: str) -> str | None:
+        """Why vLLM would not apply ``module`` under the stage's ``lora_target_modules`` (``None``: it would)."""
+        from vllm.lora.utils import is_in_target_modules
+
+        targets = self.lora_config.target_modules
+        if targets is None:
+            return None
+        packed = packed_modules_mapping(self.model_arch or _architecture(self.model_path))
+        runtime = runtime_module_name(module, packed)
+        if is_in_target_modules(runtime, list(targets), packed):
+            return None
+        layer = (
+            "" if runtime == module else f" (it runs in vLLM's packed layer {runtime.rsplit('.', 1)[-1]!r})"
+        )
+        return f"{module}: not covered by the stage's lora_target_modules {list(targets)}{layer}"
 
 
 def _summary(problems: list[str]) -> str:

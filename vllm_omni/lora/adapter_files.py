@@ -12,6 +12,8 @@ adapter registry (:mod:`vllm_omni.entrypoints.openai.lora`).
   ``r``, a non-finite alpha) and features this runtime does not implement (:func:`check_lora_config`).
 * :func:`read_safetensors`: tensors and header metadata, with safetensors only.
 * :func:`pair_lora_tensors`: ``lora_A`` / ``lora_B`` grouped per module, floating-point and finite.
+* :func:`update_range_problem`: whether one module's update ``s * B @ A`` stays representable in the
+  dtype a stage computes in (each gate calls it with its own compute dtype).
 * :func:`declared_rank_alpha`: a module's ``r`` / ``lora_alpha`` after ``rank_pattern`` /
   ``alpha_pattern``, matched with peft's ``get_pattern_key``.
 
@@ -276,6 +278,51 @@ def _check_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, source:
         raise LoRAFormatError(f"{source}: module {module!r} holds NaN or inf weights")
 
 
+def _as_float32(tensor: torch.Tensor, key: str, source: str) -> torch.Tensor:
+    converted = tensor.detach().to("cpu", torch.float32)
+    if tensor.dtype == torch.float64 and not torch.isfinite(converted).all() and torch.isfinite(tensor).all():
+        raise LoRAFormatError(
+            f"{source}: tensor {key!r} holds float64 values beyond the float32 range "
+            f"(max |w| = {float(tensor.abs().max()):.3g}); adapters are computed in float32 or narrower"
+        )
+    return converted
+
+
+def update_range_problem(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> str | None:
+    """Why one module's LoRA update cannot be computed in ``dtype``, or ``None`` when it can.
+
+    Args:
+        lora_a: ``A``, ``[r, in_features]``, any float dtype.
+        lora_b: ``B``, ``[out_features, r]`` (pass ``s * B`` with ``scaling=1`` when pre-scaled).
+        scaling: the adapter scaling ``s`` (``lora_alpha / r`` or ``lora_alpha / sqrt(r)``).
+        dtype: the floating-point dtype the stage computes the update in.
+
+    The update must be representable: ``s``, ``A`` and ``s * B`` finite in ``dtype``, and the bound
+    ``|s| * max|B| * max|A| * in_features`` on one output of the update for inputs of magnitude <= 1
+    at most ``sqrt(finfo(dtype).max)``, since the layers that follow square their inputs (norms,
+    attention scores): a larger update turns a whole batch into inf / NaN in that dtype. The bound
+    is computed in float64, so the check itself never overflows.
+    """
+    info = torch.finfo(dtype)
+    s = abs(float(scaling))
+    if not math.isfinite(s) or s > info.max:
+        return f"its scaling {s:.3g} is not representable in {dtype} (max {info.max:.3g})"
+    max_a = float(lora_a.detach().abs().max().double()) if lora_a.numel() else 0.0
+    max_b = float(lora_b.detach().abs().max().double()) if lora_b.numel() else 0.0
+    if max_a > info.max or s * max_b > info.max:
+        return f"its weights (max |A| {max_a:.3g}, max |s*B| {s * max_b:.3g}) overflow {dtype} (max {info.max:.3g})"
+    bound = s * max_b * max_a * int(lora_a.shape[-1])
+    limit = math.sqrt(info.max)
+    if bound > limit:
+        return (
+            f"its update bound |s|*max|B|*max|A|*in_features = {bound:.3g} exceeds {limit:.3g} "
+            f"(sqrt of the {dtype} max: the layers after it would overflow to inf/NaN)"
+        )
+    return None
+
+
 def pair_lora_tensors(
     state_dict: Mapping[str, torch.Tensor], source: str, *, allow_alpha_keys: bool = False
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]:
@@ -309,7 +356,7 @@ def pair_lora_tensors(
                 raise LoRAFormatError(
                     f"{source}: module {match['module']!r} appears twice (several adapters?)"
                 )
-            target[match["module"]] = tensor.detach().to("cpu", torch.float32)
+            target[match["module"]] = _as_float32(tensor, key, source)
         elif allow_alpha_keys and _ALPHA_KEY.match(key) and tensor.numel() == 1:
             alphas[_ALPHA_KEY.match(key)["module"]] = float(tensor.reshape(()).float().item())
         else:

@@ -27,6 +27,7 @@ from vllm.lora.request import LoRARequest
 from vllm_omni.errors import InvalidRequestError
 
 __all__ = [
+    "MAX_ADAPTER_SCALE",
     "LoRARequest",
     "RequestAdapter",
     "gather_request_adapters",
@@ -34,6 +35,12 @@ __all__ = [
     "to_request_adapters",
     "validate_request_adapters",
 ]
+
+
+#: The largest ``|scale|`` one adapter may have in one request, on every path (Python
+#: ``lora_scales`` / ``OmniDiffusionSamplingParams`` and the HTTP ``lora`` field). Beyond it an
+#: adapter's delta dwarfs the base weights, which is never a useful setting and easily overflows.
+MAX_ADAPTER_SCALE = 100.0
 
 
 def stable_lora_int_id(path: str) -> int:
@@ -80,8 +87,9 @@ def validate_request_adapters(
     Raises:
         InvalidRequestError: more than ``max_loras`` adapters, an entry that is not a
             ``LoRARequest`` with a positive ``lora_int_id`` and a ``lora_path``, the same
-            ``lora_int_id`` twice, or a scale that is not a finite number; the message names the
-            field and position (``lora_requests[1]``, ``lora_scales[1]``) or ``max_loras``.
+            ``lora_int_id`` twice, or a scale that is not a finite number in
+            ``[-MAX_ADAPTER_SCALE, MAX_ADAPTER_SCALE]``; the message names the field and position
+            (``lora_requests[1]``, ``lora_scales[1]``) or ``max_loras``.
     """
     if max_loras is not None and len(adapters) > max_loras:
         raise InvalidRequestError(
@@ -110,10 +118,16 @@ def validate_request_adapters(
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} appears twice; list each adapter once")
         seen.add(lora_id)
         if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not math.isfinite(scale)
+            or abs(scale) > MAX_ADAPTER_SCALE
         ):
             scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
-            raise InvalidRequestError(f"{scale_name} must be a finite number, got {scale!r}")
+            raise InvalidRequestError(
+                f"{scale_name} must be a finite number in [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}], "
+                f"got {scale!r:.50}"
+            )
         out.append(adapter if scale is None or type(scale) is float else RequestAdapter(lora, float(scale)))
     return tuple(out)
 

@@ -15,7 +15,8 @@ or ``/v1/load_lora_adapter``).
 
 Paths in requests are served only when they are inside a ``--lora-dirs`` root after
 ``realpath`` (so ``..`` and symlinks leading out are refused) or were registered at
-start-up; remote locations (URLs, hub ids) only with ``--allow-remote-lora``. A refusal
+start-up; every file read for such an adapter (``adapter_config.json``, the weights) must resolve
+inside a root as well. Remote locations (URLs, hub ids) only with ``--allow-remote-lora``. A refusal
 says the same thing whether or not the target exists. Pickle-only adapters are refused.
 """
 
@@ -29,10 +30,10 @@ from typing import Any
 from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.adapter_files import locate_adapter
+from vllm_omni.lora.request import MAX_ADAPTER_SCALE as MAX_SCALE
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
 ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id")
-MAX_SCALE = 100.0
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ITEMS = 16  # hard cap before any per-pipeline limit
@@ -189,7 +190,31 @@ class AdapterRegistry:
         if real not in self.startup_paths and not any(_inside(real, root) for root in self.roots):
             raise self._refused(path)
         check_adapter_files(real, path)
+        if real not in self.startup_paths:
+            self._check_files_inside(real, path)
         return real
+
+    def _check_files_inside(self, real: str, path: str) -> None:
+        """Every file the adapter is read from (weights and config) must resolve inside a root too:
+        a symlink in an allowed folder must not lead the server to open a file outside it.
+
+        Raises:
+            OpenAIError: (400) naming the file (as the client would see it) that leads outside.
+        """
+        files = locate_adapter(real)
+        for opened in (files.weights, files.config):
+            if opened is None:
+                continue
+            resolved = os.path.realpath(opened)
+            if not any(_inside(resolved, root) for root in self.roots):
+                folder = path if files.is_directory else os.path.dirname(path)
+                shown = path if opened == files.weights and not files.is_directory else None
+                shown = shown or os.path.join(folder, os.path.basename(opened))
+                raise bad_request(
+                    f"adapter file {shown!r} is not allowed: it resolves outside the server's --lora-dirs "
+                    f"roots (every file of a request adapter must lie inside them)",
+                    "lora",
+                )
 
     @staticmethod
     def _fetch_remote(path: str) -> str:

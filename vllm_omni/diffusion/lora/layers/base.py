@@ -38,6 +38,7 @@ from vllm_omni.diffusion.lora.geometry import LayerGeometry
 from vllm_omni.diffusion.lora.ops import add_lora, stack_slot_weights
 from vllm_omni.diffusion.lora.weights import LayerLoRAWeights, SlotWeights
 from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.lora.adapter_files import update_range_problem
 
 
 def _default_device_dtype(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -135,7 +136,9 @@ class BaseLayerWithLoRA(nn.Module):
         The result lives on the host, in the layer's LoRA dtype (pinned when the LoRA device is CUDA).
 
         Raises:
-            InvalidAdapterError: wrong number of slices, a rank above ``max_rank``, or mismatched shapes.
+            InvalidAdapterError: wrong number of slices, a rank above ``max_rank``, mismatched shapes,
+                or an update not representable in the LoRA dtype
+                (:func:`~vllm_omni.lora.adapter_files.update_range_problem`).
         """
         g = self.geometry
         if len(weights.slices) != len(g.slices):
@@ -151,6 +154,9 @@ class BaseLayerWithLoRA(nn.Module):
                     f"LoRA shapes A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a slice of "
                     f"{sl.global_size} rows x {g.in_features} inputs"
                 )
+            overflow = update_range_problem(lora_a, lora_b, 1.0, self.lora_dtype)  # lora_b is s*B
+            if overflow:
+                raise InvalidAdapterError(overflow)
         dtype = self.lora_dtype
         columns = slice(g.in_start, g.in_start + g.in_local)
         ranks = tuple(0 if pair is None else int(pair[0].shape[0]) for pair in weights.slices)

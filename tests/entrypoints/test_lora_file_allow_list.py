@@ -1,0 +1,70 @@
+"""Every file read for a request adapter resolves inside ``--lora-dirs`` (issue 13, item 8), and the
+adapter scale has one limit on the HTTP and the Python paths (item 15, first sentence)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from vllm_omni.entrypoints.openai.errors import OpenAIError
+from vllm_omni.entrypoints.openai.lora import AdapterRegistry, LoRASpec, parse_lora_field
+from vllm_omni.errors import InvalidRequestError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.lora.request import MAX_ADAPTER_SCALE, LoRARequest, RequestAdapter, validate_request_adapters
+
+
+@pytest.fixture
+def roots(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    for folder in (root / "real", outside):
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text("{}")
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    return root, outside
+
+
+@pytest.mark.parametrize("linked", ["adapter_model.safetensors", "adapter_config.json"])
+def test_a_file_symlinked_out_of_an_allowed_folder_is_refused(roots, linked):
+    root, outside = roots
+    folder = root / "linked"
+    shutil.copytree(root / "real", folder)
+    (folder / linked).unlink()
+    (folder / linked).symlink_to(outside / linked)
+    registry = AdapterRegistry([str(root)], False, ["base"])
+    with pytest.raises(OpenAIError) as info:
+        registry.to_request(LoRASpec("x", str(folder)))
+    assert info.value.status == 400 and info.value.param == "lora"
+    assert str(folder / linked) in info.value.message and str(outside) not in info.value.message
+    # a file symlinked inside the root is fine; so is a sibling config of a single file inside it
+    (folder / linked).unlink()
+    (folder / linked).symlink_to(root / "real" / linked)
+    assert registry.to_request(LoRASpec("x", str(folder))).lora_path == str(folder)
+
+
+def test_a_single_file_whose_sibling_config_leads_outside_is_refused(roots):
+    root, outside = roots
+    (root / "single").mkdir()
+    (root / "single" / "one.safetensors").write_bytes(b"")
+    (root / "single" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
+    registry = AdapterRegistry([str(root)], False, ["base"])
+    with pytest.raises(OpenAIError, match="adapter_config.json") as info:
+        registry.to_request(LoRASpec("x", str(root / "single" / "one.safetensors")))
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("scale", [MAX_ADAPTER_SCALE * 1.5, -1e6, 1e6])
+def test_one_scale_limit_on_every_path(scale):
+    lora = LoRARequest("a", 1, "/adapters/a")
+    with pytest.raises(OpenAIError) as http:
+        parse_lora_field({"path": "/p", "scale": scale})
+    assert http.value.status == 400 and f"{MAX_ADAPTER_SCALE:g}" in http.value.message
+    with pytest.raises(
+        InvalidRequestError, match=rf"lora_scales\[0\] must be a finite number in .*{MAX_ADAPTER_SCALE:g}"
+    ):
+        OmniDiffusionSamplingParams(lora_requests=[lora], lora_scales=[scale])
+    with pytest.raises(InvalidRequestError, match=f"{MAX_ADAPTER_SCALE:g}"):
+        validate_request_adapters([RequestAdapter(lora, scale)])
+    for ok in (MAX_ADAPTER_SCALE, -MAX_ADAPTER_SCALE, 0.0):
+        assert parse_lora_field({"path": "/p", "scale": ok})[0].scale == ok
+        assert OmniDiffusionSamplingParams(lora_requests=[lora], lora_scales=[ok]).adapters[0].scale == ok
