@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from vllm.sampling_params import RequestOutputKind
+
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
@@ -91,6 +93,7 @@ class Orchestrator:
         stage_params: Sequence[Any],
         lora_request: Any = None,
         on_output: Callable[[OmniRequestOutput], None] | None = None,
+        on_partial: Callable[[OmniRequestOutput], None] | None = None,
         **entry_kwargs: Any,
     ) -> Future:
         """Run one request through every stage.
@@ -100,6 +103,10 @@ class Orchestrator:
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
             on_output: called (from an engine thread) with each final-output stage's result.
+            on_partial: called (from an engine thread) with each new piece of a final-output
+                LLM stage whose params ask for ``RequestOutputKind.DELTA`` (its
+                ``request_output`` is that step's DELTA output); ``on_output`` still gets the
+                complete output.
             entry_kwargs: extra per-request arguments of the entry stage runtime.
 
         Returns:
@@ -136,7 +143,7 @@ class Orchestrator:
                     done.set_result(finals)
                     return
                 prompts[nxt] = self._next_input(nxt, prompt, raw)
-                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt])
+                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **streaming(nxt))
                 with lock:
                     current[:] = [fut]
                 if done.cancelled():
@@ -147,7 +154,22 @@ class Orchestrator:
                 if not done.done():
                     done.set_exception(exc)
 
-        first = self.runtimes[0].submit(prompt, stage_params[0], lora_request=lora_request, **entry_kwargs)
+        def streaming(stage_id: int) -> dict[str, Any]:
+            stage = self.config.stages[stage_id]
+            params = stage_params[stage_id]
+            if on_partial is None or not (stage.is_llm and stage.final_output):
+                return {}
+            if getattr(params, "output_kind", None) != RequestOutputKind.DELTA:
+                return {}
+            return {
+                "on_partial": lambda ro: on_partial(
+                    self._to_output(request_id, stage, prompts[stage_id], ro, raw)
+                )
+            }
+
+        first = self.runtimes[0].submit(
+            prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **streaming(0)
+        )
         current.append(first)
 
         def propagate_cancel(f: Future) -> None:

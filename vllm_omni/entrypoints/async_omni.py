@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.outputs import OmniRequestOutput
+
+# Submitting validates the request's adapter (file reads) before anything is queued: never on
+# the event loop. A few threads, so that one stuck file system call does not stop the others.
+_SUBMIT_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="omni-submit")
+
+
+def _cancel_submitted(submitted: Future) -> None:
+    """Done-callback: cancel a request whose caller left while it was being submitted."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        submitted.result().cancel()
 
 
 class AsyncOmni(OmniBase):
@@ -36,6 +49,15 @@ class AsyncOmni(OmniBase):
         stage ``lora_scale`` scales it, and ``lora_requests`` / ``lora_scales`` compose several
         adapters (scales default to 1.0 each); concurrent requests share denoiser batches.
 
+        Streaming: a final-output LLM stage whose ``SamplingParams.output_kind`` is
+        ``RequestOutputKind.DELTA`` yields one output per engine step, as vLLM's ``AsyncLLM``
+        does: ``request_output`` holds only that step's new tokens and text, and the last one
+        has ``request_output.finished`` set. Other stages yield their complete output once.
+
+        The request is submitted (adapter validation, file reads) on a worker thread, never on
+        the event loop. Closing the generator or cancelling its task cancels the request in
+        its stage (an LLM stage aborts it at the next step).
+
         Raises:
             ValueError: an invalid diffusion request (before anything runs);
             LoRANotEnabledError / InvalidAdapterError: before anything runs, when the adapter
@@ -46,19 +68,38 @@ class AsyncOmni(OmniBase):
         params = self._stage_params(sampling_params)
         [lora_kwargs] = self._entry_lora_kwargs(1, lora_scale, lora_requests, lora_scales)
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
+        streamed = {
+            s.stage_id
+            for s, p in zip(self.config.stages, params)
+            if s.is_llm and s.final_output and getattr(p, "output_kind", None) == RequestOutputKind.DELTA
+        }
 
-        def on_output(out: OmniRequestOutput) -> None:
+        def put(out: OmniRequestOutput) -> None:
             if request_id is not None:
                 out.request_id = request_id
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        done = self._orchestrator.submit(
-            prompt, params, lora_request=lora_request, on_output=on_output, **entry_kwargs
+        def on_output(out: OmniRequestOutput) -> None:
+            if out.stage_id not in streamed:  # a streamed stage's pieces were its output
+                put(out)
+
+        submitted = _SUBMIT_POOL.submit(
+            self._orchestrator.submit,
+            prompt,
+            params,
+            lora_request=lora_request,
+            on_output=on_output,
+            on_partial=put if streamed else None,
+            **entry_kwargs,
         )
-        finished = asyncio.wrap_future(done)
-        n_final = sum(1 for s in self.config.stages if s.final_output)
         try:
-            for _ in range(n_final):
+            done = await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(_cancel_submitted)
+            raise
+        finished = asyncio.wrap_future(done)
+        try:
+            while True:
                 getter = asyncio.ensure_future(queue.get())
                 try:
                     await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
@@ -72,7 +113,6 @@ class AsyncOmni(OmniBase):
                 while not queue.empty():
                     yield queue.get_nowait()
                 return
-            await finished
         finally:
             # the caller went away (task cancelled, e.g. an HTTP client disconnected, or the
             # generator closed early): stop the request in its stage instead of running it out

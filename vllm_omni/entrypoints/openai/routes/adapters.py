@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors
 from vllm_omni.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_body
-from vllm_omni.entrypoints.openai.routes.common import read_json
+from vllm_omni.entrypoints.openai.routes.common import read_json, refuse_special_files
 from vllm_omni.entrypoints.openai.state import get_state
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
@@ -39,6 +39,7 @@ async def load_lora_adapter(request: Request) -> Response:
     if req.lora_name in reg.named and not req.load_inplace:
         raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
     location = reg.resolve_path(req.lora_path)
+    refuse_special_files(location, req.lora_path)
     int_id = stable_lora_int_id(location)
     reg.claim_id(int_id, location)
     lora = LoRARequest(req.lora_name, int_id, location)
