@@ -542,3 +542,25 @@ def test_oversized_bodies_are_413_and_the_server_keeps_serving(server):
         server.url("/v1/completions"), json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) > 0
+
+
+def test_a_huge_conversation_is_refused_before_tokenising_and_health_keeps_answering(server):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello world " * 80_000}],
+        "max_tokens": 2,
+    }
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(r=httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120))
+    )
+    start = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 1.5
+        worker.join(0.05)
+    err = assert_openai_error(result["r"])
+    assert err["param"] == "messages" and "context of 256 tokens" in err["message"]
+    assert time.monotonic() - start < 10

@@ -156,7 +156,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
     """Token ids of the templated conversation (as vLLM renders chat: no extra special tokens).
 
     Raises:
-        OpenAIError: (400) no chat template, or the template fails on these messages.
+        OpenAIError: (400) no chat template, the template fails on these messages, or the
+            conversation has more characters than the context can hold as tokens.
     """
     tok = state.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -176,6 +177,15 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
         )
     except Exception as exc:  # jinja errors, bad kwargs
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    context = state.info.max_model_len
+    if context and len(text) > 2 * context * state.max_token_chars:
+        # certainly more tokens than the context holds: refuse before tokenising (a 30 MB
+        # conversation took ~50 s and ~5 GB to tokenise, only to be refused afterwards)
+        raise bad_request(
+            f"the conversation ({len(text)} characters) is longer than this model's context of "
+            f"{context} tokens",
+            "messages",
+        )
     return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
 
