@@ -103,10 +103,7 @@ class Orchestrator:
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
             on_output: called (from an engine thread) with each final-output stage's result.
-            on_partial: called (from an engine thread) with each new piece of a final-output
-                LLM stage whose params ask for ``RequestOutputKind.DELTA`` (its
-                ``request_output`` is that step's DELTA output); ``on_output`` still gets the
-                complete output.
+            on_partial: streaming: see :meth:`_partial_hook`.
             entry_kwargs: extra per-request arguments of the entry stage runtime.
 
         Returns:
@@ -143,7 +140,8 @@ class Orchestrator:
                     done.set_result(finals)
                     return
                 prompts[nxt] = self._next_input(nxt, prompt, raw)
-                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **streaming(nxt))
+                hook = self._partial_hook(request_id, nxt, stage_params[nxt], on_partial, prompts, raw)
+                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **hook)
                 with lock:
                     current[:] = [fut]
                 if done.cancelled():
@@ -154,21 +152,9 @@ class Orchestrator:
                 if not done.done():
                     done.set_exception(exc)
 
-        def streaming(stage_id: int) -> dict[str, Any]:
-            stage = self.config.stages[stage_id]
-            params = stage_params[stage_id]
-            if on_partial is None or not (stage.is_llm and stage.final_output):
-                return {}
-            if getattr(params, "output_kind", None) != RequestOutputKind.DELTA:
-                return {}
-            return {
-                "on_partial": lambda ro: on_partial(
-                    self._to_output(request_id, stage, prompts[stage_id], ro, raw)
-                )
-            }
-
+        hook = self._partial_hook(request_id, 0, stage_params[0], on_partial, prompts, raw)
         first = self.runtimes[0].submit(
-            prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **streaming(0)
+            prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **hook
         )
         current.append(first)
 
@@ -182,6 +168,33 @@ class Orchestrator:
         done.add_done_callback(propagate_cancel)
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
+
+    def _partial_hook(
+        self,
+        request_id: str,
+        stage_id: int,
+        params: Any,
+        on_partial: Callable[[OmniRequestOutput], None] | None,
+        prompts: dict[int, Any],
+        raw: dict[int, Any],
+    ) -> dict[str, Any]:
+        """Extra ``submit`` arguments of a stage for a streaming request (``{}`` for most).
+
+        A final-output LLM stage whose params ask for ``RequestOutputKind.DELTA`` gets an
+        ``on_partial`` that hands ``on_partial`` (called from the engine thread) each step's
+        piece as an :class:`OmniRequestOutput` whose ``request_output`` is that DELTA output;
+        the stage's complete output still goes to ``on_output``.
+        """
+        stage = self.config.stages[stage_id]
+        if on_partial is None or not (stage.is_llm and stage.final_output):
+            return {}
+        if getattr(params, "output_kind", None) != RequestOutputKind.DELTA:
+            return {}
+        return {
+            "on_partial": lambda ro: on_partial(
+                self._to_output(request_id, stage, prompts[stage_id], ro, raw)
+            )
+        }
 
     def prepare_params(self, stage_params: Sequence[Any]) -> list[Any]:
         """``stage_params`` made ready once for many :meth:`submit` calls.

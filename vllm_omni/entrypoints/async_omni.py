@@ -83,8 +83,7 @@ class AsyncOmni(OmniBase):
             if out.stage_id not in streamed:  # a streamed stage's pieces were its output
                 put(out)
 
-        submitted = _SUBMIT_POOL.submit(
-            self._orchestrator.submit,
+        done = await self._submit(
             prompt,
             params,
             lora_request=lora_request,
@@ -92,11 +91,6 @@ class AsyncOmni(OmniBase):
             on_partial=put if streamed else None,
             **entry_kwargs,
         )
-        try:
-            done = await asyncio.wrap_future(submitted)
-        except asyncio.CancelledError:
-            submitted.add_done_callback(_cancel_submitted)
-            raise
         finished = asyncio.wrap_future(done)
         try:
             while True:
@@ -118,6 +112,15 @@ class AsyncOmni(OmniBase):
             # generator closed early): stop the request in its stage instead of running it out
             if not done.done():
                 done.cancel()
+
+    async def _submit(self, *args: Any, **kwargs: Any) -> Future:
+        """``Orchestrator.submit`` on a worker thread; a caller cancelled meanwhile cancels the request."""
+        submitted = _SUBMIT_POOL.submit(self._orchestrator.submit, *args, **kwargs)
+        try:
+            return await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(_cancel_submitted)
+            raise
 
     async def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
         """Register an adapter on every stage that has LoRA enabled (or on ``stage_id``); see ``Omni.add_lora``."""
