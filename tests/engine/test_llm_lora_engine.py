@@ -300,3 +300,38 @@ def test_async_generate_cancelled_by_its_caller_aborts_the_stage_request(tiny_ll
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_async_generate_streams_delta_pieces_that_add_up_to_the_final_output(tiny_llm_assets, adapters):
+    """DELTA params: one output per engine step (as vLLM's AsyncLLM); the pieces of each completion
+    add up to what the same request returns in one final output (n=2, with an adapter)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_omni import AsyncOmni
+
+    engine = AsyncOmni(
+        str(tiny_llm_assets.model_dir), enable_lora=True, max_lora_rank=16, max_loras=2, **ENGINE_OPTS
+    )
+    kw = dict(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        final = [
+            o async for o in engine.generate("hello world", SamplingParams(**kw), lora_request=adapters["a"])
+        ]
+        delta = SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
+        pieces = [
+            o.request_output async for o in engine.generate("hello world", delta, lora_request=adapters["a"])
+        ]
+        return final, pieces
+
+    try:
+        final, pieces = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    [complete] = [o.request_output for o in final]
+    assert len(pieces) >= 12 and pieces[-1].finished and not any(p.finished for p in pieces[:-1])
+    for c in complete.outputs:
+        mine = [o for p in pieces for o in p.outputs if o.index == c.index]
+        assert sum((list(o.token_ids) for o in mine), []) == list(c.token_ids)
+        assert "".join(o.text for o in mine) == c.text
+        assert mine[-1].finish_reason == c.finish_reason == "length"

@@ -117,3 +117,17 @@ def test_api_key_guards_v1_routes(client):
     assert httpx.get(base + "/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     ok = httpx.get(base + "/models", headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "sd3-edit"
+    # every /v1 route, before its body is looked at (no key, a wrong key, a key without "Bearer")
+    routes = [
+        "/chat/completions",
+        "/completions",
+        "/images/generations",
+        "/images/edits",
+        "/videos/generations",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    ]
+    for route in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY + "x"}):
+            r = httpx.post(base + route, json={"prompt": "x"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", route

@@ -7,11 +7,15 @@ against transformers+peft greedy decoding (tests/llm_reference.py).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -169,18 +173,163 @@ def test_chat_matches_transformers_peft(server, client, paths, model, lora, adap
 
 
 def test_chat_streaming_returns_the_same_text(client):
-    plain = chat(client, model="a").choices[0].message.content
+    plain = chat(client, model="a")
     stream = client.chat.completions.create(
         model="a",
         messages=[{"role": "user", "content": PROMPT}],
         max_tokens=N,
         temperature=0.0,
         stream=True,
-        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+    pieces = [c for c in chunks if c.choices]
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == plain.choices[0].message.content
+    # one piece per engine step as the stage produces it, not the finished answer in one chunk
+    with_tokens = [c.choices[0].token_ids for c in pieces if getattr(c.choices[0], "token_ids", None)]
+    assert len(with_tokens) == N and sum(with_tokens, []) == plain.choices[0].token_ids
+    assert pieces[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in pieces[:-1])
+    last = chunks[-1]  # stream_options.include_usage: usage, no choices
+    assert last.choices == [] and last.usage.completion_tokens == N
+    assert last.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_completions_streaming_sends_pieces_as_they_are_generated(server, client):
+    prompts = [PROMPT, "a second prompt"]
+    plain = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=N, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompts,
+            max_tokens=N,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
+    assert {c.object for c in chunks} == {"text_completion"}
+    for i, choice in enumerate(plain.choices):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == choice.text
+        assert sum(1 for c in mine if c.token_ids) == N
+        assert mine[-1].finish_reason == "length"
+    # the first piece of a long answer arrives long before its end
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    start, stamps = time.monotonic(), []
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.monotonic() - start)
+    assert len(stamps) >= 100 and stamps[0] < stamps[-1] / 2, (stamps[0], stamps[-1])
+
+
+def test_abandoned_requests_are_cancelled_without_tracebacks(server):
+    long = {"model": "tiny", "prompt": PROMPT, "max_tokens": 230, "temperature": 0.0, "ignore_eos": True}
+    for _ in range(2):  # the second one, warm, alone: how long one long request takes
+        start = time.monotonic()
+        assert httpx.post(server.url("/v1/completions"), json=long, timeout=120).status_code == 200
+        full = time.monotonic() - start
+    log_start = server.log_path.stat().st_size
+
+    def leave_plain():  # the client gives up while the answer is generated
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url("/v1/completions"), json=long, timeout=full / 4)
+
+    def leave_stream():  # the client reads one chunk (or gives up waiting for it), then goes away
+        chat_body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True} | long
+        with (
+            contextlib.suppress(httpx.TimeoutException),
+            httpx.stream("POST", server.url("/v1/chat/completions"), json=chat_body, timeout=full / 4) as r,
+        ):
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+
+    # --max-num-seqs 8: if the 8 abandoned requests ran on, the next one would wait for a slot
+    threads = [threading.Thread(target=f) for f in [leave_plain, leave_stream] * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    start = time.monotonic()
+    short = httpx.post(server.url("/v1/completions"), json=long | {"max_tokens": 2}, timeout=120)
+    waited = time.monotonic() - start
+    assert short.status_code == 200
+    assert waited < full, (waited, full)  # measured on main before the fix: 14.6 s against 1.0 s
+    with open(server.log_path, "rb") as f:
+        f.seek(log_start)
+        assert b"Traceback" not in f.read()
+
+
+def test_a_fifo_adapter_never_freezes_the_server(server, paths):
+    fifo_dir = paths["root"] / "fifo"
+    fifo_dir.mkdir(exist_ok=True)
+    shutil.copy(paths["a"] / "adapter_config.json", fifo_dir)
+    fifo = fifo_dir / "adapter_model.safetensors"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    result = {}
+
+    def post():
+        result["r"] = _post_lora(server, {"name": "fifo", "path": str(fifo_dir)})
+
+    worker = threading.Thread(target=post)
+    worker.start()
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+            assert time.monotonic() - start < 1.5
+            time.sleep(0.2)
+    finally:
+        deadline = time.monotonic() + 30
+        while worker.is_alive() and time.monotonic() < deadline:  # a reader stuck on the FIFO: feed it
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"not safetensors")
+                os.close(fd)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: nobody has it open
+                    raise
+            worker.join(0.2)
+    assert "regular file" in assert_openai_error(result["r"])["message"]
+
+
+JSON_ROUTES = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/images/generations",
+    "/v1/videos/generations",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+]
+
+
+@pytest.mark.parametrize("route", JSON_ROUTES)
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
+def test_json_routes_refuse_other_content_types(server, route, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    body = json.dumps({"lora_name": "a", "prompt": PROMPT, "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(server.url(route), content=body.encode(), headers=headers, timeout=60)
+    assert assert_openai_error(r, (415,))["type"] == "UnsupportedMediaTypeError"
+    # a cross-site form post did not unload the start-up adapter
+    assert "a" in {m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]}
+
+
+def test_json_with_a_charset_is_accepted(server):
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).encode()
+    headers = {"content-type": "Application/JSON; charset=utf-8"}
+    assert (
+        httpx.post(server.url("/v1/completions"), content=body, headers=headers, timeout=60).status_code
+        == 200
+    )
 
 
 def test_completions_match_and_adapters_differ(server, paths):
@@ -393,3 +542,25 @@ def test_oversized_bodies_are_413_and_the_server_keeps_serving(server):
         server.url("/v1/completions"), json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) > 0
+
+
+def test_a_huge_conversation_is_refused_before_tokenising_and_health_keeps_answering(server):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello world " * 80_000}],
+        "max_tokens": 2,
+    }
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(r=httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120))
+    )
+    start = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 1.5
+        worker.join(0.05)
+    err = assert_openai_error(result["r"])
+    assert err["param"] == "messages" and "context of 256 tokens" in err["message"]
+    assert time.monotonic() - start < 10

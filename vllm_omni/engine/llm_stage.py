@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +81,27 @@ class _Pending:
     params: SamplingParams
     lora_request: LoRARequest | None
     future: Future
+    # streaming requests: called with each new piece (a DELTA ``RequestOutput``); ``merged``
+    # accumulates the pieces into the complete output the future resolves to
+    on_partial: Callable[[RequestOutput], None] | None = None
+    merged: RequestOutput | None = None
+
+
+def _merge_delta(item: _Pending, delta: RequestOutput) -> RequestOutput:
+    """Add one DELTA output to ``item.merged`` (vLLM's own ``RequestOutput.add``); return it.
+
+    The completions are copied first: ``add`` mutates the merged completions in place, and
+    ``delta`` itself goes to the ``on_partial`` consumer on another thread.
+    """
+    mine = copy.copy(delta)
+    mine.outputs = [copy.deepcopy(c) for c in delta.outputs]
+    if item.merged is None:
+        item.merged = mine
+    else:
+        item.merged.add(mine, aggregate=True)
+    if mine.finished:
+        item.merged.outputs.sort(key=lambda c: c.index)
+    return item.merged
 
 
 class LLMStageEngine(StageDriver):
@@ -149,10 +172,20 @@ class LLMStageEngine(StageDriver):
     def tokenizer(self):
         return self._engine.get_tokenizer()
 
-    def submit(self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None) -> Future:
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        on_partial: Callable[[RequestOutput], None] | None = None,
+    ) -> Future:
         """Queue one request; the future resolves to its final vLLM ``RequestOutput``.
 
         Cancelling the future aborts the request in the engine (or drops it from the queue).
+        With ``on_partial``, the engine runs the request with ``RequestOutputKind.DELTA`` and
+        the driver thread calls ``on_partial`` with each step's new piece (the last one has
+        ``finished=True``); the future still resolves to the complete output, equal to the
+        one a non-streaming request gets.
 
         Raises (synchronously):
             LoRANotEnabledError: an adapter was given but the stage has no ``enable_lora``.
@@ -160,11 +193,15 @@ class LLMStageEngine(StageDriver):
             StageEngineError: the stage is shut down or its engine failed earlier.
         """
         self.validate_request(prompt, params, lora_request)
-        params = self.prepare_params(params)
+        if on_partial is None:
+            params = self.prepare_params(params)
+        elif params.output_kind != RequestOutputKind.DELTA:
+            params = params.clone()
+            params.output_kind = RequestOutputKind.DELTA
         fut: Future = Future()
         request_id = f"s{self.stage.stage_id}-{next(self._ids)}"
         fut.add_done_callback(functools.partial(self._note_cancel, request_id))
-        item = _Pending(request_id, prompt, params, lora_request, fut)
+        item = _Pending(request_id, prompt, params, lora_request, fut, on_partial)
         with self._cv:
             self._raise_if_unusable()
             self._queue.append(item)
@@ -361,11 +398,36 @@ class LLMStageEngine(StageDriver):
                 self._fail_all(exc)
                 return
             for out in outputs:
-                if out.finished and isinstance(out, RequestOutput):
-                    entry = running.pop(out.request_id, None)
-                    if entry is not None:
-                        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
-                            entry.future.set_result(out)
+                if not isinstance(out, RequestOutput):
+                    continue
+                # non-finished outputs come only for streaming requests (the others are FINAL_ONLY)
+                entry = running.pop(out.request_id, None) if out.finished else running.get(out.request_id)
+                if entry is None:
+                    continue
+                item = entry
+                if item.on_partial is not None:
+                    out = self._stream_piece(item, out)
+                if out is not None and out.finished:
+                    with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                        item.future.set_result(out)
+
+    def _stream_piece(self, item: _Pending, delta: RequestOutput) -> RequestOutput | None:
+        """Hand one piece of a streaming request to its consumer; the merged output so far.
+
+        A consumer that raises fails its own request only (``None``: nothing more to do).
+        """
+        merged = _merge_delta(item, delta)
+        if item.future.done():  # cancelled: its abort follows before the next step
+            return None
+        try:
+            item.on_partial(delta)
+        except Exception as exc:
+            logger.warning("%s: streaming consumer failed: %s", self.stage.label, exc)
+            if not item.future.done():
+                item.future.set_exception(exc)
+            self._cancelled.append(item.request_id)  # aborted before the next step
+            return None
+        return merged
 
     def _fail_all(self, exc: Exception) -> None:
         """A failed step kills the stage: fail every request and pending call, refuse new ones."""

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from vllm.sampling_params import RequestOutputKind
+
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
@@ -91,6 +93,7 @@ class Orchestrator:
         stage_params: Sequence[Any],
         lora_request: Any = None,
         on_output: Callable[[OmniRequestOutput], None] | None = None,
+        on_partial: Callable[[OmniRequestOutput], None] | None = None,
         **entry_kwargs: Any,
     ) -> Future:
         """Run one request through every stage.
@@ -100,6 +103,7 @@ class Orchestrator:
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
             on_output: called (from an engine thread) with each final-output stage's result.
+            on_partial: streaming: see :meth:`_partial_hook`.
             entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
                 entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
                 built by the entry point), passed on unchanged.
@@ -138,7 +142,8 @@ class Orchestrator:
                     done.set_result(finals)
                     return
                 prompts[nxt] = self._next_input(nxt, prompt, raw)
-                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt])
+                hook = self._partial_hook(request_id, nxt, stage_params[nxt], on_partial, prompts, raw)
+                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **hook)
                 with lock:
                     current[:] = [fut]
                 if done.cancelled():
@@ -149,7 +154,10 @@ class Orchestrator:
                 if not done.done():
                     done.set_exception(exc)
 
-        first = self.runtimes[0].submit(prompt, stage_params[0], lora_request=lora_request, **entry_kwargs)
+        hook = self._partial_hook(request_id, 0, stage_params[0], on_partial, prompts, raw)
+        first = self.runtimes[0].submit(
+            prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **hook
+        )
         current.append(first)
 
         def propagate_cancel(f: Future) -> None:
@@ -162,6 +170,33 @@ class Orchestrator:
         done.add_done_callback(propagate_cancel)
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
+
+    def _partial_hook(
+        self,
+        request_id: str,
+        stage_id: int,
+        params: Any,
+        on_partial: Callable[[OmniRequestOutput], None] | None,
+        prompts: dict[int, Any],
+        raw: dict[int, Any],
+    ) -> dict[str, Any]:
+        """Extra ``submit`` arguments of a stage for a streaming request (``{}`` for most).
+
+        A final-output LLM stage whose params ask for ``RequestOutputKind.DELTA`` gets an
+        ``on_partial`` that hands ``on_partial`` (called from the engine thread) each step's
+        piece as an :class:`OmniRequestOutput` whose ``request_output`` is that DELTA output;
+        the stage's complete output still goes to ``on_output``.
+        """
+        stage = self.config.stages[stage_id]
+        if on_partial is None or not (stage.is_llm and stage.final_output):
+            return {}
+        if getattr(params, "output_kind", None) != RequestOutputKind.DELTA:
+            return {}
+        return {
+            "on_partial": lambda ro: on_partial(
+                self._to_output(request_id, stage, prompts[stage_id], ro, raw)
+            )
+        }
 
     def prepare_params(self, stage_params: Sequence[Any]) -> list[Any]:
         """``stage_params`` made ready once for many :meth:`submit` calls.

@@ -33,7 +33,8 @@ class StageRuntime(Protocol):
 
     def submit(self, prompt: Any, params: Any, lora_request: LoRARequest | None = None) -> Future:
         """Queue one request; the future resolves to the stage's output (a vLLM ``RequestOutput``
-        or a ``DiffusionOutput``). The entry stage may take extra keyword arguments.
+        or a ``DiffusionOutput``). The entry stage may take extra keyword arguments; an LLM
+        stage takes ``on_partial`` (streaming: called with each step's DELTA output).
 
         Raises (synchronously): ``OmniUserError`` subclasses for a bad request,
         ``StageEngineError`` when the stage is shut down or dead.

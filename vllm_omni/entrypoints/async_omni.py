@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.lora.request import LoRARequest, RequestAdapter
 from vllm_omni.outputs import OmniRequestOutput
+
+# Submitting validates the request's adapter (file reads) before anything is queued: never on
+# the event loop. A few threads, so that one stuck file system call does not stop the others.
+_SUBMIT_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="omni-submit")
+
+
+def _cancel_submitted(submitted: Future) -> None:
+    """Done-callback: cancel a request whose caller left while it was being submitted."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        submitted.result().cancel()
 
 
 class AsyncOmni(OmniBase):
@@ -39,6 +52,15 @@ class AsyncOmni(OmniBase):
         ``adapters`` gives them instead as :class:`~vllm_omni.lora.request.RequestAdapter`
         (``scale=None``: the stage default), the form the HTTP layer builds.
 
+        Streaming: a final-output LLM stage whose ``SamplingParams.output_kind`` is
+        ``RequestOutputKind.DELTA`` yields one output per engine step, as vLLM's ``AsyncLLM``
+        does: ``request_output`` holds only that step's new tokens and text, and the last one
+        has ``request_output.finished`` set. Other stages yield their complete output once.
+
+        The request is submitted (adapter validation, file reads) on a worker thread, never on
+        the event loop. Closing the generator or cancelling its task cancels the request in
+        its stage (an LLM stage aborts it at the next step).
+
         Raises:
             ValueError: an invalid diffusion request (before anything runs);
             LoRANotEnabledError / InvalidAdapterError: before anything runs, when the adapter
@@ -51,17 +73,31 @@ class AsyncOmni(OmniBase):
             [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
         )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
+        streamed = {
+            s.stage_id
+            for s, p in zip(self.config.stages, params)
+            if s.is_llm and s.final_output and getattr(p, "output_kind", None) == RequestOutputKind.DELTA
+        }
 
-        def on_output(out: OmniRequestOutput) -> None:
+        def put(out: OmniRequestOutput) -> None:
             if request_id is not None:
                 out.request_id = request_id
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        done = self._orchestrator.submit(prompt, params, on_output=on_output, **entry_kwargs)
+        def on_output(out: OmniRequestOutput) -> None:
+            if out.stage_id not in streamed:  # a streamed stage's pieces were its output
+                put(out)
+
+        done = await self._submit(
+            prompt,
+            params,
+            on_output=on_output,
+            on_partial=put if streamed else None,
+            **entry_kwargs,
+        )
         finished = asyncio.wrap_future(done)
-        n_final = sum(1 for s in self.config.stages if s.final_output)
         try:
-            for _ in range(n_final):
+            while True:
                 getter = asyncio.ensure_future(queue.get())
                 try:
                     await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
@@ -75,12 +111,20 @@ class AsyncOmni(OmniBase):
                 while not queue.empty():
                     yield queue.get_nowait()
                 return
-            await finished
         finally:
             # the caller went away (task cancelled, e.g. an HTTP client disconnected, or the
             # generator closed early): stop the request in its stage instead of running it out
             if not done.done():
                 done.cancel()
+
+    async def _submit(self, *args: Any, **kwargs: Any) -> Future:
+        """``Orchestrator.submit`` on a worker thread; a caller cancelled meanwhile cancels the request."""
+        submitted = _SUBMIT_POOL.submit(self._orchestrator.submit, *args, **kwargs)
+        try:
+            return await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(_cancel_submitted)
+            raise
 
     async def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
         """Register an adapter on every stage that has LoRA enabled (or on ``stage_id``); see ``Omni.add_lora``."""

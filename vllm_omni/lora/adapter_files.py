@@ -101,15 +101,20 @@ def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, di
         FileNotFoundError: ``path`` does not exist (not with ``directory_only``).
         LoRAFormatError: a pickle file, a file that is not ``.safetensors``, a directory without
             ``adapter_config.json`` or ``adapter_model.safetensors`` (pickle files found are named),
-            or (``directory_only``) anything but a directory.
+            an adapter file that is not a regular file (a FIFO would block the reader), or
+            (``directory_only``) anything but a directory.
     """
     path = os.fspath(path)
     shown = path if shown is None else shown
     if directory_only and not os.path.isdir(path):
         raise LoRAFormatError(f"{shown}: not a directory (expected a PEFT adapter folder)")
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise LoRAFormatError(f"{shown}: not a regular file (a FIFO, socket or device is never opened)")
     if os.path.isfile(path):
         if path.endswith(SAFETENSORS_SUFFIX):
             config = os.path.join(os.path.dirname(os.path.abspath(path)), ADAPTER_CONFIG_NAME)
+            if os.path.exists(config) and not os.path.isfile(config):
+                raise LoRAFormatError(f"{shown}: {ADAPTER_CONFIG_NAME} beside it is not a regular file")
             return AdapterFiles(path, config if os.path.isfile(config) else None, False)
         kind = (
             "a pickle file, which is refused (loading it can run code)"
@@ -129,9 +134,15 @@ def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, di
         raise LoRAFormatError(f"{shown}: missing {ADAPTER_WEIGHTS_NAME}{hint}")
     if ADAPTER_CONFIG_NAME not in files:
         raise LoRAFormatError(f"{shown}: missing {ADAPTER_CONFIG_NAME} (not a PEFT adapter directory)")
-    return AdapterFiles(
-        os.path.join(path, ADAPTER_WEIGHTS_NAME), os.path.join(path, ADAPTER_CONFIG_NAME), True
-    )
+    weights, config = os.path.join(path, ADAPTER_WEIGHTS_NAME), os.path.join(path, ADAPTER_CONFIG_NAME)
+    for name, file in ((ADAPTER_WEIGHTS_NAME, weights), (ADAPTER_CONFIG_NAME, config)):
+        # readers such as safetensors' safe_open hold the GIL while they open a file: a FIFO
+        # here would freeze the whole process, so nothing but a regular file is opened
+        if not os.path.isfile(file):
+            raise LoRAFormatError(
+                f"{shown}: {name} is not a regular file (a FIFO, socket or device is never opened)"
+            )
+    return AdapterFiles(weights, config, True)
 
 
 # ---------------------------------------------------------------------------- configuration

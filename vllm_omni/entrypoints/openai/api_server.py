@@ -4,7 +4,9 @@ Routes (one module per family under :mod:`.routes`): ``GET /health``, ``GET /v1/
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/images/generations``,
 ``POST /v1/images/edits`` (multipart), ``POST /v1/videos/generations`` and, when vLLM's
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set, ``POST /v1/load_lora_adapter`` /
-``POST /v1/unload_lora_adapter``.
+``POST /v1/unload_lora_adapter``. JSON routes take ``Content-Type: application/json`` bodies
+only (415 otherwise); ``/v1/images/edits`` takes ``multipart/form-data``. With ``--api-key``
+every ``/v1`` route needs ``Authorization: Bearer <key>``.
 
 Handlers only parse and validate, then call ``AsyncOmni``; what they know about the pipeline
 comes from its ``entry_stage_info``. Every failure is an OpenAI-style error object
@@ -17,13 +19,13 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_body_bytes
 from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, videos
 from vllm_omni.entrypoints.openai.settings import ServerSettings
-from vllm_omni.entrypoints.openai.state import ServerState, get_state, make_state, register_startup_adapters
+from vllm_omni.entrypoints.openai.state import ServerState, make_state, register_startup_adapters
 
 if TYPE_CHECKING:
     from vllm_omni.config.omni_config import VllmOmniConfig
@@ -33,14 +35,23 @@ __all__ = ["build_app", "make_state", "register_startup_adapters", "run_server"]
 logger = logging.getLogger(__name__)
 
 
-async def check_api_key(request: Request, call_next):
-    """401 on ``/v1`` routes without a configured ``Authorization: Bearer <key>`` (when keys are set)."""
-    keys = get_state(request).settings.api_keys
-    if keys and request.url.path.startswith("/v1"):
-        header = request.headers.get("authorization", "")
-        if header.removeprefix("Bearer ").strip() not in keys:
-            return error_response("invalid or missing API key", 401)
-    return await call_next(request)
+class APIKeyMiddleware:
+    """Pure ASGI middleware: ``401`` on every ``/v1`` route without ``Authorization: Bearer <key>``.
+
+    Active only when keys are configured (``--api-key``). Pure ASGI (not ``BaseHTTPMiddleware``)
+    so that handlers see the client's disconnect and streamed responses are not buffered.
+    """
+
+    def __init__(self, app, keys: list[str] | tuple[str, ...]):
+        self.app = app
+        self.keys = set(keys)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1"):
+            header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
+            if header.removeprefix("Bearer ").strip() not in self.keys:
+                return await error_response("invalid or missing API key", 401)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -49,7 +60,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.omni_state = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes())
-    app.middleware("http")(check_api_key)
+    if state.settings.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=state.settings.api_keys)
     for family in (models, chat, images, videos):
         app.include_router(family.router)
     if adapters.runtime_lora_updating_allowed():

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
@@ -32,6 +32,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -46,6 +47,13 @@ class OpenAIError(Exception):
         self.message = message
         self.status = status
         self.param = param
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; its request was cancelled.
+
+    Answered with an empty ``499`` (nginx's "client closed request") that nobody reads; not logged.
+    """
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -124,6 +132,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError):
         return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected):
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

@@ -58,6 +58,12 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class StreamOptions(_Body):
+    """OpenAI ``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
 class SamplingFields(_Body):
     """OpenAI/vLLM text sampling fields shared by chat and completions."""
 
@@ -74,11 +80,22 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     lora: Any = None
 
-    def sampling_params(self, default_max_tokens: int = 16):
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, default_max_tokens: int = 16, stream: bool = False):
+        """vLLM ``SamplingParams`` of these fields; ``stream``: ask the LLM stage for DELTA outputs.
+
+        Raises:
+            OpenAIError: (400) a combination vLLM refuses.
+        """
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         kwargs: dict[str, Any] = {"n": self.n, "max_tokens": self.max_tokens or default_max_tokens}
         for name in (
@@ -97,6 +114,8 @@ class SamplingFields(_Body):
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         kwargs["ignore_eos"] = self.ignore_eos
+        if stream:
+            kwargs["output_kind"] = RequestOutputKind.DELTA
         from vllm.exceptions import VLLMClientError
 
         try:

@@ -33,6 +33,8 @@ class ServerState:
         info: the pipeline's :class:`~vllm_omni.entrypoints.stage_info.EntryStageInfo`.
         created: start time (epoch seconds) shown on model cards.
         tokenizer: the LLM entry stage's tokenizer for chat templating (``None`` otherwise).
+        max_token_chars: the most characters one token of ``tokenizer`` covers (its longest
+            vocabulary entry): a text longer than the context × this is refused untokenised.
     """
 
     omni: Any
@@ -42,6 +44,7 @@ class ServerState:
     info: EntryStageInfo
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer: Any = None
+    max_token_chars: int = 1
 
 
 def get_state(request: Request) -> ServerState:
@@ -63,6 +66,7 @@ def make_state(omni: Any, settings: ServerSettings) -> ServerState:
         state.tokenizer = AutoTokenizer.from_pretrained(
             info.tokenizer, trust_remote_code=info.trust_remote_code
         )
+        state.max_token_chars = max(map(len, state.tokenizer.get_vocab()), default=1)
     return state
 
 

@@ -1,16 +1,19 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
 Each handler runs in three steps: prepare (parse, resolve adapters, build the prompt and the
-per-stage params), run (``AsyncOmni.generate``), render (the OpenAI body). ``stream=true``
-answers the finished body as server-sent events today; incremental streaming replaces only
-the run and render steps (one chunk per engine output) and reuses the prepare step.
+per-stage params), run (``AsyncOmni.generate``), render (the OpenAI body). Templating and
+tokenisation run on a worker thread. ``stream=true`` on a text pipeline streams one chunk per
+engine step (:mod:`.streaming`); an image chat answers its finished body as server-sent events.
+A client that disconnects cancels its request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +34,14 @@ from vllm_omni.entrypoints.openai.routes.common import (
     text_output,
     usage,
 )
+from vllm_omni.entrypoints.openai.routes.streaming import StreamRun, TextStream, stream_text
 from vllm_omni.entrypoints.openai.state import ServerState, get_state
 
 router = APIRouter()
+
+# Chat templating and tokenisation (and reading a --chat-template file) run here, off the event
+# loop; one thread, as a fast tokenizer must not be used from several threads at once.
+_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-tokenize")
 
 _NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
@@ -55,14 +63,27 @@ async def chat_completions(request: Request) -> Response:
     req = parse_body(ChatCompletionRequest, await read_json(request))
     adapters = resolve_adapters(state, req.model, req.lora)
     text = "text" in state.info.output_kinds and state.info.is_llm
-    run = prepare_text_chat(state, req, adapters) if text else prepare_image_chat(state, req, adapters)
-    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters)
+    if text:
+        loop = asyncio.get_running_loop()
+        run = await loop.run_in_executor(_TOKENIZE_POOL, prepare_text_chat, state, req, adapters)
+    else:
+        run = prepare_image_chat(state, req, adapters)
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model or state.base_name,
     }
+    if text and req.stream:
+        spec = TextStream(
+            head | {"object": "chat.completion.chunk"},
+            req.n,
+            role=state.settings.response_role,
+            include_usage=req.include_usage,
+            return_token_ids=req.return_token_ids,
+        )
+        return await stream_text(request, state, [StreamRun(run.prompt, run.params, run.adapters)], spec)
+    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request)
     if text:
         body = head | text_chat_reply(state, req, outputs)
     else:
@@ -75,7 +96,7 @@ def prepare_text_chat(state: ServerState, req: ChatCompletionRequest, adapters: 
     prompt = chat_prompt(state, req)
     llm = req.model_copy(update={"max_tokens": req.max_completion_tokens or req.max_tokens})
     room = (state.info.max_model_len or 2048) - len(prompt["prompt_token_ids"])
-    sp = llm.sampling_params(max(1, room))
+    sp = llm.sampling_params(max(1, room), stream=req.stream)
     diffusion = req.diffusion_params(1) if state.info.has_diffusion_stage else None
     return PreparedRun(prompt, stage_params(state, sp, diffusion), adapters)
 
@@ -134,7 +155,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
     """Token ids of the templated conversation (as vLLM renders chat: no extra special tokens).
 
     Raises:
-        OpenAIError: (400) no chat template, or the template fails on these messages.
+        OpenAIError: (400) no chat template, the template fails on these messages, or the
+            conversation has more characters than the context can hold as tokens.
     """
     tok = state.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -154,6 +176,15 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
         )
     except Exception as exc:  # jinja errors, bad kwargs
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    context = state.info.max_model_len
+    if context and len(text) > 2 * context * state.max_token_chars:
+        # certainly more tokens than the context holds: refuse before tokenising (a 30 MB
+        # conversation took ~50 s and ~5 GB to tokenise, only to be refused afterwards)
+        raise bad_request(
+            f"the conversation ({len(text)} characters) is longer than this model's context of "
+            f"{context} tokens",
+            "messages",
+        )
     return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
 
@@ -176,10 +207,20 @@ async def completions(request: Request) -> Response:
     if req.echo:
         raise bad_request("echo is not supported", "echo")
     adapters = resolve_adapters(state, req.model, req.lora)
-    params = stage_params(state, req.sampling_params(), None)
+    params = stage_params(state, req.sampling_params(stream=req.stream), None)
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or state.base_name,
+    }
+    if req.stream:
+        spec = TextStream(head, req.n, include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+        runs = [StreamRun(prompt, params, adapters) for prompt in req.prompts()]
+        return await stream_text(request, state, runs, spec)
     choices, total = [], dict(_NO_USAGE)
     for prompt in req.prompts():
-        ro = text_output(await run_pipeline(state, prompt, params, adapters))
+        ro = text_output(await run_pipeline(state, prompt, params, adapters, request))
         for c in ro.outputs:
             choice = {
                 "index": len(choices),
@@ -193,12 +234,4 @@ async def completions(request: Request) -> Response:
             choices.append(choice)
         for k, v in usage(ro).items():
             total[k] += v
-    body = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": req.model or state.base_name,
-        "choices": choices,
-        "usage": total,
-    }
-    return sse([body]) if req.stream else JSONResponse(body)
+    return JSONResponse(head | {"choices": choices, "usage": total})

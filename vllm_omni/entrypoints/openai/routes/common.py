@@ -1,15 +1,30 @@
-"""What the route families share: body parsing, adapter resolution, running a prompt, reply pieces."""
+"""What the route families share: body parsing, adapter resolution, running a prompt, reply pieces.
+
+Nothing slow runs on the event loop: large bodies are parsed on a worker thread, and
+``AsyncOmni`` submits requests (adapter validation) on its own threads. A request whose
+client disconnects is cancelled in its stage (:func:`run_pipeline` races the disconnect;
+a streaming response is cancelled by Starlette when its client goes away).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, engine_errors, not_found
+from vllm_omni.entrypoints.openai.errors import (
+    ClientDisconnected,
+    OpenAIError,
+    bad_request,
+    engine_errors,
+    not_found,
+)
 from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
 from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
@@ -17,19 +32,76 @@ from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
 #: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
 Adapters = tuple[RequestAdapter, ...]
 
+T = TypeVar("T")
 
-async def read_json(request: Request) -> Any:
-    """The JSON body of ``request``.
+#: Bodies larger than this are parsed on a worker thread instead of the event loop.
+_PARSE_ON_THREAD_BYTES = 256 * 1024
+
+
+def require_json(request: Request) -> None:
+    """Refuse a body that does not declare ``Content-Type: application/json`` (parameters allowed).
+
+    A cross-site form may post ``text/plain`` or form bodies without a CORS preflight; JSON
+    routes therefore accept JSON bodies only.
 
     Raises:
-        OpenAIError: (400) not JSON, or nested too deeply.
+        OpenAIError: (415) another or no content type.
     """
+    declared = request.headers.get("content-type", "")
+    if declared.split(";", 1)[0].strip().lower() != "application/json":
+        shown = declared[:100] or "none"
+        raise OpenAIError(f"Content-Type must be application/json, got {shown!r}", 415)
+
+
+def _parse_json(body: bytes) -> Any:
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise bad_request("request body is nested too deeply") from exc
+
+
+async def read_json(request: Request) -> Any:
+    """The JSON body of ``request`` (parsed off the event loop when large).
+
+    Raises:
+        OpenAIError: (415) not declared as JSON; (400) not JSON, or nested too deeply.
+    """
+    require_json(request)
+    body = await request.body()
+    if len(body) < _PARSE_ON_THREAD_BYTES:
+        return _parse_json(body)
+    # the request keeps its own reference to the raw bytes; drop it once parsed
+    request._body = b""
+    return await asyncio.to_thread(_parse_json, body)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has disconnected (the body must already have been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it when the client disconnects first.
+
+    Raises:
+        ClientDisconnected: the client went away (``work`` was cancelled).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+    if not task.cancelled() and task.done():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected
 
 
 def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapters:
@@ -70,19 +142,33 @@ def default_llm_params(state: ServerState) -> Any:
     return SamplingParams(max_tokens=64)
 
 
-async def run_pipeline(state: ServerState, prompt: Any, params: list[Any], adapters: Adapters) -> list[Any]:
-    """Run one prompt and collect its final outputs.
+def stream_pipeline(
+    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters
+) -> AsyncIterator[Any]:
+    """``AsyncOmni.generate`` for one prompt (each final output; pieces of a DELTA stage).
+
+    Closing the iterator, or cancelling the task iterating it, cancels the request.
+    """
+    return state.omni.generate(prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters)
+
+
+async def run_pipeline(
+    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters, request: Request | None = None
+) -> list[Any]:
+    """Run one prompt and collect its final outputs; with ``request``, cancel it when that client leaves.
 
     Raises:
         OpenAIError: the engine's errors, mapped by type (:func:`~..errors.engine_errors`).
+        ClientDisconnected: the client of ``request`` went away (the request was cancelled).
     """
-    outputs = []
-    with engine_errors("lora"):
-        async for out in state.omni.generate(
-            prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters
-        ):
-            outputs.append(out)
-    return outputs
+
+    async def collect() -> list[Any]:
+        with engine_errors("lora"):
+            return [out async for out in stream_pipeline(state, prompt, params, adapters)]
+
+    if request is None:
+        return await collect()
+    return await cancel_on_disconnect(request, collect())
 
 
 def text_output(outputs: list[Any]) -> Any:
@@ -108,7 +194,15 @@ def usage(ro: Any) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def sse_event(chunk: dict) -> str:
+    """One server-sent event carrying ``chunk`` as JSON."""
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+#: The event that ends every OpenAI stream.
+SSE_DONE = "data: [DONE]\n\n"
+
+
 def sse(chunks: list[dict]) -> Response:
     """A complete ``text/event-stream`` body: one ``data:`` event per chunk, then ``[DONE]``."""
-    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-    return Response(body, media_type="text/event-stream")
+    return Response("".join(map(sse_event, chunks)) + SSE_DONE, media_type="text/event-stream")

@@ -29,7 +29,7 @@ async def images_generations(request: Request) -> JSONResponse:
     """Images from a text prompt: ``{"created", "data": [{"b64_json": <PNG>}, ...]}``."""
     state = get_state(request)
     req = parse_body(ImageGenerationRequest, await read_json(request))
-    return JSONResponse(await generate_images(state, req, image=None))
+    return JSONResponse(await generate_images(state, req, image=None, request=request))
 
 
 @router.post("/v1/images/edits")
@@ -38,11 +38,15 @@ async def images_edits(request: Request) -> JSONResponse:
     state = get_state(request)
     fields, image = await media.read_edit_form(request)
     req = parse_body(ImageGenerationRequest, fields)
-    return JSONResponse(await generate_images(state, req, image=image))
+    return JSONResponse(await generate_images(state, req, image=image, request=request))
 
 
-async def generate_images(state: ServerState, req: ImageGenerationRequest, image: Any) -> dict:
+async def generate_images(
+    state: ServerState, req: ImageGenerationRequest, image: Any, request: Request | None = None
+) -> dict:
     """Run an image request (``image``: the decoded input image of an edit, else ``None``).
+
+    With ``request``, the run is cancelled when that client disconnects.
 
     Raises:
         OpenAIError: 400 when the pipeline makes no images or takes no input image; the
@@ -62,7 +66,7 @@ async def generate_images(state: ServerState, req: ImageGenerationRequest, image
             )
         dparams.extra_args["image"] = image
     outputs = await run_pipeline(
-        state, req.prompt, stage_params(state, default_llm_params(state), dparams), adapters
+        state, req.prompt, stage_params(state, default_llm_params(state), dparams), adapters, request
     )
     return {
         "created": int(time.time()),

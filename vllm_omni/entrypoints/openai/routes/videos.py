@@ -34,7 +34,7 @@ async def videos_generations(request: Request) -> JSONResponse:
     adapters = resolve_adapters(state, req.model, req.lora)
     dparams = req.diffusion_params(1)
     params = stage_params(state, default_llm_params(state), dparams)
-    frames = media.video_frames(await run_pipeline(state, req.prompt, params, adapters))
+    frames = media.video_frames(await run_pipeline(state, req.prompt, params, adapters, request))
     item: dict[str, Any] = {"num_frames": len(frames), "fps": req.fps}
     if req.video_format == "png":
         item.update(b64_json=None, format="png", frames=[media.png_b64(f) for f in frames])
