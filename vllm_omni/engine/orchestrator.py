@@ -61,6 +61,15 @@ def make_stage_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
     return DiffusionStageEngine(stage)
 
 
+def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:
+    """Done-callback of a request's future: when it was cancelled, cancel its stage request in flight."""
+    if done.cancelled():
+        with lock:
+            in_flight = list(current)
+        for stage_future in in_flight:
+            stage_future.cancel()
+
+
 class Orchestrator:
     """Owns one runtime per stage and chains requests through them.
 
@@ -159,15 +168,7 @@ class Orchestrator:
             prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **hook
         )
         current.append(first)
-
-        def propagate_cancel(f: Future) -> None:
-            if f.cancelled():
-                with lock:
-                    in_flight = list(current)
-                for stage_future in in_flight:
-                    stage_future.cancel()
-
-        done.add_done_callback(propagate_cancel)
+        done.add_done_callback(lambda f: _cancel_in_flight(f, current, lock))
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
 

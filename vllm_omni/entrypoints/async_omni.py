@@ -24,6 +24,24 @@ def _cancel_submitted(submitted: Future) -> None:
         submitted.result().cancel()
 
 
+async def _outputs(queue: asyncio.Queue, finished: asyncio.Future) -> AsyncIterator[OmniRequestOutput]:
+    """What a request puts on ``queue`` until ``finished`` completes; then its failure, if any."""
+    while True:
+        getter = asyncio.ensure_future(queue.get())
+        try:
+            await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            yield getter.result()
+            continue
+        finished.result()  # raises the stage failure, if any
+        while not queue.empty():
+            yield queue.get_nowait()
+        return
+
+
 class AsyncOmni(OmniBase):
     """Serve a pipeline from asyncio code; many requests may be in flight at once.
 
@@ -73,11 +91,7 @@ class AsyncOmni(OmniBase):
             [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
         )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
-        streamed = {
-            s.stage_id
-            for s, p in zip(self.config.stages, params)
-            if s.is_llm and s.final_output and getattr(p, "output_kind", None) == RequestOutputKind.DELTA
-        }
+        streamed = self._streamed_stages(params)
 
         def put(out: OmniRequestOutput) -> None:
             if request_id is not None:
@@ -97,25 +111,21 @@ class AsyncOmni(OmniBase):
         )
         finished = asyncio.wrap_future(done)
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                try:
-                    await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not getter.done():
-                        getter.cancel()
-                if getter.done() and not getter.cancelled():
-                    yield getter.result()
-                    continue
-                finished.result()  # raises the stage failure, if any
-                while not queue.empty():
-                    yield queue.get_nowait()
-                return
+            async for out in _outputs(queue, finished):
+                yield out
         finally:
             # the caller went away (task cancelled, e.g. an HTTP client disconnected, or the
             # generator closed early): stop the request in its stage instead of running it out
             if not done.done():
                 done.cancel()
+
+    def _streamed_stages(self, params: list[Any]) -> set[int]:
+        """Ids of the final-output LLM stages whose params ask for ``RequestOutputKind.DELTA``."""
+        return {
+            s.stage_id
+            for s, p in zip(self.config.stages, params)
+            if s.is_llm and s.final_output and getattr(p, "output_kind", None) == RequestOutputKind.DELTA
+        }
 
     async def _submit(self, *args: Any, **kwargs: Any) -> Future:
         """``Orchestrator.submit`` on a worker thread; a caller cancelled meanwhile cancels the request."""
