@@ -23,7 +23,7 @@ from tests.entrypoints.server_utils import console_script, free_port, server_env
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-DRAIN_S = 2.0  # --shutdown-timeout of the servers under test
+DRAIN_S = 2  # --shutdown-timeout of the servers under test (an int: vLLM's own flag parses it too)
 EXIT_SLACK_S = 10.0  # SIGTERM/SIGINT: exit within DRAIN_S + this (stage shutdown: DRAIN_S more, then exit)
 ORPHAN_S = 8.0  # after the server is gone, its descendants are gone within this
 
@@ -72,6 +72,7 @@ def _stop_and_count(server, sig: int) -> None:
             f"server did not exit within {limit}s of {signal.Signals(sig).name}:\n{server.log_tail()}"
         )
     elapsed = time.monotonic() - t0
+    print(f"{signal.Signals(sig).name}: server exited in {elapsed:.1f}s")
     deadline = time.monotonic() + ORPHAN_S
     while (left := _alive(children)) and time.monotonic() < deadline:
         time.sleep(0.2)
