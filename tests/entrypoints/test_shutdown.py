@@ -24,7 +24,8 @@ from tests.entrypoints.server_utils import console_script, free_port, server_env
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DRAIN_S = 2  # --shutdown-timeout of the servers under test (an int: vLLM's own flag parses it too)
-EXIT_SLACK_S = 10.0  # SIGTERM/SIGINT: exit within DRAIN_S + this (stage shutdown: DRAIN_S more, then exit)
+EXIT_SLACK_S = 13.0  # SIGTERM/SIGINT: exit within DRAIN_S + this (stage shutdown: DRAIN_S more, then
+# exit; ~4 s on a quiet machine, more on a loaded one)
 ORPHAN_S = 8.0  # after the server is gone, its descendants are gone within this
 
 
@@ -54,6 +55,10 @@ def _fire(url: str, body: dict, n: int) -> list[threading.Thread]:
     for t in threads:
         t.start()
     return threads
+
+
+def _assert_in_flight(threads: list[threading.Thread]) -> None:
+    assert any(t.is_alive() for t in threads), "the requests finished before the signal: make them longer"
 
 
 def _stop_and_count(server, sig: int) -> None:
@@ -107,16 +112,18 @@ def _busy_llm_server(tiny_llm_assets, tmp_path):
     ]
     server = start_server(cmd, port, tmp_path / "server.log", server_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"))
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
-    # one request at a time (max-num-seqs 1): far more work queued than the drain timeout
-    _fire(server.url("/v1/completions"), body, 12)
+    # one request at a time (max-num-seqs 1), ~0.5 s each: far more work queued (~60 s) than the
+    # drain timeout plus the exit bound, so a server that waits for it all fails the bound
+    threads = _fire(server.url("/v1/completions"), body, 128)
     time.sleep(1.0)
-    return server
+    return server, threads
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_llm_server_with_engine_process(sig, tiny_llm_assets, tmp_path):
-    server = _busy_llm_server(tiny_llm_assets, tmp_path)
+    server, threads = _busy_llm_server(tiny_llm_assets, tmp_path)
     try:
+        _assert_in_flight(threads)
         _stop_and_count(server, sig)
     finally:
         server.stop()
@@ -143,8 +150,9 @@ def test_diffusion_server_with_tp2_ranks(sig, tiny_z_image_dir, tmp_path):
     server = start_server(cmd, port, tmp_path / "server.log", server_env())
     try:
         body = {"prompt": "a cat", "size": "32x32", "num_inference_steps": 1000}
-        _fire(server.url("/v1/images/generations"), body, 2)
+        threads = _fire(server.url("/v1/images/generations"), body, 2)
         time.sleep(1.5)
+        _assert_in_flight(threads)
         _stop_and_count(server, sig)
     finally:
         server.stop()
