@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -99,8 +100,9 @@ def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
         # uvicorn handles the signals while it serves, then raises the one it received again
         # under the previous handler: the default SIGTERM action would kill this process before
         # the stages are shut down (their processes were left behind), so exit through Python.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _exit_on_signal)
+        if threading.current_thread() is threading.main_thread():  # the only one signals reach
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, _exit_on_signal)
         server.run()
     finally:
         omni.shutdown(timeout=settings.shutdown_timeout)
