@@ -20,7 +20,10 @@
    have an adapter, goes through vLLM's own op unchanged. ``tests/engine/test_mixed_lora_batch.py``
    shows raw vLLM wrong on such a batch and fails once upstream is right (then remove the patch).
 
-Both are loaded in every vLLM process (front end, engine core, workers, spawned or forked)
+3. **No orphans.** A vLLM process started by one of ours exits when its parent is gone
+   (:func:`vllm_omni.process_guard.watch_parent`; vLLM 0.32's engine core does not watch).
+
+All are loaded in every vLLM process (front end, engine core, workers, spawned or forked)
 through the ``vllm.general_plugins`` entry point ``vllm_omni`` (pyproject.toml), which calls
 :func:`prepare_engine_process`; vllm_omni also calls it where it builds an engine in-process,
 so a source checkout that is not installed is covered as well. Forked children inherit both
@@ -115,6 +118,13 @@ def torch_lora_ops_patched() -> bool:
 
 
 def prepare_engine_process() -> None:
-    """Everything this module applies, once per process: the ``vllm.general_plugins`` entry point."""
+    """Everything this module applies, once per process: the ``vllm.general_plugins`` entry point.
+
+    In a process started by an engine owner (vLLM's engine core and workers) it also starts the
+    parent watch of :mod:`vllm_omni.process_guard`: the process exits when its parent is gone.
+    """
+    from vllm_omni.process_guard import watch_parent
+
+    watch_parent()
     request_amx_permission()
     patch_torch_lora_ops()

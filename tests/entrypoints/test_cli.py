@@ -240,6 +240,16 @@ def test_unknown_flag_and_bad_lora_dirs(tiny_llm_assets, monkeypatch, capsys, tm
     assert code == 2 and "--lora-dirs" in err
 
 
+def test_shutdown_timeout_is_a_server_setting(tiny_llm_assets, monkeypatch, capsys):
+    model = str(tiny_llm_assets.model_dir)
+    launch, settings = parse_serve_argv([model])
+    assert settings.shutdown_timeout == 5.0  # a few seconds by default (vLLM's 0 aborts at once)
+    launch, settings = parse_serve_argv([model, "--shutdown-timeout", "2.5"])
+    assert settings.shutdown_timeout == 2.5 and "shutdown_timeout" not in launch.options
+    code, err = run_main([model, "--shutdown-timeout", "-1"], monkeypatch, capsys)
+    assert code == 2 and "--shutdown-timeout" in err
+
+
 def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
     """`vllm serve <model> --omni ...` runs our CLI (vLLM's own dispatch), errors included."""
     cmd = console_script("vllm") + ["serve", str(tiny_z_image_dir), "--omni", "--lora-backend", "distill"]

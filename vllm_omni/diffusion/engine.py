@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +27,20 @@ from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
 from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.process_guard import mark_owner, watch_parent
 
 __all__ = ["DiffusionEngine", "DiffusionOutput"]
+
+#: Seconds ``shutdown()`` gives the ranks to finish their call and exit when no timeout is given.
+_WORKER_EXIT_S = 30.0
+#: Seconds between SIGTERM and SIGKILL of a rank that did not exit in time.
+_KILL_AFTER_S = 2.0
+
+
+def _guarded_worker_main(*args) -> None:
+    """A rank: :func:`worker_main` in a process that exits when its parent is gone (SIGKILL included)."""
+    watch_parent()
+    worker_main(*args)
 
 
 class DiffusionEngine:
@@ -61,11 +74,12 @@ class DiffusionEngine:
             self._tmpdir = tempfile.mkdtemp(prefix="vllm_omni_diffusion_")
             init_method = f"file://{os.path.join(self._tmpdir, 'pg')}"
         ctx = mp.get_context("spawn")
+        mark_owner()  # the ranks exit with this process, however it ends (process_guard)
         try:
             for rank in range(world):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
-                    target=worker_main,
+                    target=_guarded_worker_main,
                     args=(od_config, rank, world, init_method, child),
                     name=f"vllm-omni-diffusion-tp{rank}",
                     daemon=True,
@@ -162,8 +176,12 @@ class DiffusionEngine:
         return self.collective_rpc("generate", list(prompts), sampling_params)[0]
 
     # ------------------------------------------------------------------ lifecycle
-    def shutdown(self) -> None:
-        """Stop worker processes (idempotent). The in-process pipeline is released."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop worker processes (idempotent). The in-process pipeline is released.
+
+        The ranks get ``timeout`` seconds (default 30) to finish their current call and exit;
+        the ones still alive then get SIGTERM, and SIGKILL :data:`_KILL_AFTER_S` seconds later.
+        """
         if self._closed:
             return
         self._closed = True
@@ -171,11 +189,18 @@ class DiffusionEngine:
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
+        deadline = time.monotonic() + (_WORKER_EXIT_S if timeout is None else timeout)
         for proc in self._procs:
-            proc.join(timeout=30)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
-                proc.join(timeout=5)
+        kill_at = time.monotonic() + _KILL_AFTER_S
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, kill_at - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=1)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []

@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -278,11 +279,17 @@ class DiffusionStageEngine(StageDriver):
         """Run a worker method on every rank (on the driver thread, between batches)."""
         return self._call(lambda: self._engine.collective_rpc(method, *args))
 
-    def shutdown(self) -> None:
-        """Stop the driver and the workers; queued requests fail with ``StageEngineError``."""
-        if not self._stop_driver(self._thread, 60):
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the driver and the workers; queued requests fail with ``StageEngineError``.
+
+        ``timeout`` bounds the wait for a running batch plus the workers' exit (default: 60 s
+        for the batch, then the engine's own bound); past it, tensor-parallel ranks are killed
+        (their batch fails with ``StageDeadError``) and an in-process batch is abandoned.
+        """
+        deadline = time.monotonic() + (60.0 if timeout is None else timeout)
+        if not self._stop_driver(self._thread, deadline - time.monotonic()):
             return
-        self._engine.shutdown()
+        self._engine.shutdown(None if timeout is None else max(0.0, deadline - time.monotonic()))
 
     # ---------------------------------------------------------------- internals
     def _call_all_ranks(self, method: str, *args: Any) -> Any:

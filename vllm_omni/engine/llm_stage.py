@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from vllm_omni.engine.stage_engine_args import project_stage_engine_args
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.platform import prepare_engine_process
+from vllm_omni.process_guard import mark_owner
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 _LIVE_ENGINES = 0
 _PARKED: list[Any] = []
 _LIVE_LOCK = threading.Lock()
+#: Seconds ``shutdown()`` waits for the driver thread when no timeout is given.
+_DRIVER_JOIN_S = 30.0
 
 
 def check_model_class(stage: LLMStageConfig) -> None:
@@ -119,6 +123,7 @@ class LLMStageEngine(StageDriver):
 
         self.stage = stage
         check_model_class(stage)
+        mark_owner()  # vLLM processes started from here exit with this process (process_guard)
         prepare_engine_process()
         engine_args = project_stage_engine_args(stage)
         self.validator = (
@@ -272,9 +277,14 @@ class LLMStageEngine(StageDriver):
         self._require_lora()
         return self._call(lambda: self._engine.pin_lora(lora_int_id))
 
-    def shutdown(self) -> None:
-        """Stop the driver thread and release the engine; pending requests fail."""
-        if not self._stop_driver(self._thread, 30, list(self._running.values())):
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the driver thread and release the engine; pending requests fail with ``StageEngineError``.
+
+        ``timeout`` bounds the whole call (default: 30 s for the driver, then vLLM's own bound
+        for its engine-core process); requests still in the engine are aborted with it.
+        """
+        deadline = time.monotonic() + (_DRIVER_JOIN_S if timeout is None else timeout)
+        if not self._stop_driver(self._thread, deadline - time.monotonic(), list(self._running.values())):
             return
         global _LIVE_ENGINES
         with _LIVE_LOCK:
@@ -287,7 +297,9 @@ class LLMStageEngine(StageDriver):
         for engine in release:
             engine_core = getattr(engine, "engine_core", None)
             if engine_core is not None and hasattr(engine_core, "shutdown"):
-                engine_core.shutdown()
+                engine_core.shutdown(
+                    timeout=None if timeout is None else max(0.0, deadline - time.monotonic())
+                )
 
     # ---------------------------------------------------------------- internals
     def _require_lora(self) -> None:

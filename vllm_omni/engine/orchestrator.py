@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -293,11 +294,13 @@ class Orchestrator:
                 f"pipeline {self.config.pipeline.name!r} is shut down; create a new engine"
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Shut every stage down; with ``timeout``, all of them within that many seconds in total."""
         self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         for runtime in self.runtimes:
             try:
-                runtime.shutdown()
+                runtime.shutdown(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except Exception:  # best effort: keep shutting the others down
                 logger.exception("error while shutting down a stage")
         self.runtimes = []

@@ -71,6 +71,10 @@ class StageRuntime(Protocol):
         """Never evict this loaded adapter."""
         ...
 
-    def shutdown(self) -> None:
-        """Stop the stage (idempotent); queued requests fail with ``StageEngineError``."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the stage (idempotent); queued requests fail with ``StageEngineError``.
+
+        ``timeout``: seconds the whole shutdown may take (requests still running are then
+        abandoned and the stage's processes killed); ``None``: the runtime's own bound.
+        """
         ...

@@ -262,8 +262,8 @@ class OmniBase:
     def _pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         return all(self._orchestrator.lora_call("pin_lora", lora_int_id, stage_id=stage_id).values())
 
-    def shutdown(self) -> None:
-        """Stop every stage engine."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every stage engine; with ``timeout``, within that many seconds (running requests are abandoned)."""
         orch = getattr(self, "_orchestrator", None)
         if orch is not None:
-            orch.shutdown()
+            orch.shutdown(timeout)

@@ -7,8 +7,8 @@ Flags come from three places:
   the flags given on the command line become options, exactly as if they were passed to
   ``Omni(model, **options)``; everything else keeps the typed config's defaults.
 - vLLM's serving flags that apply here (``--host``, ``--port``, ``--api-key``,
-  ``--served-model-name``, ``--lora-modules``, ``--chat-template``, ...). They configure the
-  HTTP server and never reach a stage.
+  ``--served-model-name``, ``--lora-modules``, ``--chat-template``, ``--shutdown-timeout``, ...).
+  They configure the HTTP server and never reach a stage.
 - Omni flags: ``--pipeline``, ``--stage-overrides``, ``--deploy-config``, the diffusion LoRA
   flags (``--lora-path``, ``--lora-backend``, ``--lora-scale``) and the request allow-list
   (``--lora-dirs``, ``--allow-remote-lora``); ``--dry-run`` prints the resolved configuration
@@ -30,13 +30,18 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.config.diffusion import LORA_BACKENDS
 from vllm_omni.entrypoints.cli.fast import unknown_flags_message
-from vllm_omni.entrypoints.openai.settings import OmniLaunch, ServerSettings
+from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, OmniLaunch, ServerSettings
 from vllm_omni.errors import ConfigError
 
 USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
 
 # Dests of EngineArgs flags that configure the HTTP server, not a stage.
-_FRONTEND_ENGINE_DESTS = ("served_model_name",)
+_FRONTEND_ENGINE_DESTS = ("served_model_name", "shutdown_timeout")
+_SHUTDOWN_HELP = (
+    "On SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to this many seconds, "
+    "then abort them and shut the stages down (which may take as long again). "
+    f"Default here: {DEFAULT_SHUTDOWN_TIMEOUT_S:g} (vLLM's own default is 0: abort at once)."
+)
 
 
 class OmniArgumentParser(FlexibleArgumentParser):
@@ -150,6 +155,8 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
         if id(action) not in ours and action.dest != "help":
             action.default = argparse.SUPPRESS
             engine_dests.append(action.dest)
+        if action.dest == "shutdown_timeout":  # vLLM's flag, same meaning; seconds may be fractional
+            action.type, action.help = float, _SHUTDOWN_HELP
     parser.set_defaults(_engine_dests=tuple(engine_dests))
     return parser
 
@@ -170,6 +177,7 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
     model = ns.get("model_tag") or engine.pop("model", None)
     engine.pop("model", None)
     served = engine.pop("served_model_name", None) or []
+    shutdown_timeout = engine.pop("shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
     if isinstance(served, str):
         served = [served]
     options = dict(engine)
@@ -188,6 +196,8 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         options["lora_scale"] = args.lora_scale
     if model is None and args.deploy_config is None:
         raise ServeArgsError("no model given: vllm serve <model> --omni (or --deploy-config naming one)")
+    if not shutdown_timeout >= 0:  # also refuses nan
+        raise ServeArgsError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     for root in args.lora_dirs or []:
         if not os.path.isdir(root):
             raise ServeArgsError(f"--lora-dirs: {root!r} is not a directory")
@@ -206,6 +216,7 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         response_role=args.response_role,
         uvicorn_log_level=args.uvicorn_log_level,
         disable_uvicorn_access_log=bool(args.disable_uvicorn_access_log),
+        shutdown_timeout=float(shutdown_timeout),
     )
     launch = OmniLaunch(
         model=model, pipeline=args.pipeline, deploy_config=args.deploy_config, options=options

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -69,11 +71,22 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
     """Start the engines of ``config`` (as resolved and checked by the CLI), then serve HTTP until interrupted.
 
+    SIGTERM / SIGINT: the server stops accepting, lets in-flight requests finish for up to
+    ``settings.shutdown_timeout`` seconds, cancels the rest (which aborts them in their stages),
+    then shuts the stages down within as long again and exits with ``128 + signal``. A second
+    SIGINT skips the drain. Every process the stages started exits with this one, also when it
+    is killed outright (:mod:`vllm_omni.process_guard`).
+
     Raises:
         ConfigError: a ``--lora-modules`` adapter cannot be served (before the server listens).
+        SystemExit: ``128 + signal number`` after a SIGTERM / SIGINT shutdown.
     """
     import uvicorn
 
@@ -86,12 +99,22 @@ def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
         app = build_app(state)
         host = settings.host or "0.0.0.0"
         logger.info("serving %s on %s:%s", state.base_name, host, settings.port)
-        uvicorn.run(
-            app,
-            host=host,
-            port=settings.port,
-            log_level=settings.uvicorn_log_level,
-            access_log=not settings.disable_uvicorn_access_log,
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=settings.port,
+                log_level=settings.uvicorn_log_level,
+                access_log=not settings.disable_uvicorn_access_log,
+                timeout_graceful_shutdown=settings.shutdown_timeout,
+            )
         )
+        # uvicorn handles the signals while it serves, then raises the one it received again
+        # under the previous handler: the default SIGTERM action would kill this process before
+        # the stages are shut down (their processes were left behind), so exit through Python.
+        if threading.current_thread() is threading.main_thread():  # the only one signals reach
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, _exit_on_signal)
+        server.run()
     finally:
-        omni.shutdown()
+        omni.shutdown(timeout=settings.shutdown_timeout)

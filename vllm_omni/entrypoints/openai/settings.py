@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Default of ``--shutdown-timeout`` (seconds).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
 
 @dataclass
 class OmniLaunch:
@@ -52,3 +55,6 @@ class ServerSettings:
     response_role: str = "assistant"
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
+    #: Seconds a SIGTERM/SIGINT lets in-flight requests finish before they are aborted; the
+    #: stages then get as long again to shut down (``--shutdown-timeout``).
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S

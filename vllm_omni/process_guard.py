@@ -1,0 +1,94 @@
+"""No process of ours outlives the process that started it.
+
+The process that owns stage engines (``Omni``, ``AsyncOmni``, the server) marks itself with
+:func:`mark_owner` before it starts any child; the mark is an environment variable, so every
+descendant inherits it (``spawn``, ``fork`` and ``exec`` alike). A descendant that runs
+:func:`watch_parent` — vLLM's engine-core and worker processes through the ``vllm_omni``
+plugin (:func:`vllm_omni.platform.prepare_engine_process`), our diffusion tensor-parallel
+ranks explicitly — starts a daemon thread that checks every :data:`POLL_S` seconds whether its
+parent is still the process that started it. When the parent is gone (exited, crashed, killed
+with SIGKILL: the child was re-parented), the child sends itself SIGTERM (vLLM's engine core
+shuts down on it, releasing its own workers) and, if it is still alive :data:`GRACE_S` seconds
+later, exits with ``os._exit``. Each level watches its own parent, so a whole tree unwinds.
+
+Why not ``prctl(PR_SET_PDEATHSIG)``: Linux sends that signal when the *thread* that created
+the child exits, and our stage engines are created on stage driver threads, which end at
+shutdown before the engine is released; polling ``getppid`` follows the process. A process
+without the mark (or the owner itself) never watches, so a server started from a shell does
+not die with the shell.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable holding the pid of the process that owns the stage engines.
+OWNER_ENV = "VLLM_OMNI_OWNER_PID"
+#: Seconds between two checks of the parent (a sleeping thread: no measurable cost).
+POLL_S = 0.25
+#: Seconds between the SIGTERM a child sends itself and its hard exit.
+GRACE_S = 2.0
+
+_lock = threading.Lock()
+_watching_pid: int | None = None  # the pid whose watch thread runs (fork children re-arm)
+_fork_hook_registered = False
+
+
+def mark_owner() -> None:
+    """Mark this process as the owner of the stage processes it starts from now on (idempotent)."""
+    os.environ[OWNER_ENV] = str(os.getpid())
+    _register_fork_hook()
+
+
+def is_descendant() -> bool:
+    """Whether this process was started (directly or not) by a process that called :func:`mark_owner`."""
+    owner = os.environ.get(OWNER_ENV)
+    return bool(owner) and owner != str(os.getpid())
+
+
+def watch_parent() -> bool:
+    """In a descendant of the owner: exit when the parent process goes away (idempotent per process).
+
+    Returns:
+        True when a watch runs in this process (started now or before); False in the owner
+        itself and in processes that do not descend from one.
+    """
+    global _watching_pid
+    if not is_descendant():
+        return False
+    _register_fork_hook()
+    with _lock:
+        if _watching_pid == os.getpid():
+            return True
+        _watching_pid = os.getpid()
+    parent = os.getppid()
+    thread = threading.Thread(target=_watch, args=(parent,), name="vllm-omni-parent-watch", daemon=True)
+    thread.start()
+    return True
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent and parent != 1:
+        time.sleep(POLL_S)
+    logger.warning("vllm-omni: parent process %d is gone; process %d exits", parent, os.getpid())
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(GRACE_S)
+    finally:
+        os._exit(1)
+
+
+def _register_fork_hook() -> None:
+    """Threads do not survive ``fork``: a forked descendant starts its own watch."""
+    global _fork_hook_registered
+    with _lock:
+        if _fork_hook_registered:
+            return
+        _fork_hook_registered = True
+    os.register_at_fork(after_in_child=watch_parent)
