@@ -33,6 +33,9 @@ class DiffusionPipeline(Protocol):
             :meth:`generate` (the pipeline reports each denoiser sample's prompt to ``lora_context``).
         transformer: the denoiser module LoRA patches (``None`` if the pipeline has none).
         vae_scale_factor: spatial VAE compression; image sizes must be multiples of twice it.
+
+    Optionally a pipeline declares ``max_image_size`` (largest ``(height, width)`` in pixels); the
+    stage then refuses larger requests before they join a batch.
     """
 
     mixed_lora_batch: ClassVar[bool]
