@@ -79,6 +79,8 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
     scale = entry.get("scale")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
         raise bad_request(f"{where}.scale must be a number, got {type(scale).__name__}", "lora")
+    if isinstance(scale, int) and abs(scale) > MAX_SCALE:  # float() of a 400-digit int overflows
+        scale = math.inf
     scale = None if scale is None else float(scale)
     if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_SCALE):
         raise bad_request(f"{where}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]", "lora")
@@ -152,7 +154,28 @@ class AdapterRegistry:
         self.startup_paths.add(real)
         return real
 
-    def add_named(self, request: LoRARequest) -> None:
+    def name_clash(self, name: str, *, replace: bool = False) -> str | None:
+        """Why ``name`` cannot name an adapter (``None`` when it can): the one rule of every way an
+        adapter gets a name (``--lora-path``, ``--lora-modules``, ``/v1/load_lora_adapter``).
+
+        A name is one namespace with the served model's names; ``replace`` lets a loaded
+        adapter's name be reused (``load_inplace``).
+        """
+        if name in self.base_names:
+            return f"'{name}' is a name of the served model; choose another adapter name"
+        if name in self.named and not replace:
+            return f"The lora adapter '{name}' has already been loaded."
+        return None
+
+    def add_named(self, request: LoRARequest, *, replace: bool = False) -> None:
+        """Name an adapter (``model=<name>`` selects it; ``/v1/models`` lists it).
+
+        Raises:
+            OpenAIError: (400, ``param`` ``lora_name``) the name clashes (:meth:`name_clash`).
+        """
+        clash = self.name_clash(request.lora_name, replace=replace)
+        if clash is not None:
+            raise bad_request(clash, "lora_name")
         self.named[request.lora_name] = request
         self._paths_by_id[request.lora_int_id] = request.lora_path
 
