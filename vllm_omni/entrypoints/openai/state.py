@@ -80,9 +80,7 @@ async def register_startup_adapters(state: ServerState) -> None:
     for name, path in state.settings.lora_modules:
         location = reg.register_startup_path(path)
         lora = LoRARequest(name, stable_lora_int_id(location), location)
-        clash = reg.name_clash(name)
-        if clash is not None:
-            raise ConfigError(f"--lora-modules {name}={path}: {clash}")
+        _check_startup_name(reg, name, f"--lora-modules {name}={path}")  # before loading anything
         try:
             await state.omni.add_lora(lora)
         except Exception as exc:
@@ -90,9 +88,13 @@ async def register_startup_adapters(state: ServerState) -> None:
         _name_startup_adapter(reg, lora, f"--lora-modules {name}={path}")
 
 
-def _name_startup_adapter(reg: AdapterRegistry, lora: LoRARequest, flag: str) -> None:
-    """Name a start-up adapter under the registry's one rule; a clash stops the server (``ConfigError``)."""
-    clash = reg.name_clash(lora.lora_name)
+def _check_startup_name(reg: AdapterRegistry, name: str, flag: str) -> None:
+    """A start-up adapter's name under the registry's one rule; a clash stops the server (``ConfigError``)."""
+    clash = reg.name_clash(name)
     if clash is not None:
-        raise ConfigError(f"{flag}: adapter name {lora.lora_name!r}: {clash}")
+        raise ConfigError(f"{flag}: adapter name {name!r}: {clash}")
+
+
+def _name_startup_adapter(reg: AdapterRegistry, lora: LoRARequest, flag: str) -> None:
+    _check_startup_name(reg, lora.lora_name, flag)
     reg.add_named(lora)
