@@ -372,6 +372,14 @@ def test_property_malformed_lora_never_500_on_the_live_server(server):
     assert httpx.get(server.url("/health")).status_code == 200
 
 
+def test_fuzz_every_route_never_500_on_the_llm_server(server):
+    """Issue 13 item 7: every field of every JSON route, bounded (hypothesis, 40 bodies a route)."""
+    from tests.entrypoints.route_strategies import ROUTES, fuzz_routes
+
+    fuzz_routes(server, list(ROUTES))
+    assert server.alive()
+
+
 def test_oversized_bodies_are_413_and_the_server_keeps_serving(server):
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
     r = httpx.post(server.url("/v1/chat/completions"), json=big, timeout=30)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,6 +22,7 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.entrypoints.route_strategies import ROUTES, fuzz_routes, post
 from tests.entrypoints.server_utils import (
     REPO_ROOT,
     assert_openai_error,
@@ -92,16 +92,6 @@ def server(loras, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
-
-
-def post(server, route: str, body, timeout: float = 300) -> httpx.Response:
-    """POST ``body`` as ASCII JSON (a lone surrogate travels as its ``\\ud800`` escape)."""
-    return httpx.post(
-        server.url(route),
-        content=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-        timeout=timeout,
-    )
 
 
 def decode(b64: str) -> np.ndarray:
@@ -177,38 +167,7 @@ def test_an_unreadable_adapter_layout_is_400_on_generation_and_on_load(server, l
     assert "odd" not in {m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]}
 
 
-def fuzz_routes(server, routes, max_examples: int = 40) -> None:
-    """Every field of every route in ``routes`` fuzzed: no status >= 500, the server keeps answering."""
-    for route in routes:
-        _route_fuzzer(server, route, max_examples)()
-        assert httpx.get(server.url("/health"), timeout=10).status_code == 200, route
-
-
-def _route_fuzzer(server, route: str, max_examples: int):
-    from hypothesis import HealthCheck, given, settings
-
-    from tests.entrypoints.route_strategies import body_for
-
-    @settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(body_for(route))
-    def check(body):
-        r = post(server, route, body, timeout=120)
-        assert r.status_code < 500, (route, body, r.text[:300])
-        if r.status_code >= 400:
-            assert_openai_error(r, (400, 404, 413, 415, 422))
-
-    return check
-
-
 def test_fuzz_every_route_never_500(server):
-    from tests.entrypoints.route_strategies import ROUTES
-
     fuzz_routes(server, list(ROUTES))
     assert server.alive()
     names = [m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]]
