@@ -141,3 +141,53 @@ def _route_fuzzer(server, route: str, max_examples: int):
             assert_openai_error(r, (400, 404, 413, 415, 422))
 
     return check
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+_form_value = (
+    st.binary(max_size=24)
+    | st.sampled_from(
+        [b"\xff\xfe", b"\xed\xa0\x80", b'{"name": "\\ud800"}', b"64x64", b"3", b"-1", b"9" * 401]
+    )
+    | text.filter(lambda t: "\x00" not in t).map(lambda t: t.encode("utf-8", "surrogatepass"))
+)
+FORM_KEYS = ["prompt", "size", "n", "lora", "model", "seed", "num_inference_steps", "guidance_scale", "x"]
+
+
+def edit_forms():
+    """``(fields, image bytes)`` of a multipart ``/v1/images/edits`` body (bytes, often not UTF-8)."""
+    image = st.sampled_from([_png(), b"", b"\x89PNG\r\n\x1a\n", b"GIF89a"]) | st.binary(max_size=64)
+    return st.tuples(st.dictionaries(st.sampled_from(FORM_KEYS), _form_value, max_size=6), image)
+
+
+def fuzz_edits(server, max_examples: int = 40) -> None:
+    """``/v1/images/edits`` with fuzzed multipart fields and image: no status >= 500."""
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(edit_forms())
+    def check(form):
+        fields, image = form
+        files = {key: (None, value) for key, value in fields.items()}
+        files["image"] = ("in.png", image, "image/png")
+        r = httpx.post(server.url("/v1/images/edits"), files=files, timeout=120)
+        assert r.status_code < 500, (fields, r.text[:300])
+        if r.status_code >= 400:
+            assert_openai_error(r, (400, 404, 413, 415, 422))
+
+    check()
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200

@@ -22,7 +22,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.entrypoints.route_strategies import ROUTES, fuzz_routes, post
+from tests.entrypoints.route_strategies import ROUTES, fuzz_edits, fuzz_routes, post
 from tests.entrypoints.server_utils import (
     REPO_ROOT,
     assert_openai_error,
@@ -169,6 +169,7 @@ def test_an_unreadable_adapter_layout_is_400_on_generation_and_on_load(server, l
 
 def test_fuzz_every_route_never_500(server):
     fuzz_routes(server, list(ROUTES))
+    fuzz_edits(server)
     assert server.alive()
     names = [m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]]
     assert len(names) == len(set(names))
