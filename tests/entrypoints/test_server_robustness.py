@@ -194,3 +194,17 @@ def test_runtime_load_refuses_a_taken_name(server, loras, name):
     err = assert_openai_error(post(server, "/v1/load_lora_adapter", body), (400,))
     assert name in err["message"] and err["param"] == "lora_name"
     assert httpx.get(server.url("/v1/models")).json()["data"] == before
+
+
+@pytest.mark.parametrize("name", ["demo", "demo-alias", "warm"])
+def test_a_request_path_may_not_take_a_taken_name(server, loras, name):
+    body = {"prompt": "a", "size": "64x64", **GEN, "lora": {"name": name, "path": str(loras / "stripes")}}
+    err = assert_openai_error(post(server, "/v1/images/generations", body), (400,))
+    assert name in err["message"]
+
+
+def test_a_request_path_may_repeat_its_own_adapters_name(server):
+    body = {"name": "warm", "path": str(DEMO / "adapters" / "warm")}
+    np.testing.assert_array_equal(
+        image(server, "a red circle", lora=body), image(server, "a red circle", model="warm")
+    )

@@ -253,9 +253,23 @@ class AdapterRegistry:
                 )
             return known
         location = self.resolve_path(spec.path)
+        if spec.name is not None:
+            self._check_request_name(spec.name, location)
         int_id = spec.int_id if spec.int_id is not None else stable_lora_int_id(location)
         self.claim_id(int_id, location)
         return LoRARequest(spec.name or f"adapter-{int_id}", int_id, location)
+
+    def _check_request_name(self, name: str, location: str) -> None:
+        """A request's ``name`` beside a ``path`` must not take a served name or another adapter's."""
+        if name in self.base_names:
+            raise bad_request(f"lora: {self.name_clash(name)}", "lora")
+        known = self.named.get(name)
+        if known is not None and os.path.realpath(known.lora_path) != location:
+            raise bad_request(
+                f"lora: the name {name!r} belongs to a loaded adapter at another path; "
+                f"omit 'name', choose another, or pass only the name to use that adapter",
+                "lora",
+            )
 
     def claim_id(self, int_id: int, location: str) -> None:
         """Bind ``int_id`` to ``location``; an id never silently switches to other weights."""
