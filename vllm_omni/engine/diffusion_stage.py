@@ -37,6 +37,7 @@ from typing import Any
 
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_class
 from vllm_omni.config.stage_config import DiffusionStageConfig
+from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import ConfigError, InvalidRequestError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -235,18 +236,7 @@ class DiffusionStageEngine(StageDriver):
         """Refuse a size the model cannot make before it joins a batch (unset: the pipeline's default)."""
         limits = self.max_size or (None, None)
         for name, limit in zip(("height", "width"), limits):
-            value = getattr(params, name)
-            if value is None:
-                continue
-            if value % self.size_factor:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {self.size_factor} for this model, got {value}"
-                )
-            if limit is not None and value > limit:
-                raise InvalidRequestError(
-                    f"{name} {value} exceeds this model's maximum of {limit} pixels "
-                    f"(the reach of its positional tables)"
-                )
+            check_image_side(name, getattr(params, name), self.size_factor, limit)
 
     def _request_adapters(
         self,

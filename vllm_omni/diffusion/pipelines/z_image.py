@@ -38,6 +38,7 @@ from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.forward_context import set_forward_context
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
+from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -173,15 +174,7 @@ class ZImagePipeline:
         height = sp.height or default_h
         width = sp.width or default_w
         for name, value, limit in zip(("height", "width"), (height, width), self.max_image_size):
-            if value % factor:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {factor} for this model, got {value}"
-                )
-            if value > limit:
-                raise InvalidRequestError(
-                    f"{name} {value} exceeds this model's maximum of {limit} pixels "
-                    f"(the reach of its positional tables)"
-                )
+            check_image_side(name, value, factor, limit)
         return height, width
 
     def _negative_prompts(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[str]:

@@ -79,9 +79,10 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
     scale = entry.get("scale")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
         raise bad_request(f"{where}.scale must be a number, got {type(scale).__name__}", "lora")
-    if isinstance(scale, int) and abs(scale) > MAX_SCALE:  # float() of a 400-digit int overflows
+    try:
+        scale = None if scale is None else float(scale)
+    except OverflowError:  # an integer beyond the float range (e.g. 400 digits)
         scale = math.inf
-    scale = None if scale is None else float(scale)
     if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_SCALE):
         raise bad_request(f"{where}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]", "lora")
     int_id = entry.get("int_id")

@@ -85,7 +85,7 @@ async def register_startup_adapters(state: ServerState) -> None:
             await state.omni.add_lora(lora)
         except Exception as exc:
             raise ConfigError(f"--lora-modules {name}={path}: {exc}") from exc
-        _name_startup_adapter(reg, lora, f"--lora-modules {name}={path}")
+        reg.add_named(lora)
 
 
 def _check_startup_name(reg: AdapterRegistry, name: str, flag: str) -> None:
