@@ -1,8 +1,9 @@
 """Hypothesis strategies for whole request bodies of every JSON route (mostly malformed values).
 
-Each route's body draws any subset of its fields; every field takes a value of the right kind
-(kept small, so that a body that happens to be valid stays cheap to run) or anything JSON can
-carry: wrong types, huge integers, lone surrogates (``"\\ud800"``), deep or empty containers.
+Each route's body holds its required fields and any subset of the others; a field usually takes a
+value of the right kind (kept small, so that valid bodies stay cheap to run) and one time in four
+anything JSON can carry: wrong types, huge integers, lone surrogates (``"\\ud800"``), deep or empty
+containers.
 Bodies are sent as ASCII JSON (``json.dumps``), so a lone surrogate travels as its escape.
 """
 
@@ -23,89 +24,104 @@ big_ints = st.integers(min_value=-(10**401), max_value=10**401)
 anything = json_values | odd_text | big_ints | st.floats()
 
 
-def small_ints(lo: int, hi: int):
-    return st.integers(min_value=lo, max_value=hi) | anything
+def field(valid, wrong=anything) -> st.SearchStrategy:
+    """A field's value: usually ``valid`` (so bodies reach the engine), one time in four ``wrong``."""
+    return st.integers(0, 3).flatmap(lambda k: wrong if k == 0 else valid)
 
 
-def _fields(**fields) -> st.SearchStrategy[dict]:
-    """Bodies holding any subset of ``fields``, plus now and then a key no route knows."""
-    return st.fixed_dictionaries({}, optional={**fields, "unknown_key": anything})
+def ints(lo: int, hi: int) -> st.SearchStrategy:
+    return field(st.integers(min_value=lo, max_value=hi))
+
+
+def _fields(required=None, **optional) -> st.SearchStrategy[dict]:
+    """Bodies with ``required`` fields, any subset of ``optional`` ones and now and then an unknown key."""
+    return st.fixed_dictionaries(required or {}, optional={**optional, "unknown_key": anything})
 
 
 def _diffusion_fields(**extra):
+    sides = st.sampled_from([16, 32, 48, 64]) | st.integers(min_value=-16, max_value=600)
     return dict(
-        model=st.sampled_from(["demo", "demo-alias", "warm", "nope", "\ud800"]) | anything,
-        size=st.sampled_from(["64x64", "32x48", "1024x1024", "16x16", "0x0", "64x", "auto", "\ud800x1"])
-        | anything,
-        height=small_ints(-16, 600),
-        width=small_ints(-16, 600),
-        num_inference_steps=small_ints(-2, 3),
-        guidance_scale=st.floats(min_value=-1, max_value=200) | anything,
-        negative_prompt=text | anything,
-        seed=small_ints(-1, 2**64),
-        num_frames=small_ints(-1, 4),
-        lora=lora_values()
-        | st.fixed_dictionaries({"name": st.just("warm"), "scale": big_ints | st.floats()}),
+        model=field(
+            st.sampled_from(["demo", "demo-alias", "warm", "stripes", "tiny", "a", "nope", "\ud800"])
+        ),
+        size=field(
+            st.sampled_from(["64x64", "32x48", "1024x1024", "16x16", "0x0", "64x", "auto", "\ud800x1"])
+        ),
+        height=field(sides),
+        width=field(sides),
+        num_inference_steps=ints(-1, 3),
+        guidance_scale=field(st.floats(min_value=-1, max_value=200)),
+        negative_prompt=field(text),
+        seed=ints(-1, 2**64),
+        num_frames=ints(-1, 4),
+        lora=field(
+            lora_values() | st.fixed_dictionaries({"name": st.just("warm"), "scale": big_ints | st.floats()})
+        ),
         **extra,
     )
 
 
 def _messages():
     part = st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url", "\ud800"]) | anything},
-        optional={"text": text | anything, "image_url": anything},
+        {"type": field(st.sampled_from(["text", "image_url"]))},
+        optional={"text": field(text), "image_url": anything},
     )
     message = st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "bot"]) | anything},
-        optional={"content": text | st.lists(part, max_size=3) | anything, "name": text | anything},
+        {"role": field(st.sampled_from(["user", "system", "assistant", "bot"]))},
+        optional={"content": field(text | st.lists(part, max_size=3)), "name": field(text)},
     )
-    return st.lists(message, max_size=3) | anything
+    return field(st.lists(message, min_size=1, max_size=3))
 
 
 def _sampling_fields():
     return dict(
-        max_tokens=small_ints(-1, 4),
-        temperature=st.floats(min_value=-1, max_value=3) | anything,
-        top_p=anything,
-        top_k=anything,
-        n=small_ints(-1, 3),
-        stop=text | anything,
-        stream=st.booleans() | anything,
+        max_tokens=ints(-1, 4),
+        temperature=field(st.floats(min_value=-1, max_value=3)),
+        top_p=field(st.floats(min_value=-0.5, max_value=1.5)),
+        top_k=ints(-2, 50),
+        n=ints(-1, 3),
+        stop=field(text),
+        stream=field(st.booleans()),
         logprobs=anything,
     )
 
 
+_prompt = field(st.sampled_from(["a red circle", "a blue square", "hi"]) | text)
 ROUTES = {
     "/v1/images/generations": _fields(
-        prompt=st.sampled_from(["a red circle", "a blue square"]) | text | anything,
-        n=small_ints(-1, 2),
-        response_format=st.sampled_from(["b64_json", "url"]) | anything,
+        {"prompt": _prompt},
+        n=ints(-1, 2),
+        response_format=field(st.sampled_from(["b64_json", "url"])),
         **_diffusion_fields(),
     ),
     "/v1/videos/generations": _fields(
-        prompt=text | anything, fps=small_ints(-1, 200), video_format=anything, **_diffusion_fields()
+        {"prompt": _prompt}, fps=ints(-1, 200), video_format=anything, **_diffusion_fields()
     ),
-    "/v1/chat/completions": _fields(messages=_messages(), **_sampling_fields(), **_diffusion_fields()),
+    "/v1/chat/completions": _fields({"messages": _messages()}, **_sampling_fields(), **_diffusion_fields()),
     "/v1/completions": _fields(
-        prompt=text | st.lists(small_ints(-1, 10), max_size=4) | anything,
+        {"prompt": field(_prompt | st.lists(st.integers(-1, 10), max_size=4))},
         echo=anything,
         **_sampling_fields(),
         **_diffusion_fields(),
     ),
     "/v1/load_lora_adapter": _fields(
-        lora_name=st.sampled_from(["demo", "demo-alias", "warm", "fuzzed"]) | text | anything,
-        lora_path=st.sampled_from(["/", "/etc/passwd", "a/b", "hf://x/y", "/tmp/\ud800"]) | text | anything,
-        load_inplace=st.booleans() | anything,
+        {
+            "lora_name": field(st.sampled_from(["demo", "demo-alias", "warm", "tiny", "a", "fuzzed"]) | text),
+            "lora_path": field(
+                st.sampled_from(["/", "/etc/passwd", "a/b", "hf://x/y", "/tmp/\ud800"]) | text
+            ),
+        },
+        load_inplace=field(st.booleans()),
     ),
     "/v1/unload_lora_adapter": _fields(
-        lora_name=st.sampled_from(["fuzzed", "nope"]) | text | anything, lora_int_id=anything
+        {"lora_name": field(st.sampled_from(["fuzzed", "nope"]) | text)}, lora_int_id=anything
     ),
 }
 
 
 def body_for(route: str) -> st.SearchStrategy:
     """A body of ``route`` (now and then not an object at all)."""
-    return ROUTES[route] | anything
+    return field(ROUTES[route])
 
 
 def post(server, route: str, body, timeout: float = 300) -> httpx.Response:
