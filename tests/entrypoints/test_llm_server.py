@@ -63,6 +63,11 @@ def paths(tiny_llm_assets, tmp_path_factory):
     p["pickled"] = pickled
     (root / "escape").symlink_to(p["outside_a"], target_is_directory=True)
     p["escape"] = root / "escape"
+    odd = root / "odd"  # a layout we do not read: the config beside a differently named weights file
+    odd.mkdir()
+    shutil.copy(tiny_llm_assets.adapter_a / "adapter_config.json", odd)
+    shutil.copy(tiny_llm_assets.adapter_a / "adapter_model.safetensors", odd / "weights.safetensors")
+    p["odd"] = odd
     return p
 
 
@@ -519,6 +524,25 @@ def test_property_malformed_lora_never_500_on_the_live_server(server):
 
     check()
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+@pytest.mark.parametrize("leaf", ["", "weights.safetensors"])
+def test_an_unread_adapter_layout_is_400_on_generation_and_on_load(server, paths, leaf):
+    """Issue 13 item 7: adapter_config.json beside weights.safetensors (not a PEFT folder)."""
+    path = str(paths["odd"] / leaf) if leaf else str(paths["odd"])
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "lora": {"name": "odd", "path": path}}
+    assert_openai_error(httpx.post(server.url("/v1/completions"), json=body, timeout=60), (400,))
+    load = {"lora_name": "odd", "lora_path": path}
+    assert_openai_error(httpx.post(server.url("/v1/load_lora_adapter"), json=load, timeout=60), (400,))
+    assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_fuzz_every_route_never_500_on_the_llm_server(server):
+    """Issue 13 item 7: every field of every JSON route, bounded (hypothesis, 40 bodies a route)."""
+    from tests.entrypoints.route_strategies import ROUTES, fuzz_routes
+
+    fuzz_routes(server, list(ROUTES))
+    assert server.alive()
 
 
 def test_oversized_bodies_are_413_and_the_server_keeps_serving(server):

@@ -164,10 +164,12 @@ class DiffusionWorker:
         return self.lora.pin_lora(lora_int_id)
 
     def describe(self) -> dict[str, Any]:
-        """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "mixed_lora_batch",
-        "lora_layers", "startup_loras"}`` (class names, device as str; sizes must be multiples of
-        ``size_factor``)."""
+        """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "max_size",
+        "mixed_lora_batch", "lora_layers", "startup_loras"}`` (class names, device as str; sizes must
+        be multiples of ``size_factor``; ``max_size``: the pipeline's largest ``(height, width)``,
+        ``None`` when it does not declare one)."""
         denoiser = self.pipeline.transformer
+        max_size = getattr(self.pipeline, "max_image_size", None)
         return {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -175,6 +177,7 @@ class DiffusionWorker:
             "pipeline": type(self.pipeline).__name__,
             "denoiser": type(denoiser).__name__ if denoiser is not None else None,
             "size_factor": int(self.pipeline.vae_scale_factor) * 2,
+            "max_size": None if max_size is None else tuple(int(v) for v in max_size),
             "mixed_lora_batch": self.pipeline.mixed_lora_batch,
             "lora_layers": len(self.lora.manager.wrappers),
             "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],

@@ -13,6 +13,10 @@ batch layout (the diffusers fallback) only batch requests with the same adapter 
 ``hold()`` keeps the driver from starting a batch while several requests are submitted,
 which is how ``Omni.generate`` batches a list of prompts deterministically.
 
+A request is checked against the model's own limits (size multiple, largest size) when it is
+submitted, before it can join a batch; should a batch call still fail, each member is run
+alone, so no request fails for another's sake.
+
 LoRA management (``add_lora`` / ``remove_lora`` / ``list_loras`` / ``pin_lora``) runs on the
 driver thread between batches and reaches every tensor-parallel worker; ``remove_lora`` of
 an adapter used by the running batch therefore waits for that batch to finish.
@@ -34,6 +38,7 @@ from typing import Any
 
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_class
 from vllm_omni.config.stage_config import DiffusionStageConfig
+from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import ConfigError, InvalidRequestError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -135,6 +140,8 @@ class DiffusionStageEngine(StageDriver):
         except Exception as exc:
             raise StageEngineError(f"{stage.label}: diffusion engine failed to start: {exc}") from exc
         self.size_factor = int(info["size_factor"])
+        #: the largest (height, width) the pipeline can make (None: not declared).
+        self.max_size: tuple[int, int] | None = tuple(info["max_size"]) if info.get("max_size") else None
         self.mixed_lora_batch = bool(info["mixed_lora_batch"])
         self.startup_lora_ids: list[int] = list(info["startup_loras"])
         #: sizes of the denoiser batches run so far, in prompts (observability / tests).
@@ -172,7 +179,8 @@ class DiffusionStageEngine(StageDriver):
                 ``params.lora_requests`` into them); given, the conveniences above must be absent.
 
         Raises (synchronously, before any work):
-            InvalidRequestError: a bad prompt, size not a multiple of the model's factor, adapters given
+            InvalidRequestError: a bad prompt, size not a multiple of the model's factor or above its
+                maximum (``max_size``), adapters given
                 twice, unequal lists, more adapters than ``max_loras``, an adapter twice, a
                 NaN / inf scale, or an adapter path that does not exist.
             StageEngineError: the stage is shut down or failed earlier.
@@ -216,12 +224,7 @@ class DiffusionStageEngine(StageDriver):
         neg = params.negative_prompt
         if isinstance(neg, list | tuple) and len(neg) != 1:
             raise InvalidRequestError(f"negative_prompt has {len(neg)} entries for 1 prompt")
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            if value is not None and value % self.size_factor:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {self.size_factor} for this model, got {value}"
-                )
+        self._check_size(params)
         adapters = self._request_adapters(
             params, adapters, lora_request, lora_scale, lora_requests, lora_scales
         )
@@ -229,6 +232,12 @@ class DiffusionStageEngine(StageDriver):
         if seed is None and params.generator is None:
             seed = random.randrange(2**31 - 1)
         return _Pending(prompt, params, adapters, seed, Future())
+
+    def _check_size(self, params: OmniDiffusionSamplingParams) -> None:
+        """Refuse a size the model cannot make before it joins a batch (unset: the pipeline's default)."""
+        limits = self.max_size or (None, None)
+        for name, limit in zip(("height", "width"), limits):
+            check_image_side(name, getattr(params, name), self.size_factor, limit)
 
     def _request_adapters(
         self,
@@ -329,32 +338,42 @@ class DiffusionStageEngine(StageDriver):
         return batch
 
     def _run_batch(self, batch: list[_Pending]) -> None:
-        first = batch[0].params
-        sp = dataclasses.replace(
-            first, seed=None, negative_prompt=_shared_negative(batch), lora_requests=[], lora_scales=[]
-        )
-        self.batch_sizes.append(len(batch))
+        """Run ``batch`` and resolve its futures. When the batch call itself fails, each member
+        is run alone, so a request fails only for its own sake (a dead stage fails them all)."""
         try:
-            results = self._engine.collective_rpc(
-                "generate_batch",
-                [item.prompt for item in batch],
-                sp,
-                [item.adapters for item in batch],
-                [item.seed for item in batch],
-            )[0]
+            results = self._generate(batch)
         except Exception as exc:
             logger.warning("%s: batch of %d failed: %s", self.stage.label, len(batch), exc)
             if isinstance(exc, StageDeadError):
                 with self._cv:
                     self._dead = exc
+            if len(batch) == 1 or isinstance(exc, StageDeadError):
+                for item in batch:
+                    item.future.set_exception(exc)
+                return
             for item in batch:
-                item.future.set_exception(exc)
+                self._run_batch([item])
             return
         for item, res in zip(batch, results, strict=True):
             if isinstance(res, BaseException):
                 item.future.set_exception(res)
             else:
                 item.future.set_result(res)
+
+    def _generate(self, batch: list[_Pending]) -> list[Any]:
+        """One denoiser batch on every rank: rank 0's per-request outputs or exceptions."""
+        first = batch[0].params
+        sp = dataclasses.replace(
+            first, seed=None, negative_prompt=_shared_negative(batch), lora_requests=[], lora_scales=[]
+        )
+        self.batch_sizes.append(len(batch))
+        return self._engine.collective_rpc(
+            "generate_batch",
+            [item.prompt for item in batch],
+            sp,
+            [item.adapters for item in batch],
+            [item.seed for item in batch],
+        )[0]
 
     def _drive(self) -> None:
         while True:

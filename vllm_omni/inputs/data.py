@@ -27,7 +27,7 @@ class OmniDiffusionSamplingParams:
 
     Attributes:
         height, width: output size in pixels; ``None`` takes the pipeline default
-            (1024 for Z-Image). Must be positive and a multiple of the pipeline's spatial
+            (Z-Image: the VAE's ``sample_size``, 1024 for the released model). Must be positive and a multiple of the pipeline's spatial
             factor (16 for Z-Image / SD3-style 8x VAEs with 2x2 patches); the pipeline checks the factor.
         num_inference_steps: denoising steps, ``>= 1``.
         guidance_scale: classifier-free guidance weight, finite and ``>= 0``; ``None`` takes the

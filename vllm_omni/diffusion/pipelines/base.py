@@ -12,11 +12,30 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
+from vllm_omni.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     import torch
 
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+
+def check_image_side(name: str, value: int | None, factor: int, limit: int | None = None) -> None:
+    """Refuse an image side (``name``: ``"height"`` / ``"width"``, pixels; ``None``: unset, the default).
+
+    Raises:
+        InvalidRequestError: ``value`` is not a multiple of ``factor`` or exceeds ``limit``.
+    """
+    if value is None:
+        return
+    if value % factor:
+        raise InvalidRequestError(f"{name} must be a multiple of {factor} for this model, got {value}")
+    if limit is not None and value > limit:
+        raise InvalidRequestError(
+            f"{name} {value} exceeds this model's maximum of {limit} pixels (the reach of its positional tables)"
+        )
+
 
 #: ``lora_context(rows)`` is entered around the denoiser call(s): ``rows`` maps each denoiser
 #: sample to its prompt index (CFG copies included), or ``None`` when every sample shares one
@@ -33,6 +52,9 @@ class DiffusionPipeline(Protocol):
             :meth:`generate` (the pipeline reports each denoiser sample's prompt to ``lora_context``).
         transformer: the denoiser module LoRA patches (``None`` if the pipeline has none).
         vae_scale_factor: spatial VAE compression; image sizes must be multiples of twice it.
+
+    Optionally a pipeline declares ``max_image_size`` (largest ``(height, width)`` in pixels); the
+    stage then refuses larger requests before they join a batch.
     """
 
     mixed_lora_batch: ClassVar[bool]

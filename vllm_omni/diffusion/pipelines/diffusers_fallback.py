@@ -16,6 +16,7 @@ from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
+from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -116,13 +117,8 @@ class DiffusersFallbackPipeline:
             prompts = [prompts]
         if not prompts:
             return []
-        factor = self.vae_scale_factor * 2
         for name in ("height", "width"):
-            value = getattr(sp, name)
-            if value is not None and value % factor:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {factor} for this model, got {value}"
-                )
+            check_image_side(name, getattr(sp, name), self.vae_scale_factor * 2)
         n = sp.num_images_per_prompt
         kwargs = self._kwargs(sp)
         if sp.generator is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -37,11 +38,14 @@ from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.forward_context import set_forward_context
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
+from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 DEFAULT_SIZE = 1024
 DEFAULT_GUIDANCE = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def _load_component(root: Path, name: str, spec: tuple[str, str], **kwargs):
@@ -100,7 +104,11 @@ class ZImagePipeline:
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
-        """Caption features per prompt: ``(L_i, hidden)`` in the text encoder dtype, padding removed."""
+        """Caption features per prompt: ``(L_i, hidden)`` in the text encoder dtype, padding removed.
+
+        Like diffusers, a prompt is truncated to ``max_sequence_length`` tokens; it is also cut
+        (with a warning) to :attr:`max_prompt_tokens`, what the denoiser's positional table holds.
+        """
         texts = [
             self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": p}],
@@ -118,19 +126,55 @@ class ZImagePipeline:
         hidden = self.text_encoder(
             input_ids=ids, attention_mask=mask, output_hidden_states=True
         ).hidden_states[-2]
-        return [hidden[i][mask[i]] for i in range(len(prompts))]
+        captions = [hidden[i][mask[i]] for i in range(len(prompts))]
+        # The text encoder is causal: keeping the first rows equals encoding the truncated text.
+        limit = self.max_prompt_tokens
+        for i, cap in enumerate(captions):
+            if cap.shape[0] > limit:
+                logger.warning(
+                    "prompt %d has %d tokens with its chat template; this model's positional table holds "
+                    "%d caption tokens, so the rest is truncated",
+                    i,
+                    cap.shape[0],
+                    limit,
+                )
+                captions[i] = cap[:limit]
+        return captions
 
     # ------------------------------------------------------------------ checks
-    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
-        """``(height, width)`` after defaults; raises ``InvalidRequestError`` unless multiples of ``2 * vae_scale_factor``."""
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Caption tokens (chat template included) the denoiser's positional table can index."""
+        return self.transformer.position_limits()[0]
+
+    @property
+    def max_image_size(self) -> tuple[int, int]:
+        """Largest ``(height, width)`` in pixels the denoiser's positional tables can index."""
+        _, lat_h, lat_w = self.transformer.position_limits()
+        return lat_h * self.vae_scale_factor, lat_w * self.vae_scale_factor
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        """``(height, width)`` of a request without a size: the VAE's ``sample_size`` (1024 for
+        Z-Image, as in diffusers), else 1024; bounded by :attr:`max_image_size`."""
         factor = self.vae_scale_factor * 2
-        height = sp.height or DEFAULT_SIZE
-        width = sp.width or DEFAULT_SIZE
-        for name, value in (("height", height), ("width", width)):
-            if value % factor:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {factor} for this model, got {value}"
-                )
+        sample = self.vae.config.get("sample_size")
+        size = sample if isinstance(sample, int) and sample > 0 and not sample % factor else DEFAULT_SIZE
+        return tuple(min(size, limit) // factor * factor for limit in self.max_image_size)
+
+    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
+        """``(height, width)`` after defaults (:attr:`default_size`).
+
+        Raises:
+            InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor`` or
+                exceeds :attr:`max_image_size`.
+        """
+        factor = self.vae_scale_factor * 2
+        default_h, default_w = self.default_size
+        height = sp.height or default_h
+        width = sp.width or default_w
+        for name, value, limit in zip(("height", "width"), (height, width), self.max_image_size):
+            check_image_side(name, value, factor, limit)
         return height, width
 
     def _negative_prompts(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[str]:

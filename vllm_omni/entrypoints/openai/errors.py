@@ -105,7 +105,16 @@ def engine_errors(adapter_param: str = "lora", user_param: str | None = None) ->
         raise mapped from exc
 
 
+def _printable(text: str | None) -> str | None:
+    """``text`` with what UTF-8 cannot encode (lone surrogates echoed from a request) escaped."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    """The OpenAI-style error body; any message (even one quoting invalid text) renders."""
+    message, param = _printable(message), _printable(param)
     body = {
         "error": {
             "message": message,

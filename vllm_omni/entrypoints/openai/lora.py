@@ -80,7 +80,10 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
     scale = entry.get("scale")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
         raise bad_request(f"{where}.scale must be a number, got {type(scale).__name__}", "lora")
-    scale = None if scale is None else float(scale)
+    try:
+        scale = None if scale is None else float(scale)
+    except OverflowError:  # an integer beyond the float range (e.g. 400 digits)
+        scale = math.inf
     if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_SCALE):
         raise bad_request(f"{where}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]", "lora")
     int_id = entry.get("int_id")
@@ -153,7 +156,28 @@ class AdapterRegistry:
         self.startup_paths.add(real)
         return real
 
-    def add_named(self, request: LoRARequest) -> None:
+    def name_clash(self, name: str, *, replace: bool = False) -> str | None:
+        """Why ``name`` cannot name an adapter (``None`` when it can): the one rule of every way an
+        adapter gets a name (``--lora-path``, ``--lora-modules``, ``/v1/load_lora_adapter``).
+
+        A name is one namespace with the served model's names; ``replace`` lets a loaded
+        adapter's name be reused (``load_inplace``).
+        """
+        if name in self.base_names:
+            return f"'{name}' is a name of the served model; choose another adapter name"
+        if name in self.named and not replace:
+            return f"The lora adapter '{name}' has already been loaded."
+        return None
+
+    def add_named(self, request: LoRARequest, *, replace: bool = False) -> None:
+        """Name an adapter (``model=<name>`` selects it; ``/v1/models`` lists it).
+
+        Raises:
+            OpenAIError: (400, ``param`` ``lora_name``) the name clashes (:meth:`name_clash`).
+        """
+        clash = self.name_clash(request.lora_name, replace=replace)
+        if clash is not None:
+            raise bad_request(clash, "lora_name")
         self.named[request.lora_name] = request
         self._paths_by_id[request.lora_int_id] = request.lora_path
 
@@ -255,9 +279,23 @@ class AdapterRegistry:
                 )
             return known
         location = self.resolve_path(spec.path)
+        if spec.name is not None:
+            self._check_request_name(spec.name, location)
         int_id = spec.int_id if spec.int_id is not None else stable_lora_int_id(location)
         self.claim_id(int_id, location)
         return LoRARequest(spec.name or f"adapter-{int_id}", int_id, location)
+
+    def _check_request_name(self, name: str, location: str) -> None:
+        """A request's ``name`` beside a ``path`` must not take a served name or another adapter's."""
+        if name in self.base_names:
+            raise bad_request(f"lora: {self.name_clash(name)}", "lora")
+        known = self.named.get(name)
+        if known is not None and os.path.realpath(known.lora_path) != location:
+            raise bad_request(
+                f"lora: the name {name!r} belongs to a loaded adapter at another path; "
+                f"omit 'name', choose another, or pass only the name to use that adapter",
+                "lora",
+            )
 
     def claim_id(self, int_id: int, location: str) -> None:
         """Bind ``int_id`` to ``location``; an id never silently switches to other weights."""

@@ -226,10 +226,42 @@ class UnloadLoRAAdapterRequest(_Body):
     lora_int_id: int | None = None
 
 
+def _unicode_problem(value: Any, where: str) -> str | None:
+    """The place of the first string in ``value`` that is not valid Unicode (a lone surrogate
+    such as ``"\\ud800"``, which JSON can spell but UTF-8 cannot encode), else ``None``."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return at
+        elif isinstance(item, dict):
+            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in item.items())
+            stack.extend((k, at or "body") for k in item if isinstance(k, str))
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return None
+
+
 def parse_body(model: type[BaseModel], data: Any) -> Any:
-    """Validate a decoded JSON body; any problem is a 400 with the field names."""
+    """Validate a decoded JSON body; any problem is a 400 with the field names.
+
+    Raises:
+        OpenAIError: (400) not an object, text that is not valid Unicode (an unpaired
+            surrogate escape), or a field pydantic refuses.
+    """
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
+    bad_text = _unicode_problem(data, "")
+    if bad_text is not None:
+        raise bad_request(
+            f"{bad_text}: text holds an unpaired surrogate escape (such as \\ud800), which is not "
+            f"valid Unicode",
+            bad_text.split(".")[0].split("[")[0],
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:

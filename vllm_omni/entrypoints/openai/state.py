@@ -80,13 +80,25 @@ async def register_startup_adapters(state: ServerState) -> None:
     for path in state.info.startup_lora_paths:
         reg.register_startup_path(path)
     for lora in state.info.startup_adapters:  # pre-loaded and pinned by the stage under this name and id
-        if lora.lora_name not in reg.named and lora.lora_name not in reg.base_names:
-            reg.add_named(lora)
+        _name_startup_adapter(reg, lora, f"--lora-path {lora.lora_path}")
     for name, path in state.settings.lora_modules:
         location = reg.register_startup_path(path)
         lora = LoRARequest(name, stable_lora_int_id(location), location)
+        _check_startup_name(reg, name, f"--lora-modules {name}={path}")  # before loading anything
         try:
             await state.omni.add_lora(lora)
         except Exception as exc:
             raise ConfigError(f"--lora-modules {name}={path}: {exc}") from exc
         reg.add_named(lora)
+
+
+def _check_startup_name(reg: AdapterRegistry, name: str, flag: str) -> None:
+    """A start-up adapter's name under the registry's one rule; a clash stops the server (``ConfigError``)."""
+    clash = reg.name_clash(name)
+    if clash is not None:
+        raise ConfigError(f"{flag}: adapter name {name!r}: {clash}")
+
+
+def _name_startup_adapter(reg: AdapterRegistry, lora: LoRARequest, flag: str) -> None:
+    _check_startup_name(reg, lora.lora_name, flag)
+    reg.add_named(lora)

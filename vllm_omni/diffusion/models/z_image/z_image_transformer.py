@@ -367,12 +367,24 @@ class ZImageTransformer2DModel(nn.Module):
         self.x_pad_token = nn.Parameter(torch.zeros((1, dim), dtype=dtype))
         self.cap_pad_token = nn.Parameter(torch.zeros((1, dim), dtype=dtype))
         self.layers = blocks("layers", n_layers, True)
+        self.axes_lens = tuple(int(n) for n in axes_lens)
         self.rope = RopeTable(rope_theta, list(axes_dims), list(axes_lens))
 
     @property
     def dtype(self) -> torch.dtype:
         """Parameter dtype the model was built with (inputs are cast to it)."""
         return self._dtype
+
+    def position_limits(self, patch_size: int = 2) -> tuple[int, int, int]:
+        """What the rotary tables can index for one latent frame: ``(caption rows, latent H, latent W)``.
+
+        A caption (padded to a multiple of ``SEQ_MULTI_OF`` rows) takes axis-0 positions ``1..L``
+        and the image frame the next one, so ``L <= axes_lens[0] - 2``; the image's patch grid
+        indexes axes 1 and 2, so a latent side is at most ``axes_lens[i] * patch_size``.
+        """
+        frame_axis, h_axis, w_axis = self.axes_lens
+        caption = (frame_axis - 2) // SEQ_MULTI_OF * SEQ_MULTI_OF
+        return caption, h_axis * patch_size, w_axis * patch_size
 
     # ------------------------------------------------------------------ sequence building
     @staticmethod

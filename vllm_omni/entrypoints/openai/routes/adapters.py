@@ -34,17 +34,16 @@ async def load_lora_adapter(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(LoadLoRAAdapterRequest, await read_json(request))
     reg = state.registry
-    if req.lora_name in reg.base_names:
-        raise bad_request(f"'{req.lora_name}' is the base model's name", "lora_name")
-    if req.lora_name in reg.named and not req.load_inplace:
-        raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
+    clash = reg.name_clash(req.lora_name, replace=req.load_inplace)
+    if clash is not None:
+        raise bad_request(clash, "lora_name")
     location = reg.resolve_path(req.lora_path)
     int_id = stable_lora_int_id(location)
     reg.claim_id(int_id, location)
     lora = LoRARequest(req.lora_name, int_id, location)
     with engine_errors("lora_path", "lora_path"):
         await state.omni.add_lora(lora)  # False only means "already cached"
-    reg.add_named(lora)
+    reg.add_named(lora, replace=req.load_inplace)
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
 

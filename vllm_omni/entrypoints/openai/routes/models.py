@@ -18,9 +18,12 @@ async def health() -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    """OpenAI model list: the base model (``root``: its path) and each adapter (``parent``: the base)."""
+    """OpenAI model list, each name once: every served name of the base model (``root``: its path),
+    then each adapter (``parent``: the first served name). Names are one namespace (an adapter
+    never takes a served name), so every listed id routes ``model`` to what it lists."""
     state = get_state(request)
-    data = [model_card(state, state.base_name, state.info.model, None)]
+    served = list(dict.fromkeys(state.settings.served_model_names)) or [state.base_name]
+    data = [model_card(state, name, state.info.model, None) for name in served]
     data += [model_card(state, n, r.lora_path, state.base_name) for n, r in state.registry.named.items()]
     return JSONResponse({"object": "list", "data": data})
 
