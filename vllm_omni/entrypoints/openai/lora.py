@@ -114,7 +114,8 @@ def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:
     limit = min(max_items, MAX_ITEMS)
     if len(items) > limit:
         raise bad_request(
-            f"too many adapters in lora: {len(items)}; this pipeline applies at most {limit} per request",
+            f"too many adapters in lora: {len(items)}; this pipeline applies at most {limit} per request "
+            "(a diffusion stage's max_loras; an LLM stage applies one)",
             "lora",
         )
     specs = [

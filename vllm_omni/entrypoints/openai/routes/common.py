@@ -171,6 +171,33 @@ async def run_pipeline(
     return await cancel_on_disconnect(request, collect())
 
 
+async def run_diffusion(
+    state: ServerState,
+    req: Any,
+    n: int,
+    request: Request | None,
+    *,
+    produces: str,
+    what: str,
+    extra_args: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Run an image or video request (``req``: a body with ``prompt``, ``model``, ``lora`` and
+    ``diffusion_params``) and collect its final outputs; ``n`` outputs per prompt.
+
+    Raises:
+        OpenAIError: 400 when no final stage produces ``produces`` (``"image"``, ``"video"``;
+            the message says ``what``); the errors of :func:`resolve_adapters` and :func:`run_pipeline`.
+    """
+    info = state.info
+    if produces not in info.output_kinds:
+        raise bad_request(f"pipeline {info.pipeline!r} does not produce {what}")
+    adapters = resolve_adapters(state, req.model, req.lora)
+    dparams = req.diffusion_params(n)
+    dparams.extra_args.update(extra_args or {})
+    params = stage_params(state, default_llm_params(state), dparams)
+    return await run_pipeline(state, req.prompt, params, adapters, request)
+
+
 def text_output(outputs: list[Any]) -> Any:
     """The last text (vLLM ``RequestOutput``) among ``outputs``; 500 when there is none."""
     texts = [o for o in outputs if o.request_output is not None]

@@ -12,12 +12,9 @@ from vllm_omni.entrypoints.openai import media
 from vllm_omni.entrypoints.openai.errors import bad_request
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import (
-    default_llm_params,
     output_images,
     read_json,
-    resolve_adapters,
-    run_pipeline,
-    stage_params,
+    run_diffusion,
 )
 from vllm_omni.entrypoints.openai.state import ServerState, get_state
 
@@ -53,20 +50,15 @@ async def generate_images(
             engine's errors as mapped by :func:`~..errors.engine_errors`.
     """
     info = state.info
-    if "image" not in info.output_kinds:
-        raise bad_request(f"pipeline {info.pipeline!r} does not produce images")
-    adapters = resolve_adapters(state, req.model, req.lora)
-    dparams = req.diffusion_params(req.n)
-    if image is not None:
-        if not info.accepts_input_image:
-            raise bad_request(
-                f"pipeline {info.pipeline!r} ({info.model_arch}) generates from text only; "
-                f"/v1/images/edits needs an image-to-image pipeline",
-                "image",
-            )
-        dparams.extra_args["image"] = image
-    outputs = await run_pipeline(
-        state, req.prompt, stage_params(state, default_llm_params(state), dparams), adapters, request
+    if image is not None and not info.accepts_input_image:
+        raise bad_request(
+            f"pipeline {info.pipeline!r} ({info.model_arch}) generates from text only; "
+            f"/v1/images/edits needs an image-to-image pipeline",
+            "image",
+        )
+    extra = {} if image is None else {"image": image}
+    outputs = await run_diffusion(
+        state, req, req.n, request, produces="image", what="images", extra_args=extra
     )
     return {
         "created": int(time.time()),
