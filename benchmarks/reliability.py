@@ -44,7 +44,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "entrypoints")]
 
-from server_utils import console_script, free_port, server_env, start_server  # noqa: E402
+from server_utils import free_port, serve_command, server_env, start_server  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello, my name is"]
 #: Largest per-pixel difference (of 255) between a batched image and the same request run alone.
@@ -196,12 +196,11 @@ def llm_phase(args, work: Path) -> dict:
         Path(os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO / ".cache" / "test_assets")
     )
     port = free_port()
-    cmd = console_script("vllm-omni") + [
-        "serve", str(assets.model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-model-len", "256",
-        "--max-num-seqs", "8", "--lora-modules", f"a={assets.adapter_a}", f"b={assets.adapter_b}",
-        "--lora-dirs", str(work), "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    cmd = serve_command(
+        assets.model_dir, port, "--served-model-name", "tiny", "--enable-lora", "--max-lora-rank", "16",
+        "--max-loras", "2", "--max-model-len", "256", "--max-num-seqs", "8",
+        "--lora-modules", f"a={assets.adapter_a}", f"b={assets.adapter_b}", "--lora-dirs", str(work),
+    )  # fmt: skip
     # the engine in its own process, as `vllm serve` runs it by default (the shutdown phase counts it)
     env = server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     srv = start_server(cmd, port, work / "llm_server.log", env)
@@ -263,10 +262,9 @@ def diffusion_phase(args, work: Path) -> dict:
 
     model = REPO / "examples" / "demo_model"
     port = free_port()
-    cmd = console_script("vllm-omni") + [
-        "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
-        "--max-loras", "2", "--lora-dirs", str(model / "adapters"), "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    cmd = serve_command(
+        model, port, "--served-model-name", "demo", "--max-loras", "2", "--lora-dirs", str(model / "adapters")
+    )
     srv = start_server(
         cmd, port, work / "diffusion_server.log", server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
     )

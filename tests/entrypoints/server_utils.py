@@ -32,6 +32,25 @@ def console_script(name: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
+def serve_command(model, port: int, *flags: str, cli: str = "vllm-omni") -> list[str]:
+    """``<cli> serve <model>`` on 127.0.0.1:``port`` with ``flags`` (``cli="vllm"`` adds ``--omni``)."""
+    omni = ["--omni"] if cli == "vllm" else []
+    return console_script(cli) + [
+        "serve", str(model), *omni, "--host", "127.0.0.1", "--port", str(port), *flags, "--disable-uvicorn-access-log"
+    ]  # fmt: skip
+
+
+def decode_png(b64: str):
+    """A base64 PNG as an ``int16`` ``(H, W, 3)`` RGB array (differences of two never wrap)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
+
+
 def server_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

@@ -7,7 +7,6 @@ the decoded PNG pixels (uint8, within 2 levels).
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
@@ -24,9 +23,10 @@ from PIL import Image
 from tests.entrypoints.server_utils import (
     REPO_ROOT,
     assert_openai_error,
-    console_script,
     copy_adapter,
+    decode_png,
     free_port,
+    serve_command,
     server_env,
     start_server,
 )
@@ -61,13 +61,9 @@ def paths(z_loras, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_z_image_dir, paths, tmp_path_factory):
     port = free_port()
-    cmd = console_script("vllm-omni") + [
-        "serve",
+    cmd = serve_command(
         str(tiny_z_image_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        port,
         "--served-model-name",
         "z-image",
         "--dtype",
@@ -80,8 +76,7 @@ def server(tiny_z_image_dir, paths, tmp_path_factory):
         str(paths["ff"]),
         "--lora-dirs",
         str(paths["root"]),
-        "--disable-uvicorn-access-log",
-    ]
+    )
     log = tmp_path_factory.mktemp("serve_img_log") / "server.log"
     srv = start_server(cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"))
     yield srv
@@ -93,8 +88,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
 
 
-def decode(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
+decode = decode_png
 
 
 def lora_list(paths, *entries):

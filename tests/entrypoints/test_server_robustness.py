@@ -26,9 +26,10 @@ from tests.entrypoints.route_strategies import ROUTES, fuzz_edits, fuzz_routes, 
 from tests.entrypoints.server_utils import (
     REPO_ROOT,
     assert_openai_error,
-    console_script,
     copy_adapter,
+    decode_png,
     free_port,
+    serve_command,
     server_env,
     start_server,
 )
@@ -63,13 +64,9 @@ def loras(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(loras, tmp_path_factory):
     port = free_port()
-    cmd = console_script("vllm-omni") + [
-        "serve",
+    cmd = serve_command(
         str(DEMO),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        port,
         "--served-model-name",
         "demo",
         "demo-alias",
@@ -81,8 +78,7 @@ def server(loras, tmp_path_factory):
         str(DEMO / "adapters" / "stripes"),
         "--lora-dirs",
         str(loras),
-        "--disable-uvicorn-access-log",
-    ]
+    )
     log = tmp_path_factory.mktemp("robust_log") / "server.log"
     srv = start_server(cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"))
     yield srv
@@ -94,8 +90,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
 
 
-def decode(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
+decode = decode_png
 
 
 def image(server, prompt: str, **fields) -> np.ndarray:
