@@ -588,3 +588,9 @@ def test_a_huge_conversation_is_refused_before_tokenising_and_health_keeps_answe
     err = assert_openai_error(result["r"])
     assert err["param"] == "messages" and "context of 256 tokens" in err["message"]
     assert time.monotonic() - start < 10
+
+
+def test_the_server_shows_vllm_omni_info_logs(server):
+    """`vllm serve --omni` shows our INFO records (e.g. the stage start-up, the CPU KV budget) as vLLM shows its own."""
+    log = server.log_path.read_text(errors="replace")
+    assert "[vllm_omni.engine.orchestrator] starting Stage 0 (llm_ar)" in log, server.log_tail()

@@ -35,6 +35,30 @@ def make_parser():
     return parser
 
 
+def configure_logging() -> None:
+    """Show ``vllm_omni``'s log records (INFO and up) on stdout, as vLLM does for its own logger.
+
+    Only the command line does this (it is an application); a library user keeps control of
+    logging. ``VLLM_CONFIGURE_LOGGING=0`` turns it off and ``VLLM_LOGGING_LEVEL`` sets the
+    level, as for vLLM.
+    """
+    import logging
+    import os
+
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    logger = logging.getLogger("vllm_omni")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``serve``); ``argv`` defaults to ``sys.argv[1:]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -49,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.subcommand == "serve":
         from vllm_omni.entrypoints.cli.serve import run_serve
 
+        configure_logging()
         run_serve(args)
         return 0
     parser.print_help()
