@@ -29,7 +29,7 @@ from typing import Any
 
 from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
 from vllm_omni.errors import InvalidAdapterError
-from vllm_omni.lora.adapter_files import locate_adapter
+from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
 from vllm_omni.lora.request import MAX_ADAPTER_SCALE as MAX_SCALE
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
@@ -214,19 +214,18 @@ class AdapterRegistry:
         real = os.path.realpath(path)
         if real not in self.startup_paths and not any(_inside(real, root) for root in self.roots):
             raise self._refused(path)
-        check_adapter_files(real, path)
+        files = check_adapter_files(real, path)
         if real not in self.startup_paths:
-            self._check_files_inside(real, path)
+            self._check_files_inside(files, path)
         return real
 
-    def _check_files_inside(self, real: str, path: str) -> None:
+    def _check_files_inside(self, files: AdapterFiles, path: str) -> None:
         """Every file the adapter is read from (weights and config) must resolve inside a root too:
         a symlink in an allowed folder must not lead the server to open a file outside it.
 
         Raises:
             OpenAIError: (400) naming the file (as the client would see it) that leads outside.
         """
-        files = locate_adapter(real)
         for opened in (files.weights, files.config):
             if opened is None:
                 continue
@@ -310,9 +309,9 @@ class AdapterRegistry:
         self._paths_by_id[int_id] = location
 
 
-def check_adapter_files(location: str, shown: str) -> None:
+def check_adapter_files(location: str, shown: str) -> AdapterFiles:
     """Refuse anything that is not a safetensors adapter (file or PEFT directory); see
-    :func:`vllm_omni.lora.adapter_files.locate_adapter`. Nothing is read.
+    :func:`vllm_omni.lora.adapter_files.locate_adapter`, whose :class:`AdapterFiles` it returns. Nothing is read.
 
     The message names the path as the client gave it (``shown``), never the resolved one.
 
@@ -320,7 +319,7 @@ def check_adapter_files(location: str, shown: str) -> None:
         OpenAIError: (400) missing, pickle, or not a safetensors adapter.
     """
     try:
-        locate_adapter(location, shown=f"adapter {shown!r}")
+        return locate_adapter(location, shown=f"adapter {shown!r}")
     except FileNotFoundError:
         raise bad_request(f"adapter {shown!r} was not found", "lora") from None
     except InvalidAdapterError as exc:
