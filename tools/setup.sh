@@ -19,9 +19,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-echo "[setup] installing torch 2.13.0 (CPU) and vllm_omni[$EXTRA,test,docs]"
+echo "[setup] installing torch 2.13.0 (CPU) and vllm_omni[$EXTRA,ray,test,docs]"
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet -e ".[$EXTRA,test,docs]"
+"$VENV/bin/python" -m pip install --quiet -e ".[$EXTRA,ray,test,docs]"
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
