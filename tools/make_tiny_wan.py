@@ -7,6 +7,11 @@ minimal ``AutoencoderKLWan`` (8x spatial, 4x temporal compression), a 2-layer
 ``tokenizers`` library (a fixed character/word vocabulary; nothing is downloaded), plus
 ``FlowMatchEulerDiscreteScheduler``.
 
+``tiny-wan-moe`` is the Wan2.2 two-denoiser form of the same model: a second
+``WanTransformer3DModel`` (``transformer_2``, another seed) and ``boundary_ratio`` 0.5, so
+``WanPipeline`` runs the high-noise steps on ``transformer`` and the low-noise steps on
+``transformer_2``.
+
 Every weight comes from a fixed seed, so rebuilding gives identical files. Run as a
 script (``python tools/make_tiny_wan.py OUT_DIR``) or call :func:`ensure_tiny_wan`; it
 builds under a file lock, in a temporary directory renamed into place once complete.
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 WAN_DIR = "tiny-wan"
+WAN_MOE_DIR = "tiny-wan-moe"
 # Bump when the layout or any size changes so stale caches are rebuilt.
 WAN_ASSET_VERSION = "1"
 
@@ -54,7 +60,8 @@ def _tokenizer():
     )
 
 
-def build_tiny_wan(out: Path) -> None:
+def build_tiny_wan(out: Path, moe: bool = False) -> None:
+    """Write the tiny Wan directory to ``out``; ``moe``: the two-denoiser (Wan2.2) form."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -81,21 +88,22 @@ def build_tiny_wan(out: Path) -> None:
     )
     UMT5EncoderModel(enc_config).eval().save_pretrained(out / "text_encoder", safe_serialization=True)
 
-    torch.manual_seed(1)
-    WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=16,
-        out_channels=16,
-        text_dim=text_dim,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    ).save_pretrained(out / "transformer", safe_serialization=True)
+    for seed, name in [(1, "transformer"), (3, "transformer_2")][: 2 if moe else 1]:
+        torch.manual_seed(seed)
+        WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=16,
+            out_channels=16,
+            text_dim=text_dim,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ).save_pretrained(out / name, safe_serialization=True)
 
     torch.manual_seed(2)
     AutoencoderKLWan(
@@ -110,20 +118,20 @@ def build_tiny_wan(out: Path) -> None:
     index = {
         "_class_name": "WanPipeline",
         "_diffusers_version": "0.42.1",
-        "boundary_ratio": None,
+        "boundary_ratio": 0.5 if moe else None,
         "expand_timesteps": False,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"] if moe else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def ensure_tiny_wan(root: str | os.PathLike) -> Path:
-    """Build (if missing or stale) and return ``root / "tiny-wan"``.
+def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False) -> Path:
+    """Build (if missing or stale) and return ``root / "tiny-wan"`` (``"tiny-wan-moe"`` with ``moe``).
 
     Safe to call from several processes at once: a file lock serialises builders, the
     directory is written to a temporary sibling and renamed into place, and a version
@@ -133,17 +141,18 @@ def ensure_tiny_wan(root: str | os.PathLike) -> Path:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / WAN_DIR
+    name = WAN_MOE_DIR if moe else WAN_DIR
+    final = root / name
     with FileLock(str(root / ".tiny_wan.lock")):
         stamp = final / ".asset_version"
         if not (stamp.is_file() and stamp.read_text().strip() == WAN_ASSET_VERSION):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{WAN_DIR}-", dir=root))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
-                build_tiny_wan(tmp / WAN_DIR)
-                (tmp / WAN_DIR / ".asset_version").write_text(WAN_ASSET_VERSION + "\n")
+                build_tiny_wan(tmp / name, moe=moe)
+                (tmp / name / ".asset_version").write_text(WAN_ASSET_VERSION + "\n")
                 if final.exists():
                     shutil.rmtree(final)
-                os.replace(tmp / WAN_DIR, final)
+                os.replace(tmp / name, final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -151,9 +160,10 @@ def ensure_tiny_wan(root: str | os.PathLike) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="directory to write tiny-wan/ into")
+    parser.add_argument("out", help="directory to write tiny-wan/ (or tiny-wan-moe/) into")
+    parser.add_argument("--moe", action="store_true", help="the Wan2.2 two-denoiser form (transformer_2)")
     args = parser.parse_args()
-    print(ensure_tiny_wan(args.out))
+    print(ensure_tiny_wan(args.out, moe=args.moe))
 
 
 if __name__ == "__main__":

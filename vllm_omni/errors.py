@@ -92,3 +92,14 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` naming the closest of ``candidates`` to ``name``, or ``""``."""
     match = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.75)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def restate(exc: OmniError, prefix: str) -> OmniError:
+    """A copy of ``exc`` (same class, same attributes such as ``options``) whose message is
+    ``"<prefix>: <message>"``: for adding where an error happened (the stage) without turning a
+    user error into an engine error. Raise it ``from exc``."""
+    import copy
+
+    new = copy.copy(exc)
+    new.args = (f"{prefix}: {exc}",)
+    return new

@@ -40,7 +40,14 @@ from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_clas
 from vllm_omni.config.stage_config import DiffusionStageConfig
 from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.engine.stage_driver import StageDriver
-from vllm_omni.errors import ConfigError, InvalidRequestError, StageDeadError, StageEngineError
+from vllm_omni.errors import (
+    ConfigError,
+    InvalidRequestError,
+    OmniUserError,
+    StageDeadError,
+    StageEngineError,
+    restate,
+)
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import (
     LoRARequest,
@@ -119,6 +126,9 @@ class DiffusionStageEngine(StageDriver):
     Raises:
         StageEngineError: no model, an unusable model directory (naming the stage) or the
             engine failed to start.
+        OmniUserError: a user error found while the engine starts (e.g. a ``lora_path`` file that
+            fits no denoiser) keeps its class (``ConfigError``, ``LoRAFormatError``, ...); its
+            message gains the stage label.
     """
 
     def __init__(self, stage: DiffusionStageConfig):
@@ -137,6 +147,8 @@ class DiffusionStageEngine(StageDriver):
         try:
             self._engine = DiffusionEngine(self.od_config)
             info = self._engine.collective_rpc("describe")[0]
+        except OmniUserError as exc:  # e.g. a lora_path file: still the user's input to fix
+            raise restate(exc, f"{stage.label}: diffusion engine failed to start") from exc
         except Exception as exc:
             raise StageEngineError(f"{stage.label}: diffusion engine failed to start: {exc}") from exc
         self.size_factor = int(info["size_factor"])

@@ -25,7 +25,7 @@ from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.manager import DEFAULT_DENOISER_ATTRS, _mapping_from_models, find_denoisers
 from vllm_omni.diffusion.lora.safetensors_format import adapter_from_state_dict
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
-from vllm_omni.errors import ConfigError
+from vllm_omni.errors import ConfigError, OmniUserError, restate
 
 AdapterSource = str | os.PathLike[str] | Mapping[str, torch.Tensor] | LoRAAdapterWeights
 
@@ -126,6 +126,8 @@ def fuse_lora_files_into_pipeline(
 
     Raises:
         ConfigError: more adapters than denoisers, or ``scales`` of another length.
+        LoRAFormatError: a file that binds no layer of its denoiser (message names the file's
+            position and the denoiser).
     """
     denoisers = find_denoisers(pipeline, denoiser_attrs)
     if len(adapters) > len(denoisers):
@@ -134,6 +136,11 @@ def fuse_lora_files_into_pipeline(
     if len(scales) != len(adapters):
         raise ConfigError(f"{len(adapters)} LoRA files but {len(scales)} scales")
     result: dict[str, list[str]] = {}
-    for (attr, module), source, value in zip(denoisers.items(), adapters, scales, strict=False):
-        result[attr] = fuse_lora_into_model(module, source, value)
+    for i, ((attr, module), source, value) in enumerate(
+        zip(denoisers.items(), adapters, scales, strict=False)
+    ):
+        try:
+            result[attr] = fuse_lora_into_model(module, source, value)
+        except OmniUserError as exc:
+            raise restate(exc, f"LoRA file {i} of {len(adapters)} (fused into {attr!r})") from exc
     return result
