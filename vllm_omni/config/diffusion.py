@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_omni.errors import ConfigError
+from vllm_omni.lora.request import MAX_ADAPTER_SCALE
 
 PIPELINE_BACKENDS = ("auto", "in_tree", "diffusers")
 LORA_BACKENDS = ("peft", "distill")
@@ -92,7 +93,8 @@ class OmniDiffusionConfig:
         distributed_init_method: (internal) torch.distributed URL for TP workers; ``None``
             picks a temp file.
         lora_path: adapter directory/file (or list) to load at start-up; ``None`` for none.
-        lora_scale: finite scale applied to ``lora_path`` adapters.
+        lora_scale: finite scale applied to ``lora_path`` adapters, at most ``MAX_ADAPTER_SCALE`` (100)
+            in magnitude, the bound of a request's adapter scale.
         lora_backend: one of ``LORA_BACKENDS``: ``"peft"`` or ``"distill"`` (needs ``lora_path``).
         max_loras: adapters active at once (``>= 1``).
         max_cpu_loras: adapters cached on CPU; ``None`` means ``max_loras`` plus the number of
@@ -172,8 +174,14 @@ class OmniDiffusionConfig:
                 options=("pipeline_backend",),
             )
         scale = self.lora_scale
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            raise _bad("lora_scale", scale, "a finite number")
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not math.isfinite(scale)
+            or abs(scale) > MAX_ADAPTER_SCALE
+        ):
+            # one set of limits: a request's adapter scale obeys the same bound
+            raise _bad("lora_scale", scale, f"a finite number in [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}]")
         paths = self.lora_path
         items = [paths] if isinstance(paths, str) else paths
         if paths is not None and (
