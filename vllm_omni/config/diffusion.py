@@ -181,7 +181,9 @@ class OmniDiffusionConfig:
             or abs(scale) > MAX_ADAPTER_SCALE
         ):
             # one set of limits: a request's adapter scale obeys the same bound
-            raise _bad("lora_scale", scale, f"a finite number in [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}]")
+            raise _bad(
+                "lora_scale", scale, f"a finite number in [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}]"
+            )
         paths = self.lora_path
         items = [paths] if isinstance(paths, str) else paths
         if paths is not None and (
