@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
+if TYPE_CHECKING:  # this module is imported by workers before torch: keep it light
+    from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 
 logger = logging.getLogger(__name__)
 
