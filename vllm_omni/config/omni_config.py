@@ -298,4 +298,6 @@ class VllmOmniConfig:
             final_output=bool(meta.get("final_output", spec.final_output)),
             options=merged,
             origins=origins,
+            devices=meta.get("devices"),
+            replicas=meta.get("replicas", 1),
         )

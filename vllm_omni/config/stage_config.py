@@ -26,6 +26,7 @@ from vllm_omni.config.diffusion import OmniDiffusionConfig
 from vllm_omni.config.fields import LLM_STAGE_TYPES, LORA_FIELD_ALIASES, STAGE_TYPES, concern_engine_fields
 from vllm_omni.config.lora import OmniStageLoRAConfig
 from vllm_omni.config.overrides import validation_problems
+from vllm_omni.config.placement import check_device_count, check_replicas, parse_devices
 from vllm_omni.errors import ConfigError
 
 
@@ -66,6 +67,14 @@ class BaseVllmOmniStageConfig:
         options: the resolved explicit options (engine/diffusion option names).
         origins: option name -> the input that set it (``--stage-overrides``, ``deploy config
             'd.yaml', stages[0]``, ...); errors name it.
+        devices: where the stage's workers run (``["cpu"]``, ``["cuda:1", "cuda:2"]``; a
+            comma-separated string is accepted and split), ``None`` for wherever the backend puts
+            them; split in order into one group of :meth:`parallel_size` devices per replica.
+        replicas: copies of the stage that share its requests (``>= 1``).
+
+    Raises:
+        ConfigError: (on construction) an unknown stage type, a bad ``devices`` / ``replicas``
+            value, or a device count other than parallel size x replicas (naming the inputs).
     """
 
     stage_id: int
@@ -76,6 +85,8 @@ class BaseVllmOmniStageConfig:
     final_output: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    devices: list[str] | None = None
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.stage_type not in STAGE_TYPES:
@@ -83,6 +94,30 @@ class BaseVllmOmniStageConfig:
                 f"stage {self.stage_id}: unknown stage_type {self.stage_type!r}; allowed: {STAGE_TYPES}"
             )
         self.options = _plain(dict(self.options))
+        for key, check in (("devices", parse_devices), ("replicas", check_replicas)):
+            try:
+                setattr(self, key, check(getattr(self, key)))
+            except ConfigError as exc:
+                raise ConfigError(f"{self.where([key])}: {exc}", options=exc.options) from exc
+
+    def parallel_size(self) -> tuple[int, str]:
+        """``(devices one replica needs, how messages name that number)``; 1 unless a subclass says more."""
+        return 1, "1 device"
+
+    def _check_placement(self) -> None:
+        """The device count against parallel size x replicas (subclasses call it once their
+        parallel options are checked)."""
+        if self.devices is None or self.devices == ["cpu"]:
+            return
+        parallel, name = self.parallel_size()
+        try:
+            check_device_count(self.devices, parallel, name, self.replicas)
+        except ConfigError as exc:
+            keys = ["devices", "replicas", *self._parallel_keys()]
+            raise ConfigError(f"{self.where(keys)}: {exc}", options=exc.options) from exc
+
+    def _parallel_keys(self) -> list[str]:
+        return []
 
     @property
     def is_llm(self) -> bool:
@@ -148,6 +183,27 @@ class LLMStageConfig(BaseVllmOmniStageConfig):
                 self.lora_config = OmniStageLoRAConfig.from_engine_options(self.options)
             except Exception as exc:  # pydantic.ValidationError or ValueError
                 raise self.option_error(lora_keys, exc, "invalid LoRA option(s)") from exc
+        self._check_placement()
+
+    def _parallel_keys(self) -> list[str]:
+        return ["tensor_parallel_size", "pipeline_parallel_size"]
+
+    def parallel_size(self) -> tuple[int, str]:
+        """``tensor_parallel_size x pipeline_parallel_size`` (vLLM's world size; 1 each by default).
+
+        Raises:
+            ConfigError: one of them is not an integer >= 1 (only checked when ``devices`` is set;
+                otherwise vLLM checks them when the engine starts).
+        """
+        sizes = {k: self.options.get(k, 1) for k in self._parallel_keys()}
+        for key, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"{self.where([key])}: {key} must be an integer >= 1, got {value!r}", options=(key,)
+                )
+        tp, pp = sizes.values()
+        name = f"tensor_parallel_size ({tp})" + (f" x pipeline_parallel_size ({pp})" if pp > 1 else "")
+        return tp * pp, name
 
     def _build(self, concern: str, cls, names: frozenset[str]):
         kwargs = {k: v for k, v in self.options.items() if k in names}
@@ -193,6 +249,30 @@ class DiffusionStageConfig(BaseVllmOmniStageConfig):
             raise ConfigError(f"{self.where(named)}: {exc}", options=exc.options) from exc
         except TypeError as exc:  # an option that is no OmniDiffusionConfig field
             raise self.option_error(self.options, exc, "invalid diffusion option(s)") from exc
+        self._check_placement()
+        self._check_device_option()
+
+    def _parallel_keys(self) -> list[str]:
+        return ["tensor_parallel_size"]
+
+    def parallel_size(self) -> tuple[int, str]:
+        """The diffusion ``tensor_parallel_size`` (ranks of the in-tree denoiser)."""
+        tp = self.diffusion_config.tensor_parallel_size
+        return tp, f"tensor_parallel_size ({tp})"
+
+    def _check_device_option(self) -> None:
+        """The ``device`` option must agree with ``devices`` (a worker sees its devices renumbered
+        from ``cuda:0``, so it takes ``"cuda"``, not an index)."""
+        device = self.diffusion_config.device
+        if self.devices is None or device is None:
+            return
+        want = "cpu" if self.devices == ["cpu"] else "cuda"
+        if device != want:
+            raise ConfigError(
+                f"{self.where(['device', 'devices'])}: device={device!r} does not fit devices={self.devices}: "
+                f"with devices set, leave device unset or set it to {want!r}",
+                options=("device", "devices"),
+            )
 
     @property
     def lora_config(self) -> None:

@@ -24,6 +24,7 @@ from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
+from vllm_omni.engine.replicas import ReplicaFactory, start_replicas
 from vllm_omni.errors import LoRANotEnabledError, StageEngineError
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -53,13 +54,31 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
         check_pipeline_class(stage)
 
 
-def make_stage_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
-    """Start the runtime of one stage (a vLLM engine or the diffusion engine)."""
+def make_inline_runtime(stage: BaseVllmOmniStageConfig, replica_index: int = 0) -> StageRuntime:
+    """Start one in-process runtime of ``stage`` (a vLLM engine or the diffusion engine).
+
+    In-process replicas share the caller's devices: a stage's ``devices`` is not applied here
+    (and the caller's environment is left alone); process workers apply it.
+    """
+    if stage.devices and replica_index == 0:
+        logger.warning(
+            "%s: devices=%s is not applied to in-process runtimes; they use this process's devices",
+            stage.label,
+            stage.devices,
+        )
     if stage.is_llm:
         return LLMStageEngine(stage)
     from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
 
     return DiffusionStageEngine(stage)
+
+
+def make_stage_runtime(
+    stage: BaseVllmOmniStageConfig, make_one: ReplicaFactory | None = None
+) -> StageRuntime:
+    """Start the runtime of one stage: ``stage.replicas`` runtimes, each ``make_one(stage, replica_index)``
+    (default :func:`make_inline_runtime`), behind a :class:`ReplicatedStageRuntime` when more than one."""
+    return start_replicas(stage, make_one or make_inline_runtime)
 
 
 def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:
