@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
+import shutil
 
 import pytest
 import torch
@@ -228,13 +228,10 @@ def test_refusals_name_the_key_and_change_nothing(lyco, manager, tmp_path, case)
 )
 def test_peft_config_refusals(lyco, manager, tmp_path, update, match):
     out = tmp_path / "bad"
-    out.mkdir()
-    config = json.loads((open(os.path.join(lyco["loha"], "adapter_config.json"))).read())
+    shutil.copytree(lyco["loha"], out)
+    config = json.loads((out / "adapter_config.json").read_text())
     config.update(update)
     (out / "adapter_config.json").write_text(json.dumps(config))
-    (out / "adapter_model.safetensors").write_bytes(
-        open(os.path.join(lyco["loha"], "adapter_model.safetensors"), "rb").read()
-    )
     before = manager.list_loras()
     with pytest.raises(LoRAFormatError, match=match):
         manager.add_lora(LoRARequest("bad", 11, str(out)))

@@ -43,8 +43,8 @@ from vllm_omni.diffusion.lora.peft_format import build_module_weights, untargete
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.lora.adapter_files import (
     ADAPTER_CONFIG_NAME,
-    locate_adapter,
     listing,
+    locate_adapter,
     lora_config_from_dict,
     pair_lora_tensors,
     read_adapter_config,
