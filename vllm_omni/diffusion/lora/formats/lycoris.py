@@ -148,6 +148,13 @@ def cheapest_form(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     rank, d_in, d_out = a.shape[0], a.shape[1], b.shape[0]
     if rank * (d_in + d_out) <= d_in * d_out + min(d_in, d_out) ** 2:
         return a, b
+    return dense_form(a, b)
+
+
+def dense_form(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense update ``dW = B @ A`` (computed in float64) with an identity on its narrower side:
+    ``(I [in, in], dW)`` or ``(dW, I [out, out])``, float32."""
+    d_in, d_out = a.shape[1], b.shape[0]
     delta = (b.double() @ a.double()).float()
     return (torch.eye(d_in), delta) if d_in <= d_out else (delta, torch.eye(d_out))
 
