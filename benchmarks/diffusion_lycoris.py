@@ -56,6 +56,29 @@ def _peft_adapter(folder: Path, out: Path, kind: str, r: int) -> Path:
     return out
 
 
+def _measure(manager, reqs: dict, step, repeats: int) -> dict:
+    """Per adapter: file and slot bytes, largest equivalent rank, step time with it / without."""
+    timer = Timer("cpu", "cpu")
+    out = {}
+    for name, req in reqs.items():
+
+        def activate(req=req):
+            manager.set_active_adapters([req], [1.0])
+
+        timing = paired(timer, {name: (step, manager.deactivate, activate)}, repeats, True)[name]
+        held = manager.cache_entry(req.lora_int_id).payload
+        out[name] = {
+            "file_bytes": (Path(req.lora_path) / "adapter_model.safetensors").stat().st_size,
+            "slot_bytes": manager.cached_nbytes(req.lora_int_id),
+            "max_equivalent_rank": max(max(w.ranks) for w in held.values()),
+            "step_base_s": timing["base_s"],
+            "step_adapter_s": timing["lora_s"],
+            "step_ratio": timing["ratio"],
+        }
+        manager.deactivate()
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="dim 512, 2 layers, 2 repeats")
@@ -109,10 +132,6 @@ def main(argv=None) -> int:
     def step():
         return model(x, t, cap)
 
-    def activate(req):
-        return lambda: manager.set_active_adapters([req], [1.0])
-
-    timer = Timer("cpu", "cpu")
     result = {
         "machine": platform.processor() or platform.machine(),
         "config": {
@@ -121,20 +140,8 @@ def main(argv=None) -> int:
             "image_tokens": (args.latent // 2) ** 2,
             "rank": args.rank,
         },
-        "adapters": {},
+        "adapters": _measure(manager, reqs, step, args.repeats),
     }
-    for name, req in reqs.items():
-        timing = paired(timer, {name: (step, manager.deactivate, activate(req))}, args.repeats, True)[name]
-        held = manager.cache_entry(req.lora_int_id).payload
-        result["adapters"][name] = {
-            "file_bytes": (Path(req.lora_path) / "adapter_model.safetensors").stat().st_size,
-            "slot_bytes": manager.cached_nbytes(req.lora_int_id),
-            "max_equivalent_rank": max(max(w.ranks) for w in held.values()),
-            "step_base_s": timing["base_s"],
-            "step_adapter_s": timing["lora_s"],
-            "step_ratio": timing["ratio"],
-        }
-        manager.deactivate()
     print(f"\nZ-Image dim {args.dim}, {args.layers}+1+1 blocks, fp32 CPU, 1 thread, median of {args.repeats}")
     print(f"{'adapter':<12}{'file MiB':>10}{'slot MiB':>10}{'eq. rank':>10}{'step ratio':>12}")
     for name, row in result["adapters"].items():
