@@ -153,3 +153,31 @@ def test_distill_backend_fuses_lokr_file(tiny_z_image_dir, lyco, oracle):
     ) as omni:
         got = _latents(omni)
     assert _err(got, oracle([(lyco["lokr"], 0.9)])) <= TOL
+
+
+def test_async_omni_serves_loha_and_lokr(tiny_z_image_dir, reqs, lyco, oracle):
+    import asyncio
+
+    from vllm_omni import AsyncOmni
+
+    async def main(omni):
+        async def one(**kw):
+            return [out async for out in omni.generate(PROMPT, params(), **kw)][0]
+
+        assert await omni.add_lora(reqs["loha"])
+        assert await omni.pin_lora(reqs["loha"].lora_int_id)
+        alone, composed = await asyncio.gather(
+            one(lora_request=reqs["lokr_file"], lora_scale=1.2),
+            one(lora_requests=[reqs["loha"], reqs["attn"]], lora_scales=[0.8, 0.5]),
+        )
+        assert await omni.remove_lora(reqs["loha"].lora_int_id)
+        return alone, composed
+
+    omni = AsyncOmni(model=str(tiny_z_image_dir), dtype="float32", enable_progress_bar=False, max_loras=3)
+    try:
+        alone, composed = asyncio.run(main(omni))
+    finally:
+        omni.shutdown()
+    assert _err(alone.latents, oracle([(lyco["lokr"], 1.2)])) <= TOL
+    attn = reqs["attn"].lora_path
+    assert _err(composed.latents, oracle([(lyco["loha"], 0.8), (attn, 0.5)])) <= TOL
