@@ -76,6 +76,18 @@ def _merged(base, adapters: dict[str, float]):
     return model.eval()
 
 
+def _peft_unmerged(base, path: str, scale: float):
+    """peft's own LoHa / LoKr model (unmerged forward) at ``scale``."""
+    from peft import PeftModel
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    model = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    for module in model.modules():
+        if isinstance(module, LycorisLayer):
+            module.set_scale("default", scale)
+    return model
+
+
 def _err(a, b) -> float:
     return (a - b).abs().max().item()
 
@@ -104,6 +116,7 @@ def test_alone_matches_peft(toy_base, lyco, vllm_model, manager, name, form):
     err = _err(ours, oracle)
     print(f"{name} ({form}): max abs err {err:.3g}")
     assert err <= TOL
+    assert _err(ours, _peft_unmerged(toy_base, lyco[name], 0.7)(x, c)) <= TOL
     assert _err(ours, toy_base(x, c)) > 1e-2
 
 
@@ -271,3 +284,24 @@ def test_factor_identities_and_dense_fallback():
     assert da.shape == (8, 10) and torch.equal(db, torch.eye(8)) and torch.allclose(db @ da, b @ a, atol=1e-5)
     small = torch.randn(2, 10, generator=g), torch.randn(8, 2, generator=g)
     assert cheapest_form(*small)[0] is small[0]
+
+
+def test_pin_and_lru_eviction_like_lora(toy_base, adapters, lyco):
+    model = make_vllm_dit(toy_base.state_dict())
+    mgr = DiffusionLoRAManager(model, max_loras=1, max_rank=8, max_cpu_loras=2)
+    loha, lokr, lora = (
+        LoRARequest("loha", 1, lyco["loha"]),
+        LoRARequest("lokr", 2, lyco["lokr_file"]),
+        LoRARequest("a", 3, adapters["a"][0]),
+    )
+    mgr.add_lora(loha)
+    mgr.pin_lora(1)
+    mgr.add_lora(lokr)
+    mgr.add_lora(lora)  # evicts the least recently used unpinned adapter: the LoKr one
+    assert mgr.list_loras() == [1, 3]
+    mgr.set_active_adapters([loha], [1.0])
+    assert mgr.slot_assignment() == {1: 0}
+    mgr.set_active_adapters([lokr], [1.0])  # reloaded; evicts the LoRA, never the pinned LoHa
+    assert sorted(mgr.list_loras()) == [1, 2] and mgr.slot_assignment() == {2: 0}
+    assert mgr.cached_nbytes() == mgr.cached_nbytes(1) + mgr.cached_nbytes(2)
+    mgr.deactivate()
