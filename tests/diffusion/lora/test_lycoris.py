@@ -305,3 +305,27 @@ def test_pin_and_lru_eviction_like_lora(toy_base, adapters, lyco):
     assert sorted(mgr.list_loras()) == [1, 2] and mgr.slot_assignment() == {2: 0}
     assert mgr.cached_nbytes() == mgr.cached_nbytes(1) + mgr.cached_nbytes(2)
     mgr.deactivate()
+
+
+@torch.no_grad()
+def test_mixed_file_of_loha_and_lora_modules(toy_base, adapters, lyco, vllm_model, manager, tmp_path):
+    from tools.lora_layouts import write_kohya
+
+    loha = {k: v for k, v in load_file(lyco["loha_file"]).items() if "to_q" not in k and "to_v" not in k}
+    lora = load_file(write_kohya(adapters["qv"][0], str(tmp_path / "qv.safetensors")))
+    save_file(loha, str(tmp_path / "loha_part.safetensors"))
+    save_file({**loha, **lora}, str(tmp_path / "mixed.safetensors"))
+    x, c = inputs(batch=2)
+    manager.set_active_adapters([LoRARequest("mixed", 20, str(tmp_path / "mixed.safetensors"))], [0.9])
+    mixed = vllm_model(x, c)
+    parts = [
+        LoRARequest("part", 21, str(tmp_path / "loha_part.safetensors")),
+        LoRARequest("qv", 22, str(tmp_path / "qv.safetensors")),
+    ]
+    manager.set_active_adapters(parts, [0.9, 0.9])
+    separate = vllm_model(x, c)
+    manager.deactivate()
+    assert sorted(manager.cache_entry(20).meta["kinds"]) == ["loha", "lora"]
+    for lora_id in (20, 21, 22):
+        manager.remove_lora(lora_id)
+    assert _err(mixed, separate) <= 1e-5
