@@ -12,7 +12,8 @@ PEFT original exactly:
   the original Z-Image name ``attention.out`` for ``attention.to_out.0``;
 * :func:`write_kohya`: kohya-ss / A1111 ``lora_unet_<module with . -> _>.lora_down.weight`` /
   ``.lora_up.weight`` / ``.alpha``;
-* :func:`write_alpha_file`: any prefix with ``lora_A``/``lora_B`` and ``.alpha`` keys, no configuration.
+* :func:`write_alpha_file`: any prefix with ``lora_A``/``lora_B`` and ``.alpha`` keys, no configuration;
+* :func:`write_lycoris`: a peft LoHa / LoKr directory as a LyCORIS / kohya file (``hada_*`` / ``lokr_*``).
 
 Per-module ``.alpha`` is ``s * r`` (kohya's rule ``s = alpha / r``), which also carries peft's
 ``alpha_pattern`` and rsLoRA (``lora_alpha / sqrt(r)``) exactly.
@@ -163,3 +164,37 @@ def edit_peft(
         {k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "adapter_model.safetensors")
     )
     return out_dir
+
+
+def write_lycoris(directory: str, path: str, *, prefix: str = "lora_unet_", with_alpha: bool = True) -> str:
+    """A peft LoHa / LoKr directory as a LyCORIS / kohya single file.
+
+    Keys: ``<prefix><module, dots as underscores>.hada_w1_a`` ... / ``.lokr_w1`` ... (LyCORIS' names,
+    no ``.weight``) and a per-module ``.alpha`` such that LyCORIS' ``alpha / dim`` equals peft's
+    ``alpha / r`` (``dim``: the inner size of ``hada_w1_b``; for LoKr of ``lokr_w2_b``, else
+    ``lokr_w1_b``). Where LyCORIS has no ``dim`` (both LoKr factors whole) or ``with_alpha`` is false,
+    ``s = 1`` in the file, so the scaling is folded into ``hada_w1_a`` / ``lokr_w1`` (or ``lokr_w1_a``).
+    """
+    with open(os.path.join(directory, "adapter_config.json")) as handle:
+        config = json.load(handle)
+    tensors = load_file(os.path.join(directory, "adapter_model.safetensors"))
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, _, name = key.removeprefix(PEFT_PREFIX).rpartition(".")
+        modules.setdefault(module, {})[name] = value
+    out = {}
+    for module, parts in modules.items():
+        rank = int(_pattern_value(config.get("rank_pattern"), module, config["r"]))
+        scaling = _pattern_value(config.get("alpha_pattern"), module, config["alpha"]) / rank
+        if "hada_w1_b" in parts:
+            dim = parts["hada_w1_b"].shape[0]
+        else:
+            dim = next((parts[k].shape[0] for k in ("lokr_w2_b", "lokr_w1_b") if k in parts), None)
+        flat = prefix + module.replace(".", "_")
+        if with_alpha and dim is not None:
+            out[f"{flat}.alpha"] = torch.tensor(float(scaling * dim))
+        else:
+            fold = next(k for k in ("hada_w1_a", "lokr_w1", "lokr_w1_a") if k in parts)
+            parts = {**parts, fold: parts[fold] * scaling}
+        out.update({f"{flat}.{name}": t for name, t in parts.items()})
+    return _save(out, path)

@@ -79,6 +79,41 @@ def _build_adapter(
         readme.unlink()
 
 
+def build_lycoris_adapter(
+    transformer_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    kind: str,
+    seed: int,
+    targets: list[str] | str,
+    std: float = 0.3,
+    **config,
+) -> Path:
+    """A peft LoHa (``kind="loha"``) or LoKr (``"lokr"``) directory on the tiny Z-Image transformer.
+
+    ``config`` goes to peft's ``LoHaConfig`` / ``LoKrConfig`` (``r``, ``alpha``, ``decompose_both`` ...);
+    every ``hada_*`` / ``lokr_*`` factor is overwritten with seeded normal values of ``std``. Not part of
+    the shared assets: tests write these into their own temporary directories.
+    """
+    import peft
+    from diffusers import ZImageTransformer2DModel
+
+    cls = {"loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}[kind]
+    base = ZImageTransformer2DModel.from_pretrained(str(transformer_dir)).eval()
+    model = peft.get_peft_model(base, cls(target_modules=targets, **config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "hada_" in name or "lokr_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    model.save_pretrained(str(out))
+    cfg_path = Path(out) / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = None
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (Path(out) / "README.md").unlink(missing_ok=True)
+    return Path(out)
+
+
 def _write_single_file(adapter_dir: Path, out_file: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -69,3 +69,32 @@ def fused_reference_pipeline(z_image_dir: str | Path, lora_file: str | Path, sca
     )
     pipe.transformer.fuse_lora(lora_scale=scale)
     return pipe
+
+
+def merged_reference_pipeline(z_image_dir: str | Path, adapters: list[tuple[str | Path, float]]):
+    """diffusers ``ZImagePipeline`` whose transformer weights carry each peft adapter's update at its scale.
+
+    Each adapter (LoRA, LoHa or LoKr directory) is loaded by peft (``PeftModel.from_pretrained``) into a
+    copy of the transformer, scaled with the layer's ``set_scale``, merged (``merge_and_unload``), and
+    its weight difference added: the sum of peft's own updates, as a composed request applies them.
+    """
+    import copy
+
+    from diffusers import ZImagePipeline
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    pipe = ZImagePipeline.from_pretrained(str(z_image_dir))
+    pipe.set_progress_bar_config(disable=True)
+    base = pipe.transformer.state_dict()
+    total = {k: v.clone() for k, v in base.items()}
+    for path, scale in adapters:
+        model = PeftModel.from_pretrained(copy.deepcopy(pipe.transformer), str(path)).eval()
+        for module in model.modules():
+            if isinstance(module, (LoraLayer, LycorisLayer)):
+                module.set_scale("default", float(scale))
+        for key, value in model.merge_and_unload().state_dict().items():
+            total[key] += value - base[key]
+    pipe.transformer.load_state_dict(total)
+    return pipe

@@ -45,11 +45,24 @@ def z_loras(tiny_z_image_dir):
 
 
 @pytest.fixture(scope="module")
-def paths(z_loras, tmp_path_factory):
+def paths(z_loras, tiny_z_image_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_img") / "loras"
     root.mkdir()
     (root / "pickled.bin").write_bytes(b"\x80\x04")
+    from tools.lora_layouts import write_lycoris
+    from tools.make_tiny_diffusion_lora import build_lycoris_adapter
+
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+    folder = tiny_z_image_dir / "transformer"
+    lyco = tmp_path_factory.mktemp("serve_img_lycoris")
+    loha = build_lycoris_adapter(folder, root / "loha", "loha", 301, targets, r=4, alpha=6.0)
+    lokr = build_lycoris_adapter(
+        folder, lyco / "lokr", "lokr", 302, targets, r=2, alpha=3.0, decompose_factor=4
+    )
     return {
+        "loha": loha,
+        "lokr_peft": lokr,
+        "lokr_file": write_lycoris(str(lokr), str(root / "lokr.safetensors")),
         "root": root,
         "attn": copy_adapter(z_loras["attn"], root / "attn"),
         "qv": copy_adapter(z_loras["qv"], root / "qv"),
@@ -112,15 +125,16 @@ def generate(client, lora=None, model="z-image", prompt=PROMPT) -> np.ndarray:
 _REF: dict = {}
 
 
-def reference(tiny_z_image_dir, adapters=()) -> np.ndarray:
-    """diffusers + peft image for ``adapters`` = ((peft_dir, scale), ...)."""
-    key = tuple((str(p), s) for p, s in adapters)
+def reference(tiny_z_image_dir, adapters=(), merged: bool = False) -> np.ndarray:
+    """diffusers + peft image for ``adapters`` = ((peft_dir, scale), ...); ``merged``: peft's merged updates
+    (:func:`~tests.diffusion.lora_oracle.merged_reference_pipeline`, for LoHa / LoKr)."""
+    key = (tuple((str(p), s) for p, s in adapters), merged)
     if key not in _REF:
         import torch
 
-        from tests.diffusion.lora_oracle import reference_pipeline
+        from tests.diffusion.lora_oracle import merged_reference_pipeline, reference_pipeline
 
-        pipe = reference_pipeline(tiny_z_image_dir, list(adapters))
+        pipe = (merged_reference_pipeline if merged else reference_pipeline)(tiny_z_image_dir, list(adapters))
         with torch.no_grad():
             image = pipe(
                 PROMPT,
@@ -150,6 +164,14 @@ def test_images_generate_matches_diffusers_peft(client, paths, tiny_z_image_dir,
     assert close(got, want), int(np.abs(got - want).max())
     if entries:
         assert not close(got, reference(tiny_z_image_dir), 8)  # the adapters really act
+
+
+def test_loha_and_lokr_file_with_lora_match_diffusers_peft(client, paths, tiny_z_image_dir):
+    got = generate(client, lora=lora_list(paths, ("loha", 0.8), ("attn", 0.5)))
+    expected = reference(tiny_z_image_dir, [(paths["loha"], 0.8), (paths["attn"], 0.5)], merged=True)
+    assert close(got, expected) and not close(got, reference(tiny_z_image_dir), 8)
+    got = generate(client, lora=lora_list(paths, ("lokr_file", 1.2)))
+    assert close(got, reference(tiny_z_image_dir, [(paths["lokr_peft"], 1.2)], merged=True))
 
 
 def test_single_object_lora_and_chat_image_reply(client, server, paths):

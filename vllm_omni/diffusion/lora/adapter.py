@@ -51,11 +51,14 @@ class LoRAModuleWeights:
         lora_a: ``A``, shape ``[r, d_in]``, float32, CPU.
         lora_b: ``B``, shape ``[d_out, r]``, float32, CPU.
         scaling: ``s`` (already including the rsLoRA / alpha-pattern rules of the source format).
+        kind: ``"lora"``, or ``"loha"`` / ``"lokr"`` for a LyCORIS module stored as its exact
+            LoRA-equivalent factors (:mod:`.formats.lycoris`; their rank is not bound by ``max_rank``).
     """
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
+    kind: str = "lora"
 
     @property
     def rank(self) -> int:

@@ -169,6 +169,19 @@ class DiffusionLoRAManager:
         """The host cache entry (pinned flag, refcount, path), or ``None``."""
         return self._cache.get(lora_int_id)
 
+    def cached_nbytes(self, lora_int_id: int | None = None) -> int:
+        """Host bytes held by one cached adapter's prepared slot weights (all of them for ``None``).
+
+        LoHa / LoKr adapters count their LoRA-equivalent or dense factors, as stored. Raises
+        ``KeyError`` for an id that is not cached.
+        """
+        with self._lock:
+            ids = self._cache.ids() if lora_int_id is None else [lora_int_id]
+            entries = [self._cache.get(i) for i in ids]
+            if None in entries:
+                raise KeyError(f"LoRA {lora_int_id} is not cached")
+            return sum(e.meta.get("nbytes", 0) for e in entries)
+
     def _load_entry(self, request: LoRARequest) -> CacheEntry:
         lora_id, path = _check_request(request)
         adapter = self._loader(path)
@@ -179,7 +192,15 @@ class DiffusionLoRAManager:
                 prepared[name] = self.wrappers[name].prepare(weights)
             except ValueError as exc:
                 raise LoRAFormatError(f"{path}: layer {name!r}: {exc}") from exc
-        return CacheEntry(lora_id, path, prepared, name=getattr(request, "lora_name", "") or "")
+        nbytes = sum(t.numel() * t.element_size() for w in prepared.values() for t in w.tensors())
+        kinds = sorted({m.kind for m in adapter.modules.values()}) if hasattr(adapter, "modules") else []
+        return CacheEntry(
+            lora_id,
+            path,
+            prepared,
+            name=getattr(request, "lora_name", "") or "",
+            meta={"nbytes": nbytes, "kinds": kinds},
+        )
 
     def _free_slot(self, lora_int_id: int) -> None:
         slot = self._slots.release(lora_int_id)

@@ -4,6 +4,9 @@ Files are located, read and checked by :mod:`vllm_omni.lora.adapter_files` (shar
 the HTTP registry); this module adds the diffusion key layouts of :mod:`.formats.layouts` and the
 scaling rules of :mod:`.peft_format`, producing a :class:`~.adapter.LoRAAdapterWeights`.
 
+LoHa / LoKr modules (``hada_*`` / ``lokr_*`` keys, peft ``LoHaConfig`` / ``LoKrConfig`` directories)
+are read by :mod:`.formats.lycoris` into their exact LoRA-equivalent factors.
+
 Key layouts: PEFT (``base_model.model.``), diffusers (``transformer.``), ComfyUI (``diffusion_model.``),
 kohya / A1111 (``lora_unet_`` + underscore-flattened module paths). ``lora_down`` / ``lora_up`` are read as
 ``lora_A`` / ``lora_B``. Module names are resolved against the model when the adapter is bound
@@ -31,10 +34,16 @@ import torch
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.layouts import detect_layout, normalize_lora_keys, screen_state_dict
+from vllm_omni.diffusion.lora.formats.lycoris import (
+    lycoris_module_weights,
+    read_lycoris_config,
+    split_lycoris,
+)
 from vllm_omni.diffusion.lora.peft_format import build_module_weights, untargeted_modules
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.lora.adapter_files import (
     ADAPTER_CONFIG_NAME,
+    listing,
     locate_adapter,
     lora_config_from_dict,
     pair_lora_tensors,
@@ -102,6 +111,9 @@ def adapter_from_state_dict(
             that disagree, or declared ranks that disagree with the tensors.
     """
     screen_state_dict(state_dict, source)
+    lycoris, rest = split_lycoris(state_dict)
+    if lycoris or type(config).__name__ in ("LoHaConfig", "LoKrConfig"):
+        return _lycoris_adapter(state_dict, lycoris, rest, metadata=metadata, source=source, config=config)
     meta_raw = _config_from_metadata(metadata, source)
     if meta_raw is not None:
         meta_config = lora_config_from_dict(meta_raw, source)
@@ -131,6 +143,29 @@ def adapter_from_state_dict(
         base_model_name_or_path=getattr(config, "base_model_name_or_path", None)
         if config is not None
         else None,
+        untargeted=untargeted_modules(config, modules) if config is not None else [],
+    )
+
+
+def _lycoris_adapter(state_dict, lycoris, rest, *, metadata, source: str, config) -> LoRAAdapterWeights:
+    """A file or directory with LoHa / LoKr modules (and, in a configuration-less file, plain LoRA ones).
+
+    Raises:
+        LoRAFormatError: a LoHa / LoKr configuration without such tensors or with plain LoRA tensors
+            beside them; see :func:`.formats.lycoris.lycoris_module_weights`.
+    """
+    if config is not None and (rest or not lycoris):
+        what = "plain LoRA keys" if rest else "no hada_* / lokr_* tensors"
+        raise LoRAFormatError(f"{source}: {type(config).__name__} with {what}: {listing(sorted(rest))}")
+    modules = lycoris_module_weights(lycoris, config=config, source=source)
+    if rest:
+        modules.update(adapter_from_state_dict(rest, metadata=metadata, source=source).modules)
+    return LoRAAdapterWeights(
+        modules=modules,
+        source=source,
+        layout=detect_layout(state_dict),
+        has_config=config is not None,
+        base_model_name_or_path=getattr(config, "base_model_name_or_path", None),
         untargeted=untargeted_modules(config, modules) if config is not None else [],
     )
 
@@ -171,6 +206,10 @@ def load_peft_adapter(path: str | os.PathLike[str]) -> LoRAAdapterWeights:
 
 
 def _read(files, source: str) -> LoRAAdapterWeights:
-    config = None if files.config is None else read_adapter_config(files.config, source=source)[0]
+    config = None
+    if files.config is not None:
+        config = (
+            read_lycoris_config(files.config, source) or read_adapter_config(files.config, source=source)[0]
+        )
     state_dict, metadata = read_safetensors(files.weights, source)
     return adapter_from_state_dict(state_dict, metadata=metadata, source=source, config=config)

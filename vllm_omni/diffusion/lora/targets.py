@@ -142,7 +142,7 @@ def bind_adapter(
         row-split ``B`` with one shared ``A``.
 
     Raises:
-        LoRAFormatError: names of modules that bind to nothing; a rank above ``max_rank`` (module,
+        LoRAFormatError: names of modules that bind to nothing; a LoRA rank above ``max_rank`` (module,
             its rank and the limit); shape mismatches; a packed layer targeted both whole and per
             slice, or one slice targeted twice.
     """
@@ -168,7 +168,11 @@ def bind_adapter(
         raise LoRAFormatError(
             f"{source}: {what} match a LoRA-capable layer of the model; unmatched: {sorted(unmatched)}"
         )
-    too_big = [(k, w.rank) for k, (_, _, w) in resolved.items() if max_rank is not None and w.rank > max_rank]
+    too_big = [
+        (k, w.rank)
+        for k, (_, _, w) in resolved.items()
+        if max_rank is not None and w.kind == "lora" and w.rank > max_rank
+    ]
     if too_big:
         listing = ", ".join(f"{k} (rank {r})" for k, r in sorted(too_big))
         raise LoRAFormatError(f"{source}: LoRA rank above the configured max_rank {max_rank}: {listing}")
@@ -192,20 +196,28 @@ def bind_adapter(
             for i, sl in enumerate(geometry.slices):
                 part = scaled_b[sl.global_offset : sl.global_offset + sl.global_size].contiguous()
                 slices[i] = (weights.lora_a, part)
-            bound[target] = LayerLoRAWeights(tuple(slices), shared_a=len(slices) > 1)
+            bound[target] = LayerLoRAWeights(
+                tuple(slices), shared_a=len(slices) > 1, rank_limited=weights.kind == "lora"
+            )
             continue
         for slice_index, (key, weights) in entries.items():
             assert slice_index is not None
             sl = geometry.slices[slice_index]
             _check_shape(key, weights, geometry.in_features, sl.global_size, source)
             slices[slice_index] = (weights.lora_a, weights.scaled_b())
-        bound[target] = LayerLoRAWeights(tuple(slices), shared_a=False)
+        limited = all(weights.kind == "lora" for _, weights in entries.values())
+        bound[target] = LayerLoRAWeights(tuple(slices), shared_a=False, rank_limited=limited)
     return bound
 
 
 def _check_shape(
     key: str, weights: LoRAModuleWeights, in_features: int, out_features: int, source: str
 ) -> None:
+    if weights.kind != "lora" and (weights.in_features, weights.out_features) != (in_features, out_features):
+        raise LoRAFormatError(
+            f"{source}: {weights.kind} module {key!r} makes an update of shape "
+            f"{(weights.out_features, weights.in_features)} but the layer's weight is {(out_features, in_features)}"
+        )
     if weights.in_features != in_features or weights.out_features != out_features:
         r = weights.rank
         raise LoRAFormatError(

@@ -23,10 +23,13 @@ class LayerLoRAWeights:
             ``None`` when the adapter leaves that slice untouched (it then stays exactly zero).
         shared_a: every present slice uses the same ``A`` (the adapter targeted the packed layer by
             its own name); the forward then computes ``A x`` once.
+        rank_limited: every slice comes from a LoRA module, so ``max_rank`` applies (LoHa / LoKr
+            equivalents are exempt).
     """
 
     slices: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     shared_a: bool = False
+    rank_limited: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 * :mod:`.layouts`: layout detection, key normalisation (``lora_down``/``lora_up``) and the tensor checks
   that refuse what cannot be applied exactly (DoRA, bias, modules_to_save, quantised tensors, ...);
+* :mod:`.lycoris`: LoHa / LoKr modules (peft ``LoHaConfig`` / ``LoKrConfig``, LyCORIS / kohya files) read into
+  their exact LoRA-equivalent factors, and the refusals of what is not applied (Tucker cores, DoRA-like keys);
 * :mod:`.model_keys`: at bind time, diffusers' key converter for the model family or generic kohya
   un-flattening against the model's own module names.
 

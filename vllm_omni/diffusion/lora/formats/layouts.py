@@ -55,9 +55,9 @@ _REFUSED_KEYS: tuple[tuple[Callable[[str], bool], str, str], ...] = (
         "full-rank deltas are not LoRA; fuse them into the checkpoint offline",
     ),
     (
-        lambda k: any(t in k for t in ("lokr_", "hada_", ".oft_", "lora_mid", ".lokr.", "lora_embedding_")),
-        "LyCORIS / embedding / conv adapter tensors (LoKr, LoHa, OFT, Tucker, embedding LoRA)",
-        "only linear LoRA is supported; convert to plain LoRA or fuse offline",
+        lambda k: any(t in k for t in (".oft_", "oft_blocks", "lora_mid", ".lokr.", "lora_embedding_")),
+        "OFT / embedding / conv adapter tensors (OFT, LoRA Tucker cores, embedding LoRA)",
+        "linear LoRA, LoHa and LoKr are supported; convert to one of them or fuse offline",
     ),
     (
         lambda k: k.startswith(("lora_te", "text_encoder", "te.", "te1.", "te2.", "text_model.")),
@@ -77,7 +77,8 @@ def screen_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> No
 
     Raises:
         LoRAFormatError: DoRA (``lora_magnitude_vector`` / kohya ``dora_scale``), ``modules_to_save``,
-            LoRA bias (``lora_B.bias``, ``.diff_b``), full diffs, LyCORIS tensors, text-encoder keys,
+            LoRA bias (``lora_B.bias``, ``.diff_b``), full diffs, OFT / Tucker-core / embedding tensors
+            (LoHa / LoKr keys pass, :mod:`.lycoris` checks them), text-encoder keys,
             quantisation state, or a tensor whose dtype is not float16/bfloat16/float32/float64.
     """
     found: dict[int, list[str]] = {}

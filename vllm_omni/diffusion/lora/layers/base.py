@@ -136,7 +136,7 @@ class BaseLayerWithLoRA(nn.Module):
         The result lives on the host, in the layer's LoRA dtype (pinned when the LoRA device is CUDA).
 
         Raises:
-            InvalidAdapterError: wrong number of slices, a rank above ``max_rank``, mismatched shapes,
+            InvalidAdapterError: wrong number of slices, a LoRA rank above ``max_rank``, mismatched shapes,
                 or an update not representable in the LoRA dtype
                 (:func:`~vllm_omni.lora.adapter_files.update_range_problem`).
         """
@@ -147,7 +147,7 @@ class BaseLayerWithLoRA(nn.Module):
             if pair is None:
                 continue
             lora_a, lora_b = pair
-            if lora_a.shape[0] > self.max_rank:
+            if weights.rank_limited and lora_a.shape[0] > self.max_rank:
                 raise InvalidAdapterError(f"LoRA rank {lora_a.shape[0]} exceeds max_rank {self.max_rank}")
             if lora_a.shape[1] != g.in_features or lora_b.shape[0] != sl.global_size:
                 raise InvalidAdapterError(
