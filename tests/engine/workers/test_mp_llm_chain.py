@@ -94,7 +94,9 @@ def test_outputs_equal_the_inline_backend(omni, reference, adapter_a):
 
 
 def test_errors_keep_their_class_across_the_process(omni, tiny_llm_assets):
-    with pytest.raises(InvalidAdapterError, match="rank"):  # rank 64 > max_lora_rank 16, refused in the worker
+    with pytest.raises(
+        InvalidAdapterError, match="rank"
+    ):  # rank 64 > max_lora_rank 16, refused in the worker
         omni.add_lora(LoRARequest("big", 9, str(tiny_llm_assets.adapter_rank64)), stage_id=0)
     with pytest.raises(LoRANotEnabledError, match=r"Stage 1"):
         omni.add_lora(LoRARequest("a", 1, str(tiny_llm_assets.adapter_a)), stage_id=1)

@@ -75,7 +75,9 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
         deadline = time.monotonic() + process_guard.POLL_S + process_guard.GRACE_S + 15
         while _alive(procs) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _alive(procs) == [], f"{len(_alive(procs))} of {len(procs)} processes outlived the driver ({sig.name})"
+        assert _alive(procs) == [], (
+            f"{len(_alive(procs))} of {len(procs)} processes outlived the driver ({sig.name})"
+        )
     finally:
         if driver.poll() is None:
             driver.kill()

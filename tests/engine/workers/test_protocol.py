@@ -41,7 +41,14 @@ def test_messages_to_the_worker_round_trip(msg):
 
 @pytest.mark.parametrize(
     "msg",
-    [P.Ready(12), P.Accepted(1), P.Output(1, b"o"), P.Partial(1, b"p"), P.Failed(-1, b"e"), P.CallResult(2, False, b"")],
+    [
+        P.Ready(12),
+        P.Accepted(1),
+        P.Output(1, b"o"),
+        P.Partial(1, b"p"),
+        P.Failed(-1, b"e"),
+        P.CallResult(2, False, b""),
+    ],
 )
 def test_messages_from_the_worker_round_trip(msg):
     assert P.decode_from_worker(P.encode(msg)) == msg
@@ -126,13 +133,20 @@ def test_worker_backend_defaults_and_sources(tiny_llm_assets, tmp_path):
     deploy.write_text("worker_backend: mp\nstages: []\n")
     assert _config(tiny_llm_assets, deploy_config=str(deploy)).worker_backend == "mp"
     # an explicit value wins over the deploy YAML
-    assert _config(tiny_llm_assets, deploy_config=str(deploy), worker_backend="inline").worker_backend == "inline"
+    assert (
+        _config(tiny_llm_assets, deploy_config=str(deploy), worker_backend="inline").worker_backend
+        == "inline"
+    )
     # the option is pipeline-wide: it reaches no stage's options
-    assert all("worker_backend" not in s.options for s in _config(tiny_llm_assets, worker_backend="mp").stages)
+    assert all(
+        "worker_backend" not in s.options for s in _config(tiny_llm_assets, worker_backend="mp").stages
+    )
 
 
 def test_bad_worker_backend_is_a_config_error(tiny_llm_assets, tmp_path):
-    with pytest.raises(ConfigError, match=r"keyword argument 'worker_backend': unknown worker backend 'threads'"):
+    with pytest.raises(
+        ConfigError, match=r"keyword argument 'worker_backend': unknown worker backend 'threads'"
+    ):
         _config(tiny_llm_assets, worker_backend="threads")
     deploy = tmp_path / "d.yaml"
     deploy.write_text("worker_backend: procs\nstages: []\n")
