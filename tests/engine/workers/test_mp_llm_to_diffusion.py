@@ -1,8 +1,12 @@
 """``worker_backend="mp"`` on ``llm_to_diffusion``: parity with the inline backend.
 
 Stage 0 (tiny Qwen2, adapter on the request) writes the prompt of stage 1 (tiny Z-Image, a
-run-time adapter added to it); latents (tensors through shared memory) and images must equal
-the inline backend's bit for bit.
+run-time adapter added to it); stage 0's tokens must equal the inline backend's exactly, the
+latents (tensors through shared memory) to float32 rounding and the images to one level.
+The diffusion stage is not bit-exact across the two backends: inline, it shares its process
+with the LLM engine, which lowers torch's intra-op thread count to 1 for the whole process,
+while its own worker keeps torch's default; a different thread count changes the order of
+float reductions.
 """
 
 from __future__ import annotations
@@ -63,5 +67,6 @@ def test_mp_equals_inline_with_adapters(tiny_llm_assets, z_image_dir, tmp_path):
     for a, b in zip(mp, inline):
         assert a.prompt == b.prompt  # stage 0's text
         assert list(a.stage_outputs[0].outputs[0].token_ids) == list(b.stage_outputs[0].outputs[0].token_ids)
-        assert torch.equal(a.latents, b.latents)
-        assert np.array_equal(np.asarray(a.images[0]), np.asarray(b.images[0]))
+        torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)
+        pixels = np.asarray(a.images[0]).astype(int) - np.asarray(b.images[0]).astype(int)
+        assert np.abs(pixels).max() <= 1
