@@ -266,10 +266,10 @@ def test_make_stage_runtime_builds_each_replica_with_make_one():
         made.append(index)
         return FakeRuntime(s, index)
 
-    runtime = make_stage_runtime(stage, make_one)
+    runtime = make_stage_runtime(stage, make_one=make_one)
     assert isinstance(runtime, ReplicatedStageRuntime) and made == [0, 1]
     single = make_stage_config(stage_id=0, stage_type="llm_ar", model="m")
-    assert isinstance(make_stage_runtime(single, make_one), FakeRuntime)
+    assert isinstance(make_stage_runtime(single, make_one=make_one), FakeRuntime)
 
 
 def test_a_replica_that_fails_to_start_stops_the_others():
@@ -283,5 +283,5 @@ def test_a_replica_that_fails_to_start_stops_the_others():
         return started[-1]
 
     with pytest.raises(StageEngineError, match="could not start"):
-        make_stage_runtime(stage, make_one)
+        make_stage_runtime(stage, make_one=make_one)
     assert [len(r.stopped_with) for r in started] == [1, 1]

@@ -23,9 +23,11 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
+from vllm_omni.engine.placement import worker_env
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
 from vllm_omni.engine.replicas import ReplicaFactory, start_replicas
-from vllm_omni.errors import LoRANotEnabledError, StageEngineError
+from vllm_omni.engine.workers import WORKER_BACKENDS
+from vllm_omni.errors import ConfigError, LoRANotEnabledError, StageEngineError
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -54,18 +56,8 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
         check_pipeline_class(stage)
 
 
-def make_inline_runtime(stage: BaseVllmOmniStageConfig, replica_index: int = 0) -> StageRuntime:
-    """Start one in-process runtime of ``stage`` (a vLLM engine or the diffusion engine).
-
-    In-process replicas share the caller's devices: a stage's ``devices`` is not applied here
-    (and the caller's environment is left alone); process workers apply it.
-    """
-    if stage.devices and replica_index == 0:
-        logger.warning(
-            "%s: devices=%s is not applied to in-process runtimes; they use this process's devices",
-            stage.label,
-            stage.devices,
-        )
+def make_inline_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
+    """Start the runtime of one stage in this process (a vLLM engine or the diffusion engine)."""
     if stage.is_llm:
         return LLMStageEngine(stage)
     from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
@@ -74,11 +66,83 @@ def make_inline_runtime(stage: BaseVllmOmniStageConfig, replica_index: int = 0) 
 
 
 def make_stage_runtime(
-    stage: BaseVllmOmniStageConfig, make_one: ReplicaFactory | None = None
+    stage: BaseVllmOmniStageConfig,
+    worker_backend: str = "inline",
+    *,
+    make_one: ReplicaFactory | None = None,
+    ray_address: str | None = None,
 ) -> StageRuntime:
-    """Start the runtime of one stage: ``stage.replicas`` runtimes, each ``make_one(stage, replica_index)``
-    (default :func:`make_inline_runtime`), behind a :class:`ReplicatedStageRuntime` when more than one."""
-    return start_replicas(stage, make_one or make_inline_runtime)
+    """Start the runtime of one stage: ``stage.replicas`` runtimes on ``worker_backend``, behind a
+    :class:`~vllm_omni.engine.replicas.ReplicatedStageRuntime` when more than one.
+
+    Args:
+        stage: the resolved stage config.
+        worker_backend: ``"inline"`` (in this process), ``"mp"`` (a spawned worker process per
+            replica: :class:`~vllm_omni.engine.workers.client.WorkerStageRuntime`, which sees only
+            its replica's ``devices``: :func:`~vllm_omni.engine.placement.worker_env`) or ``"ray"``
+            (a Ray actor per replica: ``RayStageRuntime``).
+        make_one: builds replica ``i`` as ``make_one(stage, i)`` instead (tests).
+        ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
+
+    Raises:
+        ConfigError: an unknown backend, or ``"ray"`` without Ray installed.
+        StageEngineError: the stage failed to start (replicas already started are shut down).
+    """
+    check_worker_backend(worker_backend)
+    if make_one is None:
+        if worker_backend == "ray":
+            _require_ray()
+        if worker_backend == "inline" and stage.devices:
+            logger.warning(
+                "%s: devices=%s is not applied to in-process runtimes (worker_backend 'inline'); "
+                "they use this process's devices",
+                stage.label,
+                stage.devices,
+            )
+
+        def make_one(st: BaseVllmOmniStageConfig, index: int) -> StageRuntime:
+            return _make_replica(st, index, worker_backend, ray_address)
+
+    return start_replicas(stage, make_one)
+
+
+def _require_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "worker_backend 'ray' needs Ray, which is not installed: pip install 'vllm-omni[ray]'",
+            options=("worker_backend",),
+        ) from exc
+
+
+def _make_replica(
+    stage: BaseVllmOmniStageConfig, index: int, worker_backend: str, ray_address: str | None
+) -> StageRuntime:
+    """Replica ``index`` of ``stage`` on ``worker_backend`` (see :func:`make_stage_runtime`)."""
+    if worker_backend == "inline":
+        return make_inline_runtime(stage)
+    if worker_backend == "mp":
+        from vllm_omni.engine.workers.client import WorkerStageRuntime
+
+        return WorkerStageRuntime(stage, env=worker_env(stage, index))
+    from vllm_omni.engine.workers.ray_backend import RayStageRuntime
+
+    return RayStageRuntime(stage, address=ray_address)
+
+
+def check_worker_backend(value: Any, source: str = "worker_backend") -> str:
+    """``value`` if it names a worker backend.
+
+    Raises:
+        ConfigError: naming ``source`` and the accepted values.
+    """
+    if value not in WORKER_BACKENDS:
+        raise ConfigError(
+            f"{source}: unknown worker backend {value!r}; choose one of {list(WORKER_BACKENDS)}",
+            options=("worker_backend",),
+        )
+    return value
 
 
 def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:
@@ -110,8 +174,8 @@ class Orchestrator:
             check_stage_model_class(stage)
         try:
             for stage in config.stages:
-                logger.info("starting %s with model %s", stage.label, stage.model)
-                self.runtimes.append(make_stage_runtime(stage))
+                logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
+                self.runtimes.append(make_stage_runtime(stage, config.worker_backend))
         except BaseException:
             self.shutdown()
             raise
@@ -306,6 +370,16 @@ class Orchestrator:
                 f"({', '.join(skipped)}); enable it with enable_lora (LLM stages) or the diffusion LoRA options"
             )
         return results
+
+    def stage_health(self) -> dict[int, str]:
+        """``{stage_id: "ready" | "restarting" | "dead"}`` (every stage ``"dead"`` once shut down).
+
+        An ``mp`` / ``ray`` stage is ``"restarting"`` while its worker is being replaced and
+        ``"dead"`` when it could not be; an inline stage is ``"dead"`` after a fatal engine error.
+        """
+        if self._closed:
+            return {stage.stage_id: "dead" for stage in self.config.stages}
+        return {stage.stage_id: runtime.health() for stage, runtime in zip(self.config.stages, self.runtimes)}
 
     def check_open(self) -> None:
         if self._closed:
