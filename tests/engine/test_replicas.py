@@ -33,6 +33,7 @@ class FakeRuntime:
         self.stopped_with: list = []
         self.stop_delay = 0.0
         self.refuse: Exception | None = None
+        self.state = "ready"
 
     def submit(self, prompt, params, lora_request=None, **kwargs):
         if self.refuse is not None:
@@ -80,6 +81,9 @@ class FakeRuntime:
             raise InvalidRequestError(f"cannot pin LoRA {lora_int_id}: it is not loaded")
         self.loras[lora_int_id] = True
         return True
+
+    def health(self):
+        return self.state
 
     def shutdown(self, timeout=None):
         self.stopped_with.append(timeout)
@@ -285,3 +289,15 @@ def test_a_replica_that_fails_to_start_stops_the_others():
     with pytest.raises(StageEngineError, match="could not start"):
         make_stage_runtime(stage, make_one=make_one)
     assert [len(r.stopped_with) for r in started] == [1, 1]
+
+
+def test_health_is_ready_while_any_replica_is(stage):
+    fakes = [FakeRuntime(stage, i) for i in range(3)]
+    runtime = ReplicatedStageRuntime(stage, fakes)
+    assert runtime.health() == "ready"
+    fakes[0].state, fakes[1].state = "dead", "restarting"
+    assert runtime.health() == "ready"
+    fakes[2].state = "dead"
+    assert runtime.health() == "restarting"
+    fakes[1].state = "dead"
+    assert runtime.health() == "dead"

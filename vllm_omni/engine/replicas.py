@@ -271,6 +271,15 @@ class ReplicatedStageRuntime:
             self.runtimes[index].pin_lora(lora_int_id)
 
     # ---------------------------------------------------------------- shutdown
+    def health(self) -> str:
+        """``"ready"`` while at least one replica is ready (requests go to the ready ones),
+        else ``"restarting"`` if one is being replaced, else ``"dead"``."""
+        states = [runtime.health() for runtime in self.runtimes]
+        for state in ("ready", "restarting"):
+            if state in states:
+                return state
+        return "dead"
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut every replica down at once (each within ``timeout``; the whole call too). Idempotent."""
         self._closed = True
