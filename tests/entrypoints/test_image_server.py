@@ -238,7 +238,7 @@ MALFORMED = [
     ("/v1/images/generations", {"prompt": PROMPT, "lora": [{"path": "/x"}] * 3}),  # > max_loras
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/etc"}}),
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "../x", "scale": 1}}),
-    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "scale": [1]}}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "scale": ["1"]}}),
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "strength": 1}}),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}),  # no user text
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "width": 17}),

@@ -235,10 +235,10 @@ class BaseLayerWithLoRA(nn.Module):
     def has_active_lora(self) -> bool:
         """Whether an active slot holds weights for this layer."""
         held = self._slot_weights
-        return any(held[act.slot] is not None for act in self.lora_state.slots)
+        return any(held[act.slot] is not None for act in self.lora_state.slots_for(self)[0])
 
-    def _stacked(self) -> SlotWeights | None:
-        held = [(self._slot_weights[a.slot], a.scale) for a in self.lora_state.slots]
+    def _stacked(self, slots) -> SlotWeights | None:
+        held = [(self._slot_weights[a.slot], a.scale) for a in slots]
         return stack_slot_weights([(w, scale) for w, scale in held if w is not None])
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -258,15 +258,16 @@ class BaseLayerWithLoRA(nn.Module):
                 batch size set by the manager nor explained by the forward context's row layout.
         """
         state = self.lora_state
-        if state.uniform:
+        slots, uniform = state.slots_for(self)
+        if uniform:
             key = id(self)
             if key not in state.stacked:
-                state.stacked[key] = self._stacked()
+                state.stacked[key] = self._stacked(slots)
             stacked = state.stacked[key]
             if stacked is not None:
                 add_lora(x, y, stacked, None)
                 return y
-        for act in state.slots:
+        for act in slots:
             w = self._slot_weights[act.slot]
             if w is None:
                 continue
