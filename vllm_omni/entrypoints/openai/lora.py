@@ -82,7 +82,7 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
     try:
         scale = coerce_scale(entry.get("scale"), f"{where}.scale")
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), "lora") from None
+        raise bad_request(f"{exc} (LoRA {name or path!r:.300})", "lora") from None
     int_id = entry.get("int_id")
     if int_id is not None and (
         isinstance(int_id, bool) or not isinstance(int_id, int) or not 1 <= int_id <= _INT_ID_MAX
