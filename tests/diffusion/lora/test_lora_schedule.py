@@ -50,7 +50,7 @@ def _run(model, x, t, cap, step=None):
 
 @torch.no_grad()
 def test_per_step_scales_equal_a_constant_scale_at_each_step(setup):
-    ours, manager, ra, _, _ = setup
+    ours, manager, ra, rb, _ = setup
     x, t, cap = _inputs()
     values = [1.0, -0.5, 0.0]
     ranges = [{"start": 0.0, "end": 0.5, "scale": 2.0}, {"start": 0.5, "end": 1.0, "scale": 0.25}]
@@ -63,6 +63,12 @@ def test_per_step_scales_equal_a_constant_scale_at_each_step(setup):
         for i, scale in enumerate(expected):
             with manager.activate([ra], [scale]):
                 assert torch.equal(got[i], _run(ours, x, t, cap)), (schedule, i)
+    # two composed adapters (the stacked path): the schedule scales A x per step, the weights stay
+    with manager.activate([ra, rb], [LoRAScaleSchedule.parse(values), 0.5]):
+        got = [_run(ours, x, t, cap, i) for i in range(STEPS)]
+    for i, scale in enumerate(values):
+        with manager.activate([ra, rb], [scale, 0.5]):
+            assert (got[i] - _run(ours, x, t, cap)).abs().max().item() <= 1e-6, i
     # a per-step schedule outside a reported step is refused, not applied at some scale
     refused = pytest.raises(InvalidRequestError, match="reports its denoising step")
     with manager.activate([ra], [LoRAScaleSchedule.parse(values)]), refused:

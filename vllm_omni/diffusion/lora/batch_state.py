@@ -85,6 +85,10 @@ class LoRABatchState:
         self.stacked: dict[int, SlotWeights | None] = {}
         self.uniform = False
         self.overrides: dict[int, tuple[tuple[SlotActivation, ...], bool]] = {}
+        #: while a step hook is set: per (layer, slots) the unscaled stack and its row segments
+        #: (kept across steps), and per layer this step's row scales (dropped with each publication)
+        self.unit_stacked: dict[tuple[int, tuple[int, ...]], tuple] = {}
+        self.row_scales: dict[int, object] = {}
         self.on_step: Callable[[int | None, int | None], None] | None = None
         self._step: tuple[int | None, int | None] | None = None
 
@@ -102,6 +106,7 @@ class LoRABatchState:
         self.slots = slots
         self._ragged = {}
         self.stacked = {}
+        self.row_scales = {}
         self.uniform = _uniform(slots)
         self.overrides = {key: (acts, _uniform(acts)) for key, acts in (overrides or {}).items()}
 
@@ -114,6 +119,7 @@ class LoRABatchState:
         """Install (or remove, ``None``) the hook that publishes a step's scales; it runs on the next call."""
         self.on_step = hook
         self._step = None
+        self.unit_stacked = {}
 
     def slots_for(self, layer: object) -> tuple[tuple[SlotActivation, ...], bool]:
         """``(slots, uniform)`` of ``layer``: its override, else the shared activation.

@@ -35,7 +35,14 @@ import torch.nn as nn
 
 from vllm_omni.diffusion.lora.batch_state import LoRABatchState
 from vllm_omni.diffusion.lora.geometry import LayerGeometry
-from vllm_omni.diffusion.lora.ops import add_lora, stack_slot_weights
+from vllm_omni.diffusion.lora.ops import (
+    add_lora,
+    lora_expand,
+    lora_shrink,
+    row_scales,
+    stack_slot_weights,
+    stack_slot_weights_unscaled,
+)
 from vllm_omni.diffusion.lora.weights import LayerLoRAWeights, SlotWeights
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.adapter_files import update_range_problem
@@ -241,12 +248,36 @@ class BaseLayerWithLoRA(nn.Module):
         held = [(self._slot_weights[a.slot], a.scale) for a in slots]
         return stack_slot_weights([(w, scale) for w, scale in held if w is not None])
 
+    def _add_scheduled_stack(self, x: torch.Tensor, y: torch.Tensor, slots) -> bool:
+        """The stacked path while scales change per step: stack once unscaled, scale ``h`` per step.
+
+        Returns ``False`` when fewer than two slots hold weights for this layer.
+        """
+        state = self.lora_state
+        owners = [a for a in slots if self._slot_weights[a.slot] is not None]
+        key = (id(self), tuple(a.slot for a in owners))
+        unit = state.unit_stacked.get(key)
+        if unit is None:
+            unit = stack_slot_weights_unscaled([self._slot_weights[a.slot] for a in owners])
+            state.unit_stacked[key] = unit
+        if unit is None:
+            return False
+        stacked, segments = unit
+        scale = state.row_scales.get(id(self))
+        if scale is None:
+            scale = state.row_scales[id(self)] = row_scales(segments, [a.scale for a in owners], stacked.a)
+        h = lora_shrink(x.reshape(-1, x.shape[-1]), stacked.a)
+        lora_expand(h.mul_(scale), y, stacked.parts, stacked.bt)
+        return True
+
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the active slots' deltas to ``y`` in place and return it.
 
         When several slots apply to every row with one scale each, they run stacked (one shrink,
         one expand per output range; built on the first forward of an activation, see
-        :func:`.ops.stack_slot_weights`); otherwise slot by slot over its row runs.
+        :func:`.ops.stack_slot_weights`); otherwise slot by slot over its row runs. While a scale
+        schedule re-publishes scales at each step, the stack is built once without scales and each
+        step multiplies ``h`` by its row scales (:func:`.ops.stack_slot_weights_unscaled`).
 
         Args:
             x: layer input on this rank, ``[..., in_local]``; its leading dimension is the sample
@@ -259,7 +290,10 @@ class BaseLayerWithLoRA(nn.Module):
         """
         state = self.lora_state
         slots, uniform = state.slots_for(self)
-        if uniform:
+        if uniform and state.on_step is not None:
+            if self._add_scheduled_stack(x, y, slots):
+                return y
+        elif uniform:
             key = id(self)
             if key not in state.stacked:
                 state.stacked[key] = self._stacked(slots)
