@@ -6,7 +6,8 @@ diffusers format, PEFT adapters of rank ``--rank`` on every block's projections)
 inside ``denoising_step(i, steps)`` exactly as the Z-Image pipeline's loop does; per case we time whole
 runs (so a schedule pays its re-publication at every step) and report seconds per step.
 
-Cases (interleaved inside every repeat, so a change of the machine's load hits them alike):
+Cases (interleaved inside every repeat, in reversed order every other repeat, so a change of the
+machine's load or a position effect hits them alike):
 
 * ``constant``: one adapter at scale 0.8 (the baseline);
 * ``per_step``: the same adapter with a different scale at every step (a list);
@@ -166,8 +167,9 @@ def main(argv=None) -> int:
     for name in cases:  # warm-up
         timed(name)
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.repeats):
-        for name in cases:
+    for rep in range(args.repeats):
+        order = list(cases) if rep % 2 == 0 else list(cases)[::-1]  # no case always runs first
+        for name in order:
             samples[name].append(timed(name))
     ratios = {
         f"{case}/{base}": median([s / c for s, c in zip(samples[case], samples[base], strict=True)])
