@@ -98,3 +98,36 @@ def merged_reference_pipeline(z_image_dir: str | Path, adapters: list[tuple[str 
             total[key] += value - base[key]
     pipe.transformer.load_state_dict(total)
     return pipe
+
+
+def scheduled_reference_pipeline(z_image_dir: str | Path, adapters, num_steps: int):
+    """diffusers ``ZImagePipeline`` with per-step and per-module adapter scales, and its step callback.
+
+    ``adapters``: per adapter ``(peft_dir, step_scales, multiplier)`` with ``step_scales`` one number per
+    step and ``multiplier(module_name) -> float`` (diffusers module names, e.g. ``layers.1.attention.to_q``).
+    Step ``i``'s weights are set with ``set_adapters`` before the call (``i = 0``) and by
+    ``callback_on_step_end`` at the end of step ``i - 1``; the per-module multipliers then scale peft's
+    ``scaling`` of each LoRA layer (peft's per-module scale).
+
+    Returns ``(pipe, callback)``; pass ``callback_on_step_end=callback`` to the pipeline call.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    pipe = reference_pipeline(z_image_dir, [(p, steps[0]) for p, steps, _ in adapters])
+    names = [f"a{i}" for i in range(len(adapters))]
+    lora_layers = [(n, m) for n, m in pipe.transformer.named_modules() if isinstance(m, LoraLayer)]
+
+    def apply(step: int) -> None:
+        pipe.transformer.set_adapters(names, [float(steps[step]) for _, steps, _ in adapters])
+        for module_name, module in lora_layers:
+            for name, (_, _, multiplier) in zip(names, adapters, strict=True):
+                if name in module.scaling:
+                    module.scaling[name] *= multiplier(module_name)
+
+    def callback(_pipe, i, _t, _kwargs):
+        if i + 1 < num_steps:
+            apply(i + 1)
+        return {}
+
+    apply(0)
+    return pipe, callback

@@ -7,8 +7,14 @@ import sys
 
 import pytest
 import torch
-from lora_oracle import fused_reference_pipeline, reference_latents, reference_pipeline
+from lora_oracle import (
+    fused_reference_pipeline,
+    reference_latents,
+    reference_pipeline,
+    scheduled_reference_pipeline,
+)
 
+from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 
@@ -71,6 +77,27 @@ def test_diffusers_fallback_wraps_linear_and_matches_peft(tiny_z_image_dir, reqs
         assert _err(outs[0].latents, _ref(tiny_z_image_dir, [(a.lora_path, 1.0)])) <= TOL
         assert torch.equal(outs[1].latents, base)
         assert q.lora_int_id in omni.list_loras()
+        # scale schedules: block multipliers apply (diffusers' own layer names); per-step scales need
+        # a loop that reports its steps, which diffusers' pipeline does not: refused, not ignored
+        blocks = {"steps": 0.8, "blocks": {"layers.1": 0.0, "noise_refiner": 2.0}}
+        got = omni.generate(PROMPT, params(), lora_requests=[a], lora_scales=[blocks])[0].latents
+        pipe, _ = scheduled_reference_pipeline(
+            tiny_z_image_dir,
+            [
+                (
+                    a.lora_path,
+                    [0.8, 0.8],
+                    lambda n: (
+                        0.0 if n.startswith("layers.1.") else 2.0 if n.startswith("noise_refiner.") else 1.0
+                    ),
+                )
+            ],
+            2,
+        )
+        assert _err(got, reference_latents(pipe, PROMPT, **KW)) <= TOL
+        assert _err(got, _ref(tiny_z_image_dir, [(a.lora_path, 0.8)])) > 50 * TOL
+        with pytest.raises(InvalidRequestError, match="per-step scales need a pipeline that reports"):
+            omni.generate(PROMPT, params(), lora_requests=[a], lora_scales=[[1.0, 0.5]])
 
 
 def test_distill_backend_fuses_once_and_request_adapters_add_on_top(

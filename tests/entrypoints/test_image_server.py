@@ -195,6 +195,52 @@ def test_model_field_selects_the_startup_adapter(client, paths, tiny_z_image_dir
         generate(client, model="no-such-model")
 
 
+def _block_multiplier(name: str) -> float:
+    return 0.0 if name.startswith("layers.1.") else 2.0 if name.startswith("noise_refiner.") else 1.0
+
+
+def test_scale_schedules_match_diffusers_step_callback(server, client, paths, tiny_z_image_dir):
+    import torch
+
+    from tests.diffusion.lora_oracle import scheduled_reference_pipeline
+
+    steps = GEN["num_inference_steps"]
+    scale = {"steps": [1.5, -0.5], "blocks": {"layers.1": 0.0, "noise_refiner": 2.0}}
+    got = generate(client, lora=[{"name": "attn", "path": str(paths["attn"]), "scale": scale}])
+    pipe, callback = scheduled_reference_pipeline(
+        tiny_z_image_dir, [(paths["attn"], [1.5, -0.5], _block_multiplier)], steps
+    )
+    with torch.no_grad():
+        image = pipe(
+            PROMPT,
+            num_inference_steps=steps,
+            guidance_scale=GEN["guidance_scale"],
+            generator=torch.Generator().manual_seed(GEN["seed"]),
+            height=SIZE,
+            width=SIZE,
+            callback_on_step_end=callback,
+        ).images[0]
+    want = np.asarray(image.convert("RGB"), dtype=np.int16)
+    assert close(got, want), int(np.abs(got - want).max())
+    assert not close(got, generate(client, lora=lora_list(paths, ("attn", 1.5))), 8)  # the schedule acts
+    url = server.url("/v1/images/generations")
+    body = {"prompt": PROMPT, "size": f"{SIZE}x{SIZE}", **GEN}
+    for bad, words in (
+        ([1.0, 0.5, 0.2], ["lora[0].scale", "3 per-step values", "num_inference_steps is 2", "'attn'"]),
+        ([{"start": 0, "end": 0.5, "scale": 1}], ["lora[0].scale", "cover [0, 1]", "'attn'"]),
+        (
+            {"blocks": {"single_blocks.*": 0.5}},
+            ["blocks pattern 'single_blocks.*' matches no LoRA layer", "'attn'"],
+        ),
+    ):
+        r = httpx.post(
+            url, json={**body, "lora": [{"name": "attn", "path": str(paths["attn"]), "scale": bad}]}
+        )
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert all(w in message for w in words), message
+
+
 def test_concurrent_requests_with_different_adapter_sets(client, paths):
     plans = [(), (("attn", 1.0),), (("qv", 1.0),), (("attn", 0.5), ("qv", 2.0)), (), (("attn", 1.0),)]
     solo = {p: generate(client, lora=lora_list(paths, *p) or None) for p in set(plans)}
@@ -260,7 +306,7 @@ MALFORMED = [
     ("/v1/images/generations", {"prompt": PROMPT, "lora": [{"path": "/x"}] * 3}),  # > max_loras
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/etc"}}),
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "../x", "scale": 1}}),
-    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "scale": [1]}}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "scale": ["1"]}}),
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "strength": 1}}),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}),  # no user text
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "width": 17}),

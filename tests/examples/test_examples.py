@@ -130,12 +130,22 @@ def test_axis_parsing():
     assert t2i.parse_axis("z=num_inference_steps:2,4", 0).values == [2, 4]
     assert t2i.parse_axis("z=seed:1,2", 0).values == [1, 2]
     assert t2i.parse_axis("x=guidance_scale:0,2.5", 0).values == [0.0, 2.5]
+    s = t2i.parse_axis('y=lora_schedule[0]:1|1@0.4>0.3|[1, 0.5]|{"steps": 1, "blocks": {"layers.0": 0}}', 1)
+    assert s.values == ["1", "1@0.4>0.3", "[1, 0.5]", '{"steps": 1, "blocks": {"layers.0": 0}}']
+    assert [t2i.parse_schedule(v) for v in s.values] == [
+        1.0,
+        {"steps": [{"start": 0.0, "end": 0.4, "scale": 1.0}, {"start": 0.4, "end": 1.0, "scale": 0.3}]},
+        [1, 0.5],
+        {"steps": 1, "blocks": {"layers.0": 0}},
+    ]
     for bad, why in [
         ("x=lora_scale[2]:0,1", "only 2"),
         ("w=seed:1", "expected"),
         ("x=cfg:1,2", "unknown dimension"),
         ("x=lora_scale:1", "needs an index"),
         ("x=seed:a,b", "invalid literal"),
+        ("x=lora_schedule:1", "lora_schedule needs an index"),
+        ("x=lora_schedule[0]:1|[1,", "neither a number"),
     ]:
         with pytest.raises(ValueError, match=why):
             t2i.parse_axis(bad, 2)
@@ -152,6 +162,38 @@ def test_grid_cells_and_batching_groups():
         ((0, 0, 1), [0.0, 0.7], 4),
         ((1, 0, 1), [1.0, 0.7], 4),
     ]
+
+
+@pytest.mark.slow
+def test_text_to_image_schedule_axis(tmp_path):
+    grid_png = tmp_path / "grid.png"
+    out = _run(
+        T2I,
+        *QUICK,
+        "--lora-paths",
+        ADAPTERS[0],
+        "--axis",
+        'x=lora_schedule[0]:1|1@0.5>0|0|{"steps": 1, "blocks": {"noise_refiner": 0, "layers.*": 0}}',
+        "--cell-size",
+        "64",
+        "--output",
+        str(grid_png),
+    )
+    assert "4 image(s)" in out
+    grid = Image.open(grid_png)
+    meta = json.loads(grid.text["vllm_omni_grid"])
+    assert meta["shape"] == [4, 1, 1]
+    cells = {}
+    for c in meta["cells"]:
+        cells[c["pos"][0]] = (c["scales"], _pixels(grid.crop(tuple(c["box"]))))
+    assert cells[1][0] == [
+        {"steps": [{"start": 0.0, "end": 0.5, "scale": 1.0}, {"start": 0.5, "end": 1.0, "scale": 0.0}]}
+    ]
+    full, half, off, blocks_off = (cells[i][1] for i in range(4))
+    # warm for the first half of the steps lies between the adapter at 1 throughout and not at all
+    d_full, d_half = np.abs(full - off).mean(), np.abs(half - off).mean()
+    assert 0.005 < d_half < d_full
+    assert np.abs(blocks_off - full).mean() > 0.005  # switching blocks off changes the image
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ Like ``vllm.forward_context``: the runtime (a pipeline's denoising loop) sets th
 denoiser call; layers that need batch metadata (the LoRA layers) read it; models only *declare* what
 only they know, without importing the code that consumes it.
 
-The context carries the row layout of ragged inputs. A model that runs a layer on the samples'
+The context carries the denoising step in progress (set by the runtime around each denoiser call,
+:func:`denoising_step`; read by per-step LoRA scale schedules) and the row layout of ragged inputs. A model that runs a layer on the samples'
 rows concatenated (``[sum(lengths), d]`` instead of ``[batch, ...]``, e.g. patch / caption embedders)
 wraps that call so per-sample layer logic (a mixed LoRA batch) knows which rows belong to which
 sample::
@@ -31,9 +32,15 @@ class DiffusionForwardContext:
     Attributes:
         rows_per_sample: rows of each sample when the current layer inputs concatenate the samples'
             rows (set by the model around such a call), else ``None``.
+        step: 0-based index of the denoising step in progress (the ``i`` of
+            ``enumerate(scheduler.timesteps)``, as diffusers passes it to ``callback_on_step_end``),
+            or ``None`` when the runtime does not report steps.
+        num_steps: the number of denoising steps of the loop (``None`` with ``step``).
     """
 
     rows_per_sample: tuple[int, ...] | None = None
+    step: int | None = None
+    num_steps: int | None = None
 
 
 _EMPTY = DiffusionForwardContext()
@@ -62,7 +69,19 @@ def set_forward_context() -> Iterator[DiffusionForwardContext]:
 
     Nothing declared by an enclosing block leaks into it; the model fills it during the call.
     """
-    with _override(rows_per_sample=None) as ctx:
+    with _override(rows_per_sample=None, step=None, num_steps=None) as ctx:
+        yield ctx
+
+
+@contextmanager
+def denoising_step(step: int, num_steps: int) -> Iterator[DiffusionForwardContext]:
+    """Declare the denoising step of the denoiser call(s) inside this block (runtime side).
+
+    Args:
+        step: 0-based step index, ``0 <= step < num_steps``.
+        num_steps: steps of the whole loop.
+    """
+    with _override(step=int(step), num_steps=int(num_steps)) as ctx:
         yield ctx
 
 
@@ -80,4 +99,10 @@ def rows_per_sample(lengths: Sequence[int]) -> Iterator[DiffusionForwardContext]
         yield ctx
 
 
-__all__ = ["DiffusionForwardContext", "get_forward_context", "rows_per_sample", "set_forward_context"]
+__all__ = [
+    "DiffusionForwardContext",
+    "denoising_step",
+    "get_forward_context",
+    "rows_per_sample",
+    "set_forward_context",
+]

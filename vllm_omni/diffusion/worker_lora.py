@@ -24,7 +24,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.errors import InvalidRequestError
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, stable_lora_int_id
+from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 #: One request's adapters, each with its scale (``None``: the default applies).
 LoRASet = tuple[RequestAdapter, ...]
@@ -57,6 +59,8 @@ class WorkerLoRA:
         from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_files_into_pipeline
 
         self.od_config = od_config
+        self.reports_steps = bool(getattr(pipeline, "reports_denoising_step", False))
+        self.pipeline_name = type(pipeline).__name__
         paths = od_config.startup_lora_paths
         scale = float(od_config.lora_scale)
         self.fused: dict[str, list[str]] = {}
@@ -97,15 +101,40 @@ class WorkerLoRA:
         return self.manager.pin_lora(lora_int_id)
 
     # ------------------------------------------------------------------ requests
-    def resolve_scales(self, adapters: LoRASet) -> list[float]:
-        """Per adapter its scale, or the start-up ``lora_scale`` / ``1.0`` when it has none."""
-        return [
-            self.default_scales.get(a.lora.lora_int_id, 1.0) if a.scale is None else float(a.scale)
-            for a in adapters
-        ]
+    def resolve_scales(self, adapters: LoRASet) -> list[float | LoRAScaleSchedule]:
+        """Per adapter its scale, or the start-up ``lora_scale`` / ``1.0`` when it has none (a
+        schedule without ``steps`` gets that default as its step scale)."""
+        out: list[float | LoRAScaleSchedule] = []
+        for a in adapters:
+            default = self.default_scales.get(a.lora.lora_int_id, 1.0)
+            if isinstance(a.scale, LoRAScaleSchedule):
+                out.append(a.scale.with_default(default))
+            else:
+                out.append(default if a.scale is None else float(a.scale))
+        return out
+
+    def check_schedules(self, adapters: LoRASet) -> None:
+        """Refuse schedules this stage cannot run, before any adapter is loaded.
+
+        Raises:
+            InvalidRequestError: a per-step schedule on a pipeline that does not report its steps.
+            InvalidAdapterError: a block pattern or index that matches no LoRA layer.
+        """
+        for a in adapters:
+            if not isinstance(a.scale, LoRAScaleSchedule):
+                continue
+            where = f"scale of LoRA {a.lora.lora_int_id} ({a.lora.lora_name!r})"
+            if a.scale.varies_with_step and not self.reports_steps:
+                raise InvalidRequestError(
+                    f"{where}: per-step scales need a pipeline that reports its denoising steps "
+                    f"(in-tree pipelines); {self.pipeline_name} does not"
+                )
+            self.manager.block_factors(a.scale, where)
 
     def acquire(self, adapters: LoRASet) -> list[int]:
-        """Load (if needed) and hold a request's adapters; nothing changes on failure."""
+        """Check a request's schedules, then load (if needed) and hold its adapters; nothing changes on
+        failure (see :meth:`check_schedules` for the schedule errors)."""
+        self.check_schedules(adapters)
         return self.manager.acquire_loras([a.lora for a in adapters]) if adapters else []
 
     def release(self, ids: Sequence[int]) -> None:

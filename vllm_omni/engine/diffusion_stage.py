@@ -194,7 +194,8 @@ class DiffusionStageEngine(StageDriver):
             InvalidRequestError: a bad prompt, size not a multiple of the model's factor or above its
                 maximum (``max_size``), adapters given
                 twice, unequal lists, more adapters than ``max_loras``, an adapter twice, a
-                NaN / inf scale, or an adapter path that does not exist.
+                NaN / inf scale, a malformed scale schedule (e.g. a per-step list whose length is not
+                ``num_inference_steps``), or an adapter path that does not exist.
             StageEngineError: the stage is shut down or failed earlier.
         """
         item = self._prepare(prompt, params, lora_request, lora_scale, lora_requests, lora_scales, adapters)
@@ -264,7 +265,7 @@ class DiffusionStageEngine(StageDriver):
             raise InvalidRequestError(
                 "adapters is given together with another form of the request's adapters"
             )
-        adapters = validate_request_adapters(adapters, self.max_loras)
+        adapters = validate_request_adapters(adapters, self.max_loras, num_steps=params.num_inference_steps)
         for adapter in adapters:
             lora = adapter.lora
             path = str(lora.lora_path)

@@ -44,14 +44,19 @@ class OmniDiffusionSamplingParams:
             this request (consumed by the diffusion LoRA manager).
         lora_scales: one scale per entry of ``lora_requests``; empty means 1.0 each (or the
             stage's ``lora_scale`` for an adapter the stage pre-loaded from ``lora_path``).
-            ``0`` adds exactly nothing; a negative scale negates the adapter's delta.
+            ``0`` adds exactly nothing; a negative scale negates the adapter's delta. An entry may
+            also be a schedule: a list with one value per denoising step, a list of step-fraction
+            ranges ``{"start", "end", "scale"}``, ``{"steps": ..., "blocks": {pattern: multiplier}}``
+            or a :class:`vllm_omni.lora.schedule.LoRAScaleSchedule` (see that module for the step
+            and block conventions); :attr:`adapters` carries it parsed, as a ``LoRAScaleSchedule``.
         extra_args: pipeline-specific keyword arguments passed through unchanged.
 
     Raises:
         InvalidRequestError (a ValueError): (on construction) for a non-positive size or step count, negative or
             non-finite guidance, ``num_images_per_prompt`` or ``max_sequence_length`` out of
             range, a non-integer value, an unknown ``output_type``, mismatched
-            LoRA list lengths, an adapter listed twice or a non-finite scale; the message names
+            LoRA list lengths, an adapter listed twice, a non-finite scale or a malformed schedule
+            (e.g. a per-step list whose length is not ``num_inference_steps``); the message names
             the field and allowed values (the adapter rules are
             :func:`vllm_omni.lora.request.validate_request_adapters`; those raise
             ``InvalidRequestError``, a ``ValueError``).
@@ -68,7 +73,7 @@ class OmniDiffusionSamplingParams:
     output_type: str = "pil"
     max_sequence_length: int = 512
     lora_requests: list[Any] = field(default_factory=list)
-    lora_scales: list[float] = field(default_factory=list)
+    lora_scales: list[Any] = field(default_factory=list)
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,12 +120,12 @@ class OmniDiffusionSamplingParams:
             )
         if not isinstance(self.extra_args, dict):
             raise InvalidRequestError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
-        to_request_adapters(self.lora_requests, self.lora_scales)
+        to_request_adapters(self.lora_requests, self.lora_scales, num_steps=self.num_inference_steps)
 
     @property
     def adapters(self) -> tuple[RequestAdapter, ...]:
         """``lora_requests`` with their ``lora_scales`` (``scale=None`` where no scales were given)."""
-        return to_request_adapters(self.lora_requests, self.lora_scales)
+        return to_request_adapters(self.lora_requests, self.lora_scales, num_steps=self.num_inference_steps)
 
     def make_generators(
         self, n_prompts: int, device: str | torch.device = "cpu"

@@ -16,7 +16,6 @@ live in :func:`validate_request_adapters` only.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,22 +24,18 @@ from typing import Any
 from vllm.lora.request import LoRARequest
 
 from vllm_omni.errors import InvalidRequestError
+from vllm_omni.lora.schedule import MAX_ADAPTER_SCALE, LoRAScaleSchedule, coerce_scale
 
 __all__ = [
     "MAX_ADAPTER_SCALE",
     "LoRARequest",
+    "LoRAScaleSchedule",
     "RequestAdapter",
     "gather_request_adapters",
     "stable_lora_int_id",
     "to_request_adapters",
     "validate_request_adapters",
 ]
-
-
-#: The largest ``|scale|`` one adapter may have in one request, on every path (Python
-#: ``lora_scales`` / ``OmniDiffusionSamplingParams`` and the HTTP ``lora`` field). Beyond it an
-#: adapter's delta dwarfs the base weights, which is never a useful setting and easily overflows.
-MAX_ADAPTER_SCALE = 100.0
 
 
 def stable_lora_int_id(path: str) -> int:
@@ -64,15 +59,21 @@ class RequestAdapter:
         lora: the adapter (``lora_int_id`` positive, ``lora_path`` set).
         scale: its weight in this request; ``None`` takes the stage default (``1.0``, or the
             stage's ``lora_scale`` for an adapter pre-loaded from ``lora_path``). ``0`` adds
-            nothing; a negative scale negates the adapter's delta.
+            nothing; a negative scale negates the adapter's delta. A
+            :class:`~vllm_omni.lora.schedule.LoRAScaleSchedule` varies it per step and per block
+            (diffusion stages).
     """
 
     lora: LoRARequest
-    scale: float | None = None
+    scale: float | LoRAScaleSchedule | None = None
 
 
 def validate_request_adapters(
-    adapters: Sequence[RequestAdapter], max_loras: int | None = None, *, field: str = "lora_requests"
+    adapters: Sequence[RequestAdapter],
+    max_loras: int | None = None,
+    *,
+    field: str = "lora_requests",
+    num_steps: int | None = None,
 ) -> tuple[RequestAdapter, ...]:
     """The list rules of one request's adapters (no file is read).
 
@@ -80,16 +81,21 @@ def validate_request_adapters(
         adapters: the request's adapters, in order.
         max_loras: the stage's limit on adapters per request, when known.
         field: the public name of the adapter list, for messages.
+        num_steps: the request's ``num_inference_steps``, when known: per-step scale lists must
+            have that many values.
 
     Returns:
-        ``adapters`` as a tuple, scales as ``float``.
+        ``adapters`` as a tuple, scales as ``float`` or :class:`LoRAScaleSchedule` (lists and
+        ``{"steps", "blocks"}`` dicts are parsed into one).
 
     Raises:
         InvalidRequestError: more than ``max_loras`` adapters, an entry that is not a
             ``LoRARequest`` with a positive ``lora_int_id`` and a ``lora_path``, the same
-            ``lora_int_id`` twice, or a scale that is not a finite number in
-            ``[-MAX_ADAPTER_SCALE, MAX_ADAPTER_SCALE]``; the message names the field and position
-            (``lora_requests[1]``, ``lora_scales[1]``) or ``max_loras``.
+            ``lora_int_id`` twice, a scale that is not a finite number in
+            ``[-MAX_ADAPTER_SCALE, MAX_ADAPTER_SCALE]`` or a valid schedule (see
+            :meth:`LoRAScaleSchedule.parse`), or a per-step list whose length is not ``num_steps``;
+            the message names the field and position (``lora_requests[1]``, ``lora_scales[1]``),
+            the adapter, or ``max_loras``.
     """
     if max_loras is not None and len(adapters) > max_loras:
         raise InvalidRequestError(
@@ -117,30 +123,27 @@ def validate_request_adapters(
         if lora_id in seen:
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} appears twice; list each adapter once")
         seen.add(lora_id)
-        if scale is not None and (
-            isinstance(scale, bool)
-            or not isinstance(scale, int | float)
-            or not math.isfinite(scale)
-            or abs(scale) > MAX_ADAPTER_SCALE
-        ):
-            scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
-            raise InvalidRequestError(
-                f"{scale_name} must be a finite number in [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}], "
-                f"got {scale!r:.50}"
-            )
-        out.append(adapter if scale is None or type(scale) is float else RequestAdapter(lora, float(scale)))
+        scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
+        try:
+            value = coerce_scale(scale, scale_name)
+            if isinstance(value, LoRAScaleSchedule) and num_steps is not None:
+                value.check_steps(num_steps, scale_name)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{exc} (LoRA {lora_id}, {lora.lora_name!r})") from None
+        out.append(adapter if value is scale else RequestAdapter(lora, value))
     return tuple(out)
 
 
 def to_request_adapters(
-    lora_requests: Any, lora_scales: Any = None, max_loras: int | None = None
+    lora_requests: Any, lora_scales: Any = None, max_loras: int | None = None, *, num_steps: int | None = None
 ) -> tuple[RequestAdapter, ...]:
     """``lora_requests`` + ``lora_scales`` (the public list form) as validated :class:`RequestAdapter`.
 
     Args:
         lora_requests: list or tuple of ``LoRARequest``.
-        lora_scales: ``None`` / empty (every scale takes its default), or one number per adapter.
-        max_loras: see :func:`validate_request_adapters`.
+        lora_scales: ``None`` / empty (every scale takes its default), or one entry per adapter: a
+            number, a per-step list, or a schedule (:class:`LoRAScaleSchedule` or its dict form).
+        max_loras, num_steps: see :func:`validate_request_adapters`.
 
     Raises:
         InvalidRequestError: not lists, unequal lengths, or a rule of :func:`validate_request_adapters`.
@@ -151,7 +154,9 @@ def to_request_adapters(
             f"lora_requests must be a list of LoRARequest, got {type(lora_requests).__name__}"
         )
     if not isinstance(lora_scales, list | tuple):
-        raise InvalidRequestError(f"lora_scales must be a list of numbers, got {type(lora_scales).__name__}")
+        raise InvalidRequestError(
+            f"lora_scales must be a list (one scale or schedule per adapter), got {type(lora_scales).__name__}"
+        )
     if lora_scales and len(lora_scales) != len(lora_requests):
         raise InvalidRequestError(
             f"lora_scales must be empty or have one entry per lora_requests entry "
@@ -159,7 +164,9 @@ def to_request_adapters(
         )
     scales = list(lora_scales) or [None] * len(lora_requests)
     return validate_request_adapters(
-        [RequestAdapter(r, s) for r, s in zip(lora_requests, scales, strict=True)], max_loras
+        [RequestAdapter(r, s) for r, s in zip(lora_requests, scales, strict=True)],
+        max_loras,
+        num_steps=num_steps,
     )
 
 

@@ -20,6 +20,16 @@ panel per z value) and come out as ONE labelled PNG::
         --lora-paths examples/demo_model/adapters/warm examples/demo_model/adapters/stripes \\
         --axis x=lora_scale[0]:0,0.5,1 y=lora_scale[1]:0,0.5,1 --output grid.png
 
+A scale schedule on an axis: ``lora_schedule[i]`` takes values separated by ``|``, each a number, a
+two-phase shorthand ``<a>@<f>><b>`` (scale ``a`` for the step fractions ``[0, f)``, then ``b``) or the
+JSON of a schedule (a per-step list, ranges, or ``{"steps": ..., "blocks": {...}}``; see "Scale
+schedules" in docs/user_guide/diffusion_lora.md)::
+
+    python examples/offline_inference/text_to_image/text_to_image.py --prompt "a red circle" \
+        --lora-paths examples/demo_model/adapters/warm \
+        --axis 'x=lora_schedule[0]:1|1@0.5>0|0@0.5>1|{"steps": 1, "blocks": {"layers.0": 0}}' \
+        --output schedules.png
+
 Cells that share the denoising settings (steps, guidance, seed) go to ``Omni.generate`` in
 one call, each prompt with its own adapter scales, so the stage batches them together. An
 adapter whose scale is 0 in a cell is left out of that cell's request. ``--lora-path`` is
@@ -42,7 +52,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 DEMO_MODEL = REPO / "examples" / "demo_model"
 AXIS_RE = re.compile(r"^(?P<slot>[xyz])=(?P<dim>[a-z_]+(?:\[(?P<index>\d+)\])?):(?P<values>.+)$")
-DIMENSIONS = ("lora_scale", "prompt", "guidance_scale", "num_inference_steps", "seed")
+DIMENSIONS = ("lora_scale", "lora_schedule", "prompt", "guidance_scale", "num_inference_steps", "seed")
+ADAPTER_DIMS = ("lora_scale", "lora_schedule")
+TWO_PHASE_RE = re.compile(r"^(?P<a>[-+0-9.eE]+)@(?P<f>[0-9.eE]+)>(?P<b>[-+0-9.eE]+)$")
 GRID_META_KEY = "vllm_omni_grid"
 
 
@@ -68,8 +80,27 @@ class Cell:
     guidance_scale: float
     num_inference_steps: int
     seed: int
-    scales: list[float]
+    scales: list  # per adapter a number or a schedule (list / dict, see parse_schedule)
     pos: tuple[int, int, int] = (0, 0, 0)  # (x, y, z) indices
+
+
+def parse_schedule(text: str) -> float | list | dict:
+    """A ``lora_schedule`` axis value: a number, ``<a>@<f>><b>`` (two step-fraction ranges) or JSON.
+
+    The schedule itself is checked by ``OmniDiffusionSamplingParams`` when the cell runs.
+    """
+    m = TWO_PHASE_RE.match(text)
+    if m:
+        a, f, b = float(m["a"]), float(m["f"]), float(m["b"])
+        return {"steps": [{"start": 0.0, "end": f, "scale": a}, {"start": f, "end": 1.0, "scale": b}]}
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"schedule {text!r} is neither a number, <a>@<f>><b> nor JSON ({exc})") from None
 
 
 def parse_axis(spec: str, n_adapters: int) -> Axis:
@@ -85,18 +116,23 @@ def parse_axis(spec: str, n_adapters: int) -> Axis:
         raise ValueError(
             f"bad --axis {spec!r}: unknown dimension {dim!r}; choose from {', '.join(DIMENSIONS)}"
         )
-    if (dim == "lora_scale") != (index is not None):
-        raise ValueError(
-            f"bad --axis {spec!r}: lora_scale needs an index (lora_scale[0]); other dimensions take none"
-        )
+    if (dim in ADAPTER_DIMS) != (index is not None):
+        need = f"{dim} needs an index ({dim}[0])" if dim in ADAPTER_DIMS else f"{dim} takes no index"
+        raise ValueError(f"bad --axis {spec!r}: {need}; only lora_scale / lora_schedule take one")
     if index is not None and index >= n_adapters:
         raise ValueError(
-            f"bad --axis {spec!r}: lora_scale[{index}] but only {n_adapters} request adapter(s) given"
+            f"bad --axis {spec!r}: {dim}[{index}] but only {n_adapters} request adapter(s) given"
         )
-    raw = m["values"].split("|") if dim == "prompt" else m["values"].split(",")
+    raw = m["values"].split("|") if dim in ("prompt", "lora_schedule") else m["values"].split(",")
     raw = [v.strip() for v in raw if v.strip()]
     if not raw:
         raise ValueError(f"bad --axis {spec!r}: no values")
+    if dim == "lora_schedule":  # keep the text as the label; the schedule is built per cell
+        try:
+            [parse_schedule(v) for v in raw]
+        except ValueError as exc:
+            raise ValueError(f"bad --axis {spec!r}: {exc}") from None
+        return Axis(m["slot"], dim, index, raw)
     convert = {"prompt": str, "num_inference_steps": int, "seed": int}.get(dim, float)
     try:
         values = [convert(v) for v in raw]
@@ -119,6 +155,8 @@ def build_cells(args: argparse.Namespace, axes: list[Axis], base_scales: list[fl
             axis, value = by_slot[slot], by_slot[slot].values[i]
             if axis.dim == "lora_scale":
                 cell.scales[axis.index] = value
+            elif axis.dim == "lora_schedule":
+                cell.scales[axis.index] = parse_schedule(value)
             else:
                 setattr(cell, axis.dim, value)
         cells.append(cell)
@@ -185,7 +223,12 @@ def draw_grid(
 
     def label(slot: str, i: int) -> str:
         axis = by_slot[slot]
-        return axis.values[i] if axis.dim == "prompt" else f"{axis_names[slot]}={axis.values[i]:g}"
+        value = axis.values[i]
+        return (
+            value
+            if axis.dim == "prompt"
+            else f"{axis_names[slot]}={value if isinstance(value, str) else f'{value:g}'}"
+        )
 
     row_labels = [label("y", i) for i in range(ny)] if "y" in by_slot else [""]
     left = (max(text_w(s) for s in row_labels) + 2 * pad) if "y" in by_slot else 0
@@ -317,12 +360,12 @@ def main(argv=None) -> int:
         save_png(images[0], out)
     else:
         names = {
-            a.slot: (f"{a.name} ({adapters[a.index].lora_name})" if a.dim == "lora_scale" else a.name)
+            a.slot: (f"{a.name} ({adapters[a.index].lora_name})" if a.dim in ADAPTER_DIMS else a.name)
             for a in axes
         }
-        short = {a.slot: (adapters[a.index].lora_name if a.dim == "lora_scale" else a.name) for a in axes}
+        short = {a.slot: (adapters[a.index].lora_name if a.dim in ADAPTER_DIMS else a.name) for a in axes}
         dims = {a.dim for a in axes}
-        on_axis = {a.index for a in axes if a.dim == "lora_scale"}
+        on_axis = {a.index for a in axes if a.dim in ADAPTER_DIMS}
         fixed = [f"{args.prompt!r}"] if "prompt" not in dims else []
         fixed += [
             f"{label} {value:g}"

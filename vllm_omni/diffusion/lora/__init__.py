@@ -6,6 +6,8 @@ Public entry points:
   adapters, activates per-sample adapter sets and scales;
 * :func:`fuse_lora_into_model` / :func:`fuse_lora_files_into_pipeline` (``fuse.py``): distill backend;
 * :func:`load_lora_adapter` (``loading.py``): PEFT directory or single-file reader;
+* :class:`LoRAScaleSchedule` (defined in :mod:`vllm_omni.lora.schedule`): per-step and per-block
+  scales of one adapter in one request;
 * :func:`lora_rows_per_sample`: tells the LoRA layers how ragged, concatenated inputs map to
   samples in a mixed batch (an alias of :func:`vllm_omni.diffusion.forward_context.rows_per_sample`,
   which models use: a model imports nothing from this package).
@@ -20,6 +22,7 @@ from vllm_omni.diffusion.lora.fuse import fuse_lora_files_into_pipeline, fuse_lo
 from vllm_omni.diffusion.lora.loading import load_lora_adapter, register_lora_format
 from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager, find_denoisers
 from vllm_omni.errors import LoRACacheError, LoRAFormatError
+from vllm_omni.lora.schedule import LoRAScaleSchedule, ScaleRange
 
 __all__ = [
     "DiffusionLoRAManager",
@@ -27,10 +30,12 @@ __all__ = [
     "LoRACacheError",
     "LoRAFormatError",
     "LoRAModuleWeights",
+    "LoRAScaleSchedule",
     "find_denoisers",
     "fuse_lora_files_into_pipeline",
     "fuse_lora_into_model",
     "load_lora_adapter",
     "lora_rows_per_sample",
     "register_lora_format",
+    "ScaleRange",
 ]

@@ -4,11 +4,16 @@ The manager publishes one :class:`SlotActivation` per active slot into the :clas
 shared by all its layers; the layers read it in ``forward``. Rows are addressed by host-side runs
 ``(start, length, scale)`` over the leading dimension, so a mixed batch needs no gather / scatter
 and no device index tensors.
+
+Scale schedules (:mod:`vllm_omni.lora.schedule`) only change this activation, never slot contents:
+per-block multipliers become per-layer activations (``overrides``, shared by the layers with the same
+multipliers), and per-step scales are re-published by the manager's step hook when the forward
+context reports a new denoising step (:meth:`LoRABatchState.slots_for`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,6 +72,10 @@ class LoRABatchState:
             (see :func:`.ops.stack_slot_weights`); built on first use, dropped with the activation.
         uniform: every one of several active slots applies to every row with one scale, so the
             layers may stack them.
+        overrides: per layer (``id``) whose block multipliers are not all ``1``, its own
+            ``(slots, uniform)``.
+        on_step: set while a schedule varies with the step: called with ``(step, num_steps)`` of the
+            forward context on the first layer call of a new step; it publishes that step's scales.
     """
 
     def __init__(self) -> None:
@@ -75,18 +84,59 @@ class LoRABatchState:
         self._ragged: dict[tuple[int, tuple[int, ...]], SlotActivation] = {}
         self.stacked: dict[int, SlotWeights | None] = {}
         self.uniform = False
+        self.overrides: dict[int, tuple[tuple[SlotActivation, ...], bool]] = {}
+        #: while a step hook is set: per (layer, slots) the unscaled stack and its row segments
+        #: (kept across steps), and per layer this step's row scales (dropped with each publication)
+        self.unit_stacked: dict[tuple[int, tuple[int, ...]], tuple] = {}
+        self.row_scales: dict[int, object] = {}
+        self.on_step: Callable[[int | None, int | None], None] | None = None
+        self._step: tuple[int | None, int | None] | None = None
 
-    def set(self, batch_size: int, slots: tuple[SlotActivation, ...]) -> None:
-        """Publish a new activation (drops what was derived from the previous one)."""
+    def set(
+        self,
+        batch_size: int,
+        slots: tuple[SlotActivation, ...],
+        overrides: dict[int, tuple[SlotActivation, ...]] | None = None,
+    ) -> None:
+        """Publish a new activation (drops what was derived from the previous one).
+
+        ``overrides`` maps a layer (``id``) to its own activation (block multipliers applied).
+        """
         self.batch_size = batch_size
         self.slots = slots
         self._ragged = {}
         self.stacked = {}
-        self.uniform = len(slots) > 1 and all(a.runs is None for a in slots)
+        self.row_scales = {}
+        self.uniform = _uniform(slots)
+        self.overrides = {key: (acts, _uniform(acts)) for key, acts in (overrides or {}).items()}
 
     def clear(self) -> None:
-        """No slot applies."""
+        """No slot applies (and no step hook)."""
         self.set(0, ())
+        self.set_step_hook(None)
+
+    def set_step_hook(self, hook: Callable[[int | None, int | None], None] | None) -> None:
+        """Install (or remove, ``None``) the hook that publishes a step's scales; it runs on the next call."""
+        self.on_step = hook
+        self._step = None
+        self.unit_stacked = {}
+
+    def slots_for(self, layer: object) -> tuple[tuple[SlotActivation, ...], bool]:
+        """``(slots, uniform)`` of ``layer``: its override, else the shared activation.
+
+        First brings the activation to the forward context's denoising step when a step hook is set.
+        """
+        if self.on_step is not None:
+            ctx = get_forward_context()
+            step = (ctx.step, ctx.num_steps)
+            if step != self._step:
+                self.on_step(*step)
+                self._step = step
+        if self.overrides:
+            own = self.overrides.get(id(layer))
+            if own is not None:
+                return own
+        return self.slots, self.uniform
 
     def for_rows(self, act: SlotActivation, leading: int) -> SlotActivation:
         """``act`` re-expressed for an input whose leading dimension is ``leading``.
@@ -107,9 +157,13 @@ class LoRABatchState:
                 f"with leading dimension {leading}; pass one entry per sample of the forward batch, or wrap "
                 "ragged inputs in lora_rows_per_sample(lengths)"
             )
-        key = (act.slot, lengths)
+        key = (id(act), lengths)  # acts live as long as the activation that holds them
         cached = self._ragged.get(key)
         if cached is None:
             cached = SlotActivation(act.slot, act.scale, act.column, scale_runs(act.column, lengths))
             self._ragged[key] = cached
         return cached
+
+
+def _uniform(slots: tuple[SlotActivation, ...]) -> bool:
+    return len(slots) > 1 and all(a.runs is None for a in slots)

@@ -12,7 +12,10 @@ Lifecycle:
 3. :meth:`DiffusionLoRAManager.set_active_adapters` (or the :meth:`activate` context manager) puts
    the batch's adapters into the ``max_loras`` device slots (reusing slots that already hold them;
    on a CPU model a slot refers to the cached tensors, elsewhere they are copied to the device)
-   and publishes the per-sample scale matrix ``[batch, max_loras]`` that every wrapper reads.
+   and publishes the per-sample scale matrix ``[batch, max_loras]`` that every wrapper reads. A
+   scale may be a :class:`~vllm_omni.lora.schedule.LoRAScaleSchedule`: its block multipliers are
+   resolved once per activation into per-layer activations, and its per-step scales are published
+   again at each denoising step the forward context reports (slot contents never change).
 
 Rules: pinned adapters are never evicted; adapters held by in-flight requests (:meth:`activate`,
 :meth:`acquire_loras`) or by the current activation are neither evicted nor removable; a failed load
@@ -36,8 +39,11 @@ from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
 from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
+#: Names of a denoiser's main block list, tried in order when it declares no ``lora_block_list``.
+BLOCK_LIST_NAMES: tuple[str, ...] = ("transformer_blocks", "layers", "blocks")
 
 
 def find_denoisers(model_or_pipeline: object, denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS) -> dict:
@@ -142,6 +148,7 @@ class DiffusionLoRAManager:
         self._active_key: tuple | None = None
         self.scale_matrix: torch.Tensor | None = None
         self.slot_writes = 0
+        self._block_cache: dict[tuple, dict[str, float]] = {}
         self._slot_layers: list[tuple[str, ...]] = [()] * self.max_loras
         self.wrappers: dict[str, BaseLayerWithLoRA] = {}
         for name, target in self._index.targets.items():
@@ -352,9 +359,13 @@ class DiffusionLoRAManager:
                     raise InvalidRequestError(
                         f"LoRA id {lora_id} is used for two paths: {paths[lora_id]!r} and {path!r}"
                     )
+                if isinstance(scale, LoRAScaleSchedule):
+                    values.append(scale)
+                    continue
                 if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
                     raise InvalidRequestError(
-                        f"sample {n}: LoRA {lora_id} scale must be a finite number, got {scale!r}"
+                        f"sample {n}: LoRA {lora_id} scale must be a finite number or a LoRAScaleSchedule, "
+                        f"got {scale!r:.100}"
                     )
                 values.append(float(scale))
             reqs.append(sample_reqs)
@@ -377,12 +388,16 @@ class DiffusionLoRAManager:
                 leading dimension of the denoiser's inputs, including CFG copies), or a flat list of
                 ``LoRARequest`` meaning one request that applies to every sample.
             scales_per_sample: the per-adapter scales ``lambda``, same nesting. ``0`` keeps the
-                adapter resident (it still counts toward ``max_loras``) but adds exactly nothing.
+                adapter resident (it still counts toward ``max_loras``) but adds exactly nothing. An
+                entry may be a :class:`~vllm_omni.lora.schedule.LoRAScaleSchedule` (``steps=None``
+                meaning 1.0): per-step scales follow the step the forward context reports
+                (:func:`vllm_omni.diffusion.forward_context.denoising_step`).
 
         Raises:
             InvalidRequestError: (before any work) unequal lengths, more than ``max_loras`` adapters in a
                 sample or in the batch, an adapter twice in one sample, a non-finite scale, a bad
                 request, or one id with two paths.
+            InvalidAdapterError: a schedule's block pattern matches no LoRA layer (nothing changed).
             LoRACacheError, FileNotFoundError, LoRAFormatError: loading failed (nothing changed).
         """
         self._activate(requests_per_sample, scales_per_sample)
@@ -394,6 +409,9 @@ class DiffusionLoRAManager:
         if broadcast:
             requests_per_sample, scales_per_sample = [list(requests_per_sample)], [list(scales_per_sample)]
         reqs, scales = self._validate(requests_per_sample, scales_per_sample)
+        factors = [
+            [self.block_factors(v) if isinstance(v, LoRAScaleSchedule) else None for v in s] for s in scales
+        ]
         batch_ids = list(dict.fromkeys(r.lora_int_id for sample in reqs for r in sample))
         with self._lock:
             key = (broadcast, tuple(tuple(r.lora_int_id for r in s) for s in reqs), tuple(map(tuple, scales)))
@@ -406,7 +424,7 @@ class DiffusionLoRAManager:
             try:
                 self._ensure_cached(list(first.values()), set(batch_ids), keep_active=False)
                 self._fill_slots(batch_ids)
-                self._publish(reqs, scales, broadcast)
+                self._publish_schedule(reqs, scales, factors, broadcast)
             except BaseException:
                 # The previous activation may reference slots that were just reused: never leave
                 # a half-switched state behind.
@@ -447,9 +465,78 @@ class DiffusionLoRAManager:
         for lora_id in batch_ids:
             self._slots.touch(lora_id)
 
-    def _publish(self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool) -> None:
+    def block_list_name(self) -> str | None:
+        """The primary denoiser's main block list (integer block keys of a schedule index it)."""
+        module = next(iter(self.denoisers.values()))
+        declared = getattr(module, "lora_block_list", None)
+        for name in (declared,) if declared else BLOCK_LIST_NAMES:
+            if isinstance(getattr(module, name, None), nn.ModuleList):
+                return name
+        return None
+
+    def block_factors(self, schedule: LoRAScaleSchedule, where: str = "scale") -> dict[str, float]:
+        """Per LoRA layer the block multiplier of ``schedule`` (only those not ``1``), cached.
+
+        Raises:
+            InvalidAdapterError: a pattern or block index matches no LoRA layer.
+        """
+        if not schedule.blocks:
+            return {}
+        found = self._block_cache.get(schedule.blocks)
+        if found is None:
+            found = schedule.block_factors(self.wrappers, self.block_list_name(), where)
+            if len(self._block_cache) >= 64:
+                self._block_cache.clear()
+            self._block_cache[schedule.blocks] = found
+        return found
+
+    def _publish_schedule(self, reqs: list, scales: list, factors: list, broadcast: bool) -> None:
+        """Publish ``scales`` (numbers or schedules); per-step schedules are published at each step."""
+        stepped = any(isinstance(v, LoRAScaleSchedule) and v.varies_with_step for s in scales for v in s)
+
+        def at(step: int | None, num_steps: int | None) -> None:
+            values = [
+                [v.scale_at(step, num_steps) if isinstance(v, LoRAScaleSchedule) else v for v in s]
+                for s in scales
+            ]
+            self._publish(reqs, values, broadcast, factors)
+
+        self._state.set_step_hook(None)
+        if stepped:
+            self._state.set(0, ())
+            self._state.set_step_hook(at)
+        else:
+            at(None, None)
+
+    def _publish(
+        self,
+        reqs: list[list[LoRARequest]],
+        scales: list[list[float]],
+        broadcast: bool,
+        factors: list | None = None,
+    ) -> None:
         # Plain Python on a [batch, max_loras] table: a switch costs a few microseconds, not a
         # handful of tiny tensor ops per slot; the layers address rows by host-side runs.
+        matrix, acts = self._activations(reqs, scales, broadcast)
+        overrides: dict[int, tuple[SlotActivation, ...]] = {}
+        layers = {name for sample in factors or () for f in sample if f for name in f}
+        groups: dict[tuple, tuple[SlotActivation, ...]] = {}
+        for name in sorted(layers):
+            mults = [[f.get(name, 1.0) if f else 1.0 for f in sample] for sample in factors]
+            key = tuple(map(tuple, mults))
+            if key not in groups:
+                scaled = [
+                    [v * m for v, m in zip(s, ms, strict=True)] for s, ms in zip(scales, mults, strict=True)
+                ]
+                groups[key] = self._activations(reqs, scaled, broadcast)[1]
+            overrides[id(self.wrappers[name])] = groups[key]
+        self.scale_matrix = matrix
+        self._state.set(0 if broadcast else len(reqs), acts, overrides)
+
+    def _activations(
+        self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool
+    ) -> tuple[torch.Tensor, tuple[SlotActivation, ...]]:
+        """The ``[batch, max_loras]`` scale matrix and one :class:`SlotActivation` per used slot."""
         batch = len(reqs)
         table = [[0.0] * self.max_loras for _ in range(batch)]
         for n, (sample, values) in enumerate(zip(reqs, scales, strict=True)):
@@ -467,8 +554,7 @@ class DiffusionLoRAManager:
             every_row = broadcast or len(values) == batch
             runs = None if (every_row and uniform) else scale_runs(full)
             acts.append(SlotActivation(slot, values[0] if uniform else None, full, runs))
-        self.scale_matrix = matrix
-        self._state.set(0 if broadcast else batch, tuple(acts))
+        return matrix, tuple(acts)
 
     def deactivate(self) -> None:
         """No adapter applies to the next forward passes (slots stay resident for cheap reuse)."""

@@ -93,20 +93,51 @@ def stack_slot_weights(held: Sequence[tuple[SlotWeights, float]]) -> SlotWeights
     Returns:
         The stacked weights (``ranks`` empty), or ``None`` for fewer than two slots.
     """
+    stacked = _stack(held, fold_scales=True)
+    return None if stacked is None else stacked[0]
+
+
+def stack_slot_weights_unscaled(
+    held: Sequence[SlotWeights],
+) -> tuple[SlotWeights, tuple[tuple[int, int], ...]] | None:
+    """Several slots stacked as in :func:`stack_slot_weights` but with the scales left out.
+
+    For scales that change between steps (schedules): the stack is built once and each step only
+    multiplies ``h`` by the row scales (:func:`row_scales`), so no weight is copied per step.
+
+    Returns:
+        ``(weights, segments)`` with ``segments`` the ``(rows, index into held)`` of the stacked
+        ``A`` rows in order, or ``None`` for fewer than two slots.
+    """
+    return _stack([(w, 1.0) for w in held], fold_scales=False)
+
+
+def row_scales(
+    segments: Sequence[tuple[int, int]], scales: Sequence[float], like: torch.Tensor
+) -> torch.Tensor:
+    """``[sum rows]`` scales of the stacked ``A`` rows (``scales[i]`` for the rows of ``held[i]``)."""
+    values = [float(scales[i]) for n, i in segments for _ in range(n)]
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _stack(held, fold_scales: bool):
     if len(held) < 2:
         return None
-    groups: dict[tuple[int, int], list[tuple[torch.Tensor, float, torch.Tensor]]] = {}
-    for w, scale in held:
+    groups: dict[tuple[int, int], list[tuple[torch.Tensor, float, torch.Tensor, int]]] = {}
+    for index, (w, scale) in enumerate(held):
         for (h_start, rank, offset, size), bt in zip(w.parts, w.bt, strict=True):
-            groups.setdefault((offset, size), []).append((w.a[h_start : h_start + rank], scale, bt))
+            groups.setdefault((offset, size), []).append((w.a[h_start : h_start + rank], scale, bt, index))
     rows: list[torch.Tensor] = []
     parts: list[tuple[int, int, int, int]] = []
     bts: list[torch.Tensor] = []
+    segments: list[tuple[int, int]] = []
     start = 0
     for (offset, size), items in groups.items():
-        rank = sum(a.shape[0] for a, _, _ in items)
-        rows += [a if scale == 1.0 else a * scale for a, scale, _ in items]
-        bts.append(torch.cat([bt for _, _, bt in items]) if len(items) > 1 else items[0][2])
+        rank = sum(a.shape[0] for a, _, _, _ in items)
+        rows += [a if (scale == 1.0 or not fold_scales) else a * scale for a, scale, _, _ in items]
+        segments += [(a.shape[0], index) for a, _, _, index in items]
+        bts.append(torch.cat([bt for _, _, bt, _ in items]) if len(items) > 1 else items[0][2])
         parts.append((start, rank, offset, size))
         start += rank
-    return SlotWeights(torch.cat(rows), tuple(parts), tuple(bts), ranks=(), shared_a=False)
+    stacked = SlotWeights(torch.cat(rows), tuple(parts), tuple(bts), ranks=(), shared_a=False)
+    return stacked, tuple(segments)

@@ -53,7 +53,9 @@ class DiffusionPipeline(Protocol):
         transformer: the denoiser module LoRA patches (``None`` if the pipeline has none).
         vae_scale_factor: spatial VAE compression; image sizes must be multiples of twice it.
 
-    Optionally a pipeline declares ``max_image_size`` (largest ``(height, width)`` in pixels); the
+    Optionally a pipeline declares ``reports_denoising_step = True`` when its denoising loop wraps each
+    denoiser call in :func:`vllm_omni.diffusion.forward_context.denoising_step` (per-step LoRA scale
+    schedules need it; they are refused otherwise). Optionally a pipeline declares ``max_image_size`` (largest ``(height, width)`` in pixels); the
     stage then refuses larger requests before they join a batch.
     """
 

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import set_forward_context
+from vllm_omni.diffusion.forward_context import denoising_step, set_forward_context
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.diffusion.pipelines.base import check_image_side
@@ -79,6 +79,8 @@ class ZImagePipeline:
     #: Requests with different LoRA sets may share one denoiser batch (the pipeline reports
     #: which prompt every denoiser sample belongs to, CFG copies included).
     mixed_lora_batch = True
+    #: The denoising loop declares each step in the forward context (per-step LoRA scales work).
+    reports_denoising_step = True
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = Path(od_config.model)
@@ -292,12 +294,14 @@ class ZImagePipeline:
         scheduler.set_begin_index(0)
         show = self.od_config.enable_progress_bar and sys.stderr.isatty()
         with adapters, set_forward_context():
-            for t in tqdm(scheduler.timesteps, total=steps, disable=not show, desc="denoise"):
+            timesteps = scheduler.timesteps
+            for i, t in enumerate(tqdm(timesteps, total=steps, disable=not show, desc="denoise")):
                 t_model = (1000 - t.expand(batch)) / 1000
                 x = latents.to(self.transformer.dtype)
                 if cfg:
                     x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
-                out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
+                with denoising_step(i, len(timesteps)):
+                    out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
                 out = torch.stack([o.float() for o in out]).squeeze(2)
                 pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
                 latents = scheduler.step(-pred, t, latents, return_dict=False)[0]

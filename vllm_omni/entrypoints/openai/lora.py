@@ -5,7 +5,10 @@
 - ``name`` (or ``lora_name``): adapter name; optional when ``path`` is given;
 - ``path`` (or ``local_path``): a PEFT directory or one ``.safetensors`` file;
 - ``scale``: per-request weight (diffusion stages; LLM stages take 1.0 only). Unset means 1.0,
-  or the stage's ``--lora-scale`` for a ``--lora-path`` adapter;
+  or the stage's ``--lora-scale`` for a ``--lora-path`` adapter. On diffusion stages it may also be
+  a list with one value per denoising step, a list of step-fraction ranges
+  ``{"start", "end", "scale"}``, or ``{"steps": <number | list>, "blocks": {<pattern or block index>:
+  <multiplier>}}`` (:mod:`vllm_omni.lora.schedule`);
 - ``int_id``: optional adapter id; by default a stable function of the path
   (:func:`~vllm_omni.lora.request.stable_lora_int_id`), so the same name with another
   path is another adapter and never reuses the old weights.
@@ -22,16 +25,15 @@ says the same thing whether or not the target exists. Pickle-only adapters are r
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
-from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.errors import InvalidAdapterError, InvalidRequestError
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
-from vllm_omni.lora.request import MAX_ADAPTER_SCALE as MAX_SCALE
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+from vllm_omni.lora.schedule import LoRAScaleSchedule, coerce_scale
 
 ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id")
 MAX_NAME_LEN = 256
@@ -46,7 +48,7 @@ class LoRASpec:
 
     name: str | None
     path: str | None
-    scale: float | None = None  # None: the default (1.0, or the stage's lora_scale)
+    scale: float | LoRAScaleSchedule | None = None  # None: the default (1.0, or the stage's lora_scale)
     int_id: int | None = None
 
 
@@ -77,15 +79,10 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
         raise bad_request(
             f"{where} needs 'path' (or 'local_path'), or the 'name' of a loaded adapter", "lora"
         )
-    scale = entry.get("scale")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
-        raise bad_request(f"{where}.scale must be a number, got {type(scale).__name__}", "lora")
     try:
-        scale = None if scale is None else float(scale)
-    except OverflowError:  # an integer beyond the float range (e.g. 400 digits)
-        scale = math.inf
-    if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_SCALE):
-        raise bad_request(f"{where}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]", "lora")
+        scale = coerce_scale(entry.get("scale"), f"{where}.scale")
+    except InvalidRequestError as exc:
+        raise bad_request(f"{exc} (LoRA {name or path!r:.300})", "lora") from None
     int_id = entry.get("int_id")
     if int_id is not None and (
         isinstance(int_id, bool) or not isinstance(int_id, int) or not 1 <= int_id <= _INT_ID_MAX

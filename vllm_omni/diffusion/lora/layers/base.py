@@ -35,7 +35,14 @@ import torch.nn as nn
 
 from vllm_omni.diffusion.lora.batch_state import LoRABatchState
 from vllm_omni.diffusion.lora.geometry import LayerGeometry
-from vllm_omni.diffusion.lora.ops import add_lora, stack_slot_weights
+from vllm_omni.diffusion.lora.ops import (
+    add_lora,
+    lora_expand,
+    lora_shrink,
+    row_scales,
+    stack_slot_weights,
+    stack_slot_weights_unscaled,
+)
 from vllm_omni.diffusion.lora.weights import LayerLoRAWeights, SlotWeights
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.adapter_files import update_range_problem
@@ -235,18 +242,42 @@ class BaseLayerWithLoRA(nn.Module):
     def has_active_lora(self) -> bool:
         """Whether an active slot holds weights for this layer."""
         held = self._slot_weights
-        return any(held[act.slot] is not None for act in self.lora_state.slots)
+        return any(held[act.slot] is not None for act in self.lora_state.slots_for(self)[0])
 
-    def _stacked(self) -> SlotWeights | None:
-        held = [(self._slot_weights[a.slot], a.scale) for a in self.lora_state.slots]
+    def _stacked(self, slots) -> SlotWeights | None:
+        held = [(self._slot_weights[a.slot], a.scale) for a in slots]
         return stack_slot_weights([(w, scale) for w, scale in held if w is not None])
+
+    def _add_scheduled_stack(self, x: torch.Tensor, y: torch.Tensor, slots) -> bool:
+        """The stacked path while scales change per step: stack once unscaled, scale ``h`` per step.
+
+        Returns ``False`` when fewer than two slots hold weights for this layer.
+        """
+        state = self.lora_state
+        owners = [a for a in slots if self._slot_weights[a.slot] is not None]
+        key = (id(self), tuple(a.slot for a in owners))
+        unit = state.unit_stacked.get(key)
+        if unit is None:
+            unit = stack_slot_weights_unscaled([self._slot_weights[a.slot] for a in owners])
+            state.unit_stacked[key] = unit
+        if unit is None:
+            return False
+        stacked, segments = unit
+        scale = state.row_scales.get(id(self))
+        if scale is None:
+            scale = state.row_scales[id(self)] = row_scales(segments, [a.scale for a in owners], stacked.a)
+        h = lora_shrink(x.reshape(-1, x.shape[-1]), stacked.a)
+        lora_expand(h.mul_(scale), y, stacked.parts, stacked.bt)
+        return True
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the active slots' deltas to ``y`` in place and return it.
 
         When several slots apply to every row with one scale each, they run stacked (one shrink,
         one expand per output range; built on the first forward of an activation, see
-        :func:`.ops.stack_slot_weights`); otherwise slot by slot over its row runs.
+        :func:`.ops.stack_slot_weights`); otherwise slot by slot over its row runs. While a scale
+        schedule re-publishes scales at each step, the stack is built once without scales and each
+        step multiplies ``h`` by its row scales (:func:`.ops.stack_slot_weights_unscaled`).
 
         Args:
             x: layer input on this rank, ``[..., in_local]``; its leading dimension is the sample
@@ -258,15 +289,19 @@ class BaseLayerWithLoRA(nn.Module):
                 batch size set by the manager nor explained by the forward context's row layout.
         """
         state = self.lora_state
-        if state.uniform:
+        slots, uniform = state.slots_for(self)
+        if uniform and state.on_step is not None:
+            if self._add_scheduled_stack(x, y, slots):
+                return y
+        elif uniform:
             key = id(self)
             if key not in state.stacked:
-                state.stacked[key] = self._stacked()
+                state.stacked[key] = self._stacked(slots)
             stacked = state.stacked[key]
             if stacked is not None:
                 add_lora(x, y, stacked, None)
                 return y
-        for act in state.slots:
+        for act in slots:
             w = self._slot_weights[act.slot]
             if w is None:
                 continue

@@ -104,8 +104,13 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapters:
+def resolve_adapters(
+    state: ServerState, model: str | None, lora: Any, num_steps: int | None = None
+) -> Adapters:
     """Adapters for one request from its ``model`` and ``lora`` fields (``None`` scale: the default).
+
+    ``num_steps`` (the request's ``num_inference_steps``, when known) checks per-step scale lists here,
+    so the message names ``lora[i].scale``; otherwise the stage checks them.
 
     Raises:
         OpenAIError: 404 for an unknown ``model``; 400 for a malformed or refused ``lora``
@@ -125,7 +130,7 @@ def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapte
             f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0", "lora"
         )
     with engine_errors("lora"):
-        return validate_request_adapters(chosen, limit, field="lora")
+        return validate_request_adapters(chosen, limit, field="lora", num_steps=num_steps)
 
 
 def stage_params(state: ServerState, llm_params: Any, diffusion_params: Any) -> list[Any]:
@@ -191,8 +196,8 @@ async def run_diffusion(
     info = state.info
     if produces not in info.output_kinds:
         raise bad_request(f"pipeline {info.pipeline!r} does not produce {what}")
-    adapters = resolve_adapters(state, req.model, req.lora)
     dparams = req.diffusion_params(n)
+    adapters = resolve_adapters(state, req.model, req.lora, dparams.num_inference_steps)
     dparams.extra_args.update(extra_args or {})
     params = stage_params(state, default_llm_params(state), dparams)
     return await run_pipeline(state, req.prompt, params, adapters, request)
