@@ -79,6 +79,19 @@ def _check_meta_types(label: str, meta: dict[str, Any], origins: dict[str, str])
             f"got {meta['final_output']!r}",
             options=("final_output",),
         )
+    resources = meta.get("ray_resources")
+    if resources is not None and not (
+        isinstance(resources, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+            for k, v in resources.items()
+        )
+    ):
+        raise ConfigError(
+            f"{_where(origins, 'ray_resources', label)}: ray_resources must map Ray resource names to "
+            f'amounts >= 0, e.g. {{"node_a": 1}}, got {resources!r}',
+            options=("ray_resources",),
+        )
     if "engine_input_source" in meta:
         source = meta["engine_input_source"]
         if not isinstance(source, list | tuple) or not all(
@@ -296,6 +309,7 @@ class VllmOmniConfig:
             model_arch=meta.get("model_arch", spec.model_arch),
             engine_input_source=list(source),
             final_output=bool(meta.get("final_output", spec.final_output)),
+            ray_resources=dict(meta.get("ray_resources") or {}),
             options=merged,
             origins=origins,
         )

@@ -64,6 +64,8 @@ class BaseVllmOmniStageConfig:
         engine_input_source: ids of the stages whose outputs feed this one.
         final_output: whether this stage's output is returned to the caller.
         options: the resolved explicit options (engine/diffusion option names).
+        ray_resources: Ray resources the stage's actor needs besides one CPU (``worker_backend="ray"``),
+            e.g. ``{"node_a": 1}`` for a custom resource a node was started with.
         origins: option name -> the input that set it (``--stage-overrides``, ``deploy config
             'd.yaml', stages[0]``, ...); errors name it.
     """
@@ -75,6 +77,7 @@ class BaseVllmOmniStageConfig:
     engine_input_source: list[int] = field(default_factory=list)
     final_output: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    ray_resources: dict[str, float] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
