@@ -108,26 +108,48 @@ def _forwarded_env() -> dict[str, str]:
 
 
 class _AdapterJournal:
-    """Adapters added and pinned at run time, to replay into a restarted actor."""
+    """What a restarted actor must load again so that ``list_loras()`` is what it was: the
+    adapters added at run time or brought by requests (in the order of their last use, so
+    that replaying them leaves the same ones in an LRU cache) and the pins."""
 
     def __init__(self) -> None:
-        self.added: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.loaded: dict[int, Any] = {}
         self.pinned: set[int] = set()
 
+    def used(self, requests: Any) -> None:
+        """Adapters of a request (``LoRARequest`` objects) reached the stage's cache."""
+        with self._lock:
+            for request in requests:
+                self.loaded.pop(request.lora_int_id, None)
+                self.loaded[request.lora_int_id] = request
+
     def record(self, method: str, arg: Any, result: Any) -> None:
+        """A management call succeeded with ``result``."""
         if method == "add_lora":
-            self.added[arg.lora_int_id] = arg
-        elif method == "remove_lora":
-            self.added.pop(arg, None)
-            self.pinned.discard(arg)
-        elif method == "pin_lora" and result:
-            self.pinned.add(arg)
+            self.used([arg])
+        with self._lock:
+            if method == "remove_lora":
+                self.loaded.pop(arg, None)
+                self.pinned.discard(arg)
+            elif method == "pin_lora" and result:
+                self.pinned.add(arg)
 
     def replay(self, call: Callable[..., Any]) -> None:
-        for request in self.added.values():
+        with self._lock:
+            loaded, pinned = list(self.loaded.values()), sorted(self.pinned)
+        for request in loaded:
             call("add_lora", request)
-        for lora_int_id in sorted(self.pinned):
+        for lora_int_id in pinned:
             call("pin_lora", lora_int_id)
+
+
+def _request_adapters(lora_request: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The ``LoRARequest`` objects a request brings (LLM ``lora_request``; diffusion adapters)."""
+    found = [lora_request] if lora_request is not None else []
+    found += [a.lora for a in kwargs.get("adapters") or ()]
+    found += list(kwargs.get("lora_requests") or ())
+    return found
 
 
 class RayStageRuntime:
@@ -307,6 +329,7 @@ class RayStageRuntime:
             actor,
             actor.enqueue.remote(request_id, prompt, params, lora_request, kwargs, on_partial is not None),
         )
+        self._journal.used(_request_adapters(lora_request, kwargs))
         fut: Future = Future()
         with self._lock:
             self._pending[request_id] = fut
