@@ -45,6 +45,9 @@ from vllm_omni.config.pipeline_registry import PipelineConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig, make_stage_config
 from vllm_omni.errors import ConfigError
 
+#: The values of the pipeline-wide ``worker_backend`` option (see docs/user_guide/deployment.md).
+WORKER_BACKENDS = ("inline", "mp", "ray")
+
 # Keys that carry stage-scoped input rather than an option.
 _ROUTING_KEYS = ("stage_overrides", "deploy_config")
 
@@ -112,11 +115,14 @@ class VllmOmniConfig:
         pipeline: the topology that was resolved.
         stages: stage configs in stage-id order.
         model: the default model path of the pipeline (stages may override it).
+        worker_backend: where stage runtimes run: ``"inline"`` (this process), ``"mp"`` (one
+            worker process per stage) or ``"ray"`` (one Ray actor per stage).
     """
 
     pipeline: PipelineConfig
     stages: list[BaseVllmOmniStageConfig]
     model: str | None = None
+    worker_backend: str = "inline"
 
     def stage_by_id(self, stage_id: int) -> BaseVllmOmniStageConfig:
         """The config of stage ``stage_id``.
@@ -148,6 +154,7 @@ class VllmOmniConfig:
         deploy_config: str | os.PathLike | dict | DeployConfig | None = None,
         model: str | None = None,
         input_names: InputNames = PYTHON_INPUT_NAMES,
+        default_worker_backend: str = "inline",
     ) -> VllmOmniConfig:
         """Resolve every input path into typed stage configs.
 
@@ -159,6 +166,8 @@ class VllmOmniConfig:
             deploy_config: deploy YAML path, dict or :class:`DeployConfig`.
             model: default model path for stages that name none.
             input_names: how messages name the inputs (``CLI_INPUT_NAMES`` for the command line).
+            default_worker_backend: ``worker_backend`` when neither ``cli_overrides`` nor the
+                deploy config sets it (``Omni``: ``"inline"``; ``serve``: ``"mp"``).
 
         Raises:
             ConfigError: malformed overrides, unknown stage ids, unowned/misspelled keys,
@@ -172,6 +181,7 @@ class VllmOmniConfig:
         )
         deploy_source = explicit.pop("deploy_config", None)
         deploy = load_deploy_config(deploy_config if deploy_config is not None else deploy_source)
+        worker_backend = cls._worker_backend(explicit, deploy, default_worker_backend, input_names)
         global_opts, stage_keys = split_stage_scoped_keys(explicit)
         if "model" in global_opts:
             model = model or global_opts.pop("model")
@@ -210,7 +220,29 @@ class VllmOmniConfig:
                     merged[name] = value
                     origins[name] = name_of(key)
             stages.append(cls._build_stage(pipeline, stage_id, merged, model, origins))
-        return cls(pipeline=pipeline, stages=stages, model=model)
+        return cls(pipeline=pipeline, stages=stages, model=model, worker_backend=worker_backend)
+
+    @staticmethod
+    def _worker_backend(
+        explicit: dict[str, Any], deploy: DeployConfig | None, default: str, input_names: InputNames
+    ) -> str:
+        """The pipeline-wide ``worker_backend`` (popped from ``explicit``): explicit, then deploy YAML, then ``default``.
+
+        Raises:
+            ConfigError: not one of ``inline`` / ``mp`` / ``ray`` (naming the input).
+        """
+        value = explicit.pop("worker_backend", None)
+        source = input_names.global_option("worker_backend")
+        if value is None and deploy is not None and deploy.worker_backend is not None:
+            value, source = deploy.worker_backend, f"{deploy.source_name}, worker_backend"
+        if value is None:
+            value = default
+        if value not in WORKER_BACKENDS:
+            raise ConfigError(
+                f"{source}: unknown worker backend {value!r}; choose one of {list(WORKER_BACKENDS)}",
+                options=("worker_backend",),
+            )
+        return value
 
     @staticmethod
     def _route_global_options(

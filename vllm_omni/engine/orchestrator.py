@@ -24,7 +24,8 @@ from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
-from vllm_omni.errors import LoRANotEnabledError, StageEngineError
+from vllm_omni.engine.workers import WORKER_BACKENDS
+from vllm_omni.errors import ConfigError, LoRANotEnabledError, StageEngineError
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,62 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
         check_pipeline_class(stage)
 
 
-def make_stage_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
-    """Start the runtime of one stage (a vLLM engine or the diffusion engine)."""
+def make_inline_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
+    """Start the runtime of one stage in this process (a vLLM engine or the diffusion engine)."""
     if stage.is_llm:
         return LLMStageEngine(stage)
     from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
 
     return DiffusionStageEngine(stage)
+
+
+def make_stage_runtime(
+    stage: BaseVllmOmniStageConfig, worker_backend: str = "inline", env: dict[str, str] | None = None
+) -> StageRuntime:
+    """Start the runtime of one stage on ``worker_backend``.
+
+    Args:
+        stage: the resolved stage config.
+        worker_backend: ``"inline"`` (in this process), ``"mp"`` (a spawned worker process:
+            :class:`~vllm_omni.engine.workers.client.WorkerStageRuntime`) or ``"ray"`` (a Ray
+            actor: ``RayStageRuntime``).
+        env: variables the worker process sets before importing torch / vLLM (``mp`` only).
+
+    Raises:
+        ConfigError: an unknown backend, or ``"ray"`` without Ray installed.
+        StageEngineError: the stage failed to start.
+    """
+    check_worker_backend(worker_backend)
+    if worker_backend == "inline":
+        return make_inline_runtime(stage)
+    if worker_backend == "mp":
+        from vllm_omni.engine.workers.client import WorkerStageRuntime
+
+        return WorkerStageRuntime(stage, env=env)
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "worker_backend 'ray' needs Ray, which is not installed: pip install 'vllm-omni[ray]'",
+            options=("worker_backend",),
+        ) from exc
+    from vllm_omni.engine.workers.ray_backend import RayStageRuntime
+
+    return RayStageRuntime(stage)
+
+
+def check_worker_backend(value: Any, source: str = "worker_backend") -> str:
+    """``value`` if it names a worker backend.
+
+    Raises:
+        ConfigError: naming ``source`` and the accepted values.
+    """
+    if value not in WORKER_BACKENDS:
+        raise ConfigError(
+            f"{source}: unknown worker backend {value!r}; choose one of {list(WORKER_BACKENDS)}",
+            options=("worker_backend",),
+        )
+    return value
 
 
 def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:
@@ -91,8 +141,8 @@ class Orchestrator:
             check_stage_model_class(stage)
         try:
             for stage in config.stages:
-                logger.info("starting %s with model %s", stage.label, stage.model)
-                self.runtimes.append(make_stage_runtime(stage))
+                logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
+                self.runtimes.append(make_stage_runtime(stage, config.worker_backend))
         except BaseException:
             self.shutdown()
             raise
@@ -287,6 +337,16 @@ class Orchestrator:
                 f"({', '.join(skipped)}); enable it with enable_lora (LLM stages) or the diffusion LoRA options"
             )
         return results
+
+    def stage_health(self) -> dict[int, str]:
+        """``{stage_id: "ready" | "restarting" | "dead"}`` (every stage ``"dead"`` once shut down).
+
+        An ``mp`` / ``ray`` stage is ``"restarting"`` while its worker is being replaced and
+        ``"dead"`` when it could not be; an inline stage is ``"dead"`` after a fatal engine error.
+        """
+        if self._closed:
+            return {stage.stage_id: "dead" for stage in self.config.stages}
+        return {stage.stage_id: runtime.health() for stage, runtime in zip(self.config.stages, self.runtimes)}
 
     def check_open(self) -> None:
         if self._closed:

@@ -71,6 +71,10 @@ class StageRuntime(Protocol):
         """Never evict this loaded adapter."""
         ...
 
+    def health(self) -> str:
+        """``"ready"``, ``"restarting"`` (its worker died and is being replaced) or ``"dead"``."""
+        ...
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the stage (idempotent); queued requests fail with ``StageEngineError``.
 

@@ -52,6 +52,10 @@ class StageDriver:
         """``params`` unchanged; runtimes that convert params once for many requests override this."""
         return params
 
+    def health(self) -> str:
+        """``"ready"``, or ``"dead"`` once the stage failed fatally or was shut down."""
+        return "dead" if self._closed or self._dead is not None else "ready"
+
     def _raise_if_unusable(self) -> None:
         if self._closed:
             raise StageEngineError(f"{self.stage.label} is shut down")

@@ -28,13 +28,16 @@ def build_omni_config(
     deploy_config: Any = None,
     *,
     input_names: InputNames = PYTHON_INPUT_NAMES,
+    default_worker_backend: str = "inline",
     **kwargs: Any,
 ) -> VllmOmniConfig:
     """Resolve the pipeline and every option into a :class:`VllmOmniConfig`.
 
     The pipeline is, in order: ``pipeline=`` (a registered name), the deploy config's
     ``pipeline:``, or the single-stage default derived from ``model``'s directory.
-    ``input_names`` says how errors name the inputs (``CLI_INPUT_NAMES`` for ``serve``).
+    ``input_names`` says how errors name the inputs (``CLI_INPUT_NAMES`` for ``serve``);
+    ``default_worker_backend`` applies when neither ``worker_backend=`` nor the deploy config
+    sets one (``serve`` passes ``"mp"``).
     """
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -54,7 +57,12 @@ def build_omni_config(
             hf_config = cfg if kind == "llm" else None
         resolved = resolve_pipeline_config(name, hf_config)
     return VllmOmniConfig.from_pipeline_config(
-        resolved, cli_overrides=kwargs, deploy_config=deploy, model=model, input_names=input_names
+        resolved,
+        cli_overrides=kwargs,
+        deploy_config=deploy,
+        model=model,
+        input_names=input_names,
+        default_worker_backend=default_worker_backend,
     )
 
 
@@ -66,7 +74,9 @@ class OmniBase:
         pipeline: registered pipeline name; default: derived from ``model``.
         deploy_config: deploy YAML path / dict with a ``stages:`` list.
         **kwargs: options: global engine/diffusion options, ``stage_overrides``
-            (dict or JSON keyed by stage id) and ``stage_N_<option>`` keys.
+            (dict or JSON keyed by stage id), ``stage_N_<option>`` keys, and ``worker_backend``
+            (``"inline"``, the default: stages in this process; ``"mp"``: one worker process
+            per stage; ``"ray"``: one Ray actor per stage).
     """
 
     def __init__(
@@ -261,6 +271,11 @@ class OmniBase:
 
     def _pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         return all(self._orchestrator.lora_call("pin_lora", lora_int_id, stage_id=stage_id).values())
+
+    def stage_health(self) -> dict[int, str]:
+        """``{stage_id: "ready" | "restarting" | "dead"}``: whether each stage serves now
+        (an ``mp`` / ``ray`` stage is ``"restarting"`` while its dead worker is replaced)."""
+        return self._orchestrator.stage_health()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop every stage engine; with ``timeout``, within that many seconds (running requests are abandoned)."""

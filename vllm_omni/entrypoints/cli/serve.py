@@ -29,6 +29,7 @@ from typing import Any
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.config.diffusion import LORA_BACKENDS
+from vllm_omni.config.omni_config import WORKER_BACKENDS
 from vllm_omni.entrypoints.cli.fast import unknown_flags_message
 from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, OmniLaunch, ServerSettings
 from vllm_omni.errors import ConfigError
@@ -102,6 +103,14 @@ def _add_omni_args(parser: argparse.ArgumentParser) -> None:
         help='Per-stage options as JSON keyed by stage id, e.g. \'{"0": {"enable_lora": true}}\'.',
     )
     g.add_argument("--deploy-config", default=None, help="Deploy YAML with a 'stages:' list.")
+    g.add_argument(
+        "--worker-backend",
+        choices=list(WORKER_BACKENDS),
+        default=None,
+        help="Where stages run: 'mp' (one worker process per stage, restarted if it dies; the "
+        "default unless the deploy YAML sets worker_backend), 'inline' (in the server process) or "
+        "'ray' (one Ray actor per stage; pip install 'vllm-omni[ray]').",
+    )
     g.add_argument(
         "--lora-path",
         nargs="+",
@@ -183,6 +192,8 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
     options = dict(engine)
     if args.stage_overrides is not None:
         options["stage_overrides"] = args.stage_overrides
+    if getattr(args, "worker_backend", None) is not None:
+        options["worker_backend"] = args.worker_backend
     if args.lora_backend == "distill" and not args.lora_path:
         raise ServeArgsError(
             "--lora-backend distill fuses adapter weights at start-up and needs --lora-path "
@@ -252,7 +263,13 @@ def describe_launch(config: Any, settings: ServerSettings) -> dict[str, Any]:
         )
     server = {k: v for k, v in vars(settings).items() if k != "api_keys"}
     server["api_keys"] = len(settings.api_keys)  # how many, never the keys
-    return {"pipeline": config.pipeline.name, "model": config.model, "stages": stages, "server": server}
+    return {
+        "pipeline": config.pipeline.name,
+        "model": config.model,
+        "worker_backend": config.worker_backend,
+        "stages": stages,
+        "server": server,
+    }
 
 
 def run_serve(args: argparse.Namespace) -> None:

@@ -36,7 +36,12 @@ class OmniLaunch:
         from vllm_omni.entrypoints.omni_base import build_omni_config
 
         return build_omni_config(
-            self.model, self.pipeline, self.deploy_config, input_names=CLI_INPUT_NAMES, **self.options
+            self.model,
+            self.pipeline,
+            self.deploy_config,
+            input_names=CLI_INPUT_NAMES,
+            default_worker_backend="mp",
+            **self.options,
         )
 
 

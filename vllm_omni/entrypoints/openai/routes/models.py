@@ -11,9 +11,15 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> Response:
-    """200 with an empty body once the engines are up (the server starts after them)."""
-    return Response(status_code=200)
+async def health(request: Request) -> Response:
+    """200 while every stage serves, 503 while any stage is down (its worker restarting or dead).
+
+    The body is ``{"stages": {"<stage_id>": "ready" | "restarting" | "dead"}}``.
+    """
+    stages = get_state(request).omni.stage_health()
+    ok = all(state == "ready" for state in stages.values())
+    body = {"stages": {str(i): state for i, state in stages.items()}}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/v1/models")
