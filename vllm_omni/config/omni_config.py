@@ -117,12 +117,15 @@ class VllmOmniConfig:
         model: the default model path of the pipeline (stages may override it).
         worker_backend: where stage runtimes run: ``"inline"`` (this process), ``"mp"`` (one
             worker process per stage) or ``"ray"`` (one Ray actor per stage).
+        ray_address: the Ray cluster of ``worker_backend="ray"`` (default: ``RAY_ADDRESS``,
+            else a local cluster started for the pipeline).
     """
 
     pipeline: PipelineConfig
     stages: list[BaseVllmOmniStageConfig]
     model: str | None = None
     worker_backend: str = "inline"
+    ray_address: str | None = None
 
     def stage_by_id(self, stage_id: int) -> BaseVllmOmniStageConfig:
         """The config of stage ``stage_id``.
@@ -182,6 +185,15 @@ class VllmOmniConfig:
         deploy_source = explicit.pop("deploy_config", None)
         deploy = load_deploy_config(deploy_config if deploy_config is not None else deploy_source)
         worker_backend = cls._worker_backend(explicit, deploy, default_worker_backend, input_names)
+        ray_address = explicit.pop("ray_address", None) or (
+            deploy.ray_address if deploy is not None else None
+        )
+        if ray_address is not None and not isinstance(ray_address, str):
+            raise ConfigError(
+                f"{input_names.global_option('ray_address')}: ray_address must be a string such as "
+                f"'ray://head:10001' or 'auto', got {ray_address!r}",
+                options=("ray_address",),
+            )
         global_opts, stage_keys = split_stage_scoped_keys(explicit)
         if "model" in global_opts:
             model = model or global_opts.pop("model")
@@ -220,7 +232,13 @@ class VllmOmniConfig:
                     merged[name] = value
                     origins[name] = name_of(key)
             stages.append(cls._build_stage(pipeline, stage_id, merged, model, origins))
-        return cls(pipeline=pipeline, stages=stages, model=model, worker_backend=worker_backend)
+        return cls(
+            pipeline=pipeline,
+            stages=stages,
+            model=model,
+            worker_backend=worker_backend,
+            ray_address=ray_address,
+        )
 
     @staticmethod
     def _worker_backend(

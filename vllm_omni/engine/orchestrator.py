@@ -64,7 +64,10 @@ def make_inline_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
 
 
 def make_stage_runtime(
-    stage: BaseVllmOmniStageConfig, worker_backend: str = "inline", env: dict[str, str] | None = None
+    stage: BaseVllmOmniStageConfig,
+    worker_backend: str = "inline",
+    env: dict[str, str] | None = None,
+    ray_address: str | None = None,
 ) -> StageRuntime:
     """Start the runtime of one stage on ``worker_backend``.
 
@@ -74,6 +77,7 @@ def make_stage_runtime(
             :class:`~vllm_omni.engine.workers.client.WorkerStageRuntime`) or ``"ray"`` (a Ray
             actor: ``RayStageRuntime``).
         env: variables the worker process sets before importing torch / vLLM (``mp`` only).
+        ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
 
     Raises:
         ConfigError: an unknown backend, or ``"ray"`` without Ray installed.
@@ -95,7 +99,7 @@ def make_stage_runtime(
         ) from exc
     from vllm_omni.engine.workers.ray_backend import RayStageRuntime
 
-    return RayStageRuntime(stage)
+    return RayStageRuntime(stage, address=ray_address)
 
 
 def check_worker_backend(value: Any, source: str = "worker_backend") -> str:
@@ -142,7 +146,9 @@ class Orchestrator:
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
-                self.runtimes.append(make_stage_runtime(stage, config.worker_backend))
+                self.runtimes.append(
+                    make_stage_runtime(stage, config.worker_backend, ray_address=config.ray_address)
+                )
         except BaseException:
             self.shutdown()
             raise

@@ -17,7 +17,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from tests.llm_reference import hf_greedy
-from vllm_omni.errors import StageDeadError
+from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 
@@ -41,15 +41,6 @@ def cluster():
     yield two
     ray.shutdown()
     two.shutdown()
-
-
-@pytest.fixture
-def ray_backend(monkeypatch):
-    """Stages of the pipelines built in the test run as Ray actors."""
-    from vllm_omni.engine import orchestrator
-    from vllm_omni.engine.workers.ray_backend import RayStageRuntime
-
-    monkeypatch.setattr(orchestrator, "make_stage_runtime", RayStageRuntime)
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +71,14 @@ def _wait_recovered(runtime, restarts: int, timeout: float = 180.0) -> None:
         time.sleep(0.5)
 
 
-def test_llm_chain_stages_on_two_nodes_match_inline(cluster, ray_backend, tiny_llm_assets, tmp_path):
+def test_llm_chain_stages_on_two_nodes_match_inline(cluster, tiny_llm_assets, tmp_path):
     from vllm_omni import Omni
 
     model = str(tiny_llm_assets.model_dir)
     deploy = tmp_path / "chain.yaml"
     deploy.write_text(
         f"pipeline: llm_chain\n"
+        f"worker_backend: ray\n"
         f"stages:\n"
         f"  - stage_id: 0\n    model: {model}\n    enable_lora: true\n    max_lora_rank: 16\n"
         f"    ray_resources: {{node_a: 1}}\n"
@@ -120,7 +112,7 @@ def test_llm_chain_stages_on_two_nodes_match_inline(cluster, ray_backend, tiny_l
 
 
 def test_llm_to_diffusion_on_two_nodes_matches_inline_and_survives_actor_deaths(
-    cluster, ray_backend, tiny_llm_assets, z_image_dir, tmp_path
+    cluster, tiny_llm_assets, z_image_dir, tmp_path
 ):
     from vllm_omni import Omni
     from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
@@ -129,6 +121,7 @@ def test_llm_to_diffusion_on_two_nodes_matches_inline_and_survives_actor_deaths(
     deploy = tmp_path / "llm_to_diffusion.yaml"
     deploy.write_text(
         "pipeline: llm_to_diffusion\n"
+        "worker_backend: ray\n"
         "stages:\n"
         f"  - stage_id: 0\n    model: {llm_dir}\n    enable_lora: true\n    max_lora_rank: 16\n"
         "    max_loras: 2\n    max_cpu_loras: 2\n    ray_resources: {node_a: 1}\n"
@@ -175,10 +168,34 @@ def test_llm_to_diffusion_on_two_nodes_matches_inline_and_survives_actor_deaths(
         ray.kill(llm_stage.actor)
         with pytest.raises(StageDeadError, match=r"Stage 0 \(llm_ar\)"):
             omni.generate("hello world", [llm_params, sp], lora_request=adapter)
+        assert omni.stage_health() == {0: "restarting", 1: "ready"}
         _wait_recovered(llm_stage, 1)
-        assert omni.list_loras(stage_id=0) == {1, 2}
+        assert omni.stage_health() == {0: "ready", 1: "ready"}
+        # the run-time adapter is back; the request's adapter is loaded again by its next request
+        assert omni.list_loras(stage_id=0) == {2}
         (third,) = omni.generate("hello world", [llm_params, sp], lora_request=adapter)
         assert third.latents.equal(expected.latents)
+        assert omni.list_loras(stage_id=0) == {1, 2}
     finally:
         omni.shutdown()
     _assert_nothing_left()
+
+
+def test_stage_no_node_can_host_fails_naming_the_stage_and_leaves_nothing(cluster, z_image_dir, monkeypatch):
+    from vllm_omni import Omni
+    from vllm_omni.engine.workers import ray_backend
+
+    monkeypatch.setattr(ray_backend, "PLACEMENT_TIMEOUT_S", 2.0)
+    with pytest.raises(
+        StageEngineError, match=r"Stage 0 \(diffusion\): Ray cannot place the stage: .*node_c"
+    ):
+        Omni(model=str(z_image_dir), worker_backend="ray", ray_resources={"node_c": 1})
+    _assert_nothing_left()
+
+
+@pytest.mark.parametrize("bad", [["node_a"], {"node_a": -1}, {"node_a": True}, {1: 1}])
+def test_ray_resources_must_map_names_to_amounts(z_image_dir, bad):
+    from vllm_omni.entrypoints.omni_base import build_omni_config
+
+    with pytest.raises(ConfigError, match="ray_resources must map Ray resource names to amounts"):
+        build_omni_config(model=str(z_image_dir), worker_backend="ray", ray_resources=bad)

@@ -66,7 +66,7 @@ def from_wire(output: Any) -> Any:
 
 
 class StageActor:
-    """One stage's runtime (``make_stage_runtime``) inside a Ray actor.
+    """One stage's runtime (``make_inline_runtime``) inside a Ray actor.
 
     Args:
         stage: the resolved stage config.
@@ -75,7 +75,7 @@ class StageActor:
     """
 
     def __init__(self, stage: Any, threads_from_driver: bool):
-        from vllm_omni.engine.orchestrator import make_stage_runtime
+        from vllm_omni.engine.orchestrator import make_inline_runtime
 
         if not threads_from_driver:
             # Ray sets OMP_NUM_THREADS to the actor's CPU resource (1) when the driver set none;
@@ -86,7 +86,7 @@ class StageActor:
             os.environ["OMP_NUM_THREADS"] = str(cores)
             torch.set_num_threads(cores)
         self.stage = stage
-        self.runtime = make_stage_runtime(stage)
+        self.runtime = make_inline_runtime(stage)
         self._futures: dict[str, Any] = {}
         self._holds: dict[int, contextlib.ExitStack] = {}
 

@@ -2,7 +2,7 @@
 
 :class:`RayStageRuntime` implements the :class:`~vllm_omni.engine.protocols.StageRuntime`
 contract in the caller's process; its actor (:class:`~vllm_omni.engine.workers.ray_actor.StageActor`)
-builds the ordinary inline runtime of the stage (``make_stage_runtime``), so batching, LoRA
+builds the ordinary inline runtime of the stage (``make_inline_runtime``), so batching, LoRA
 and streaming behave as with the inline backend. Outputs travel through Ray's object store
 (CPU tensors as numpy arrays).
 
@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
+from vllm_omni.engine.workers.lora_journal import LoRAJournal
 from vllm_omni.engine.workers.ray_actor import StageActor, from_wire
 from vllm_omni.errors import StageDeadError, StageEngineError
 
@@ -107,51 +108,6 @@ def _forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
 
 
-class _AdapterJournal:
-    """What a restarted actor must load again so that ``list_loras()`` is what it was: the
-    adapters added at run time or brought by requests (in the order of their last use, so
-    that replaying them leaves the same ones in an LRU cache) and the pins."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.loaded: dict[int, Any] = {}
-        self.pinned: set[int] = set()
-
-    def used(self, requests: Any) -> None:
-        """Adapters of a request (``LoRARequest`` objects) reached the stage's cache."""
-        with self._lock:
-            for request in requests:
-                self.loaded.pop(request.lora_int_id, None)
-                self.loaded[request.lora_int_id] = request
-
-    def record(self, method: str, arg: Any, result: Any) -> None:
-        """A management call succeeded with ``result``."""
-        if method == "add_lora":
-            self.used([arg])
-        with self._lock:
-            if method == "remove_lora":
-                self.loaded.pop(arg, None)
-                self.pinned.discard(arg)
-            elif method == "pin_lora" and result:
-                self.pinned.add(arg)
-
-    def replay(self, call: Callable[..., Any]) -> None:
-        with self._lock:
-            loaded, pinned = list(self.loaded.values()), sorted(self.pinned)
-        for request in loaded:
-            call("add_lora", request)
-        for lora_int_id in pinned:
-            call("pin_lora", lora_int_id)
-
-
-def _request_adapters(lora_request: Any, kwargs: dict[str, Any]) -> list[Any]:
-    """The ``LoRARequest`` objects a request brings (LLM ``lora_request``; diffusion adapters)."""
-    found = [lora_request] if lora_request is not None else []
-    found += [a.lora for a in kwargs.get("adapters") or ()]
-    found += list(kwargs.get("lora_requests") or ())
-    return found
-
-
 class RayStageRuntime:
     """One stage in a Ray actor (the :class:`~vllm_omni.engine.protocols.StageRuntime` contract).
 
@@ -180,7 +136,8 @@ class RayStageRuntime:
         self._pending: dict[str, Future] = {}
         self._closed = False
         self._down: StageDeadError | None = None
-        self._journal = _AdapterJournal()
+        self._gave_up = False
+        self._journal = LoRAJournal()
         self._resolver = ThreadPoolExecutor(1, thread_name_prefix=f"omni-ray-stage-{stage.stage_id}")
         connect(address)
         try:
@@ -274,6 +231,7 @@ class RayStageRuntime:
             _release(actor, pg)  # shut down meanwhile
             return
         with self._lock:
+            self._gave_up = True
             self._down = StageDeadError(
                 f"{self.stage.label}: its Ray actor died and {MAX_RESTARTS} restart attempts failed"
             )
@@ -329,7 +287,6 @@ class RayStageRuntime:
             actor,
             actor.enqueue.remote(request_id, prompt, params, lora_request, kwargs, on_partial is not None),
         )
-        self._journal.used(_request_adapters(lora_request, kwargs))
         fut: Future = Future()
         with self._lock:
             self._pending[request_id] = fut
@@ -414,10 +371,16 @@ class RayStageRuntime:
             with contextlib.suppress(StageEngineError):
                 self._call("hold_exit", token)
 
+    def health(self) -> str:
+        """``"ready"``, ``"restarting"`` (its actor died and is being replaced) or ``"dead"``."""
+        if self._closed or self._gave_up:
+            return "dead"
+        return "restarting" if self._down is not None else "ready"
+
     def _lora(self, method: str, *args: Any) -> Any:
         result = self._call("call", method, *args)
-        if args:
-            self._journal.record(method, args[0], result)
+        if method != "pin_lora" or result:
+            self._journal.record(method, args)
         return result
 
     def add_lora(self, lora_request: Any) -> bool:
