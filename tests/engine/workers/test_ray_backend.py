@@ -199,3 +199,16 @@ def test_ray_resources_must_map_names_to_amounts(z_image_dir, bad):
 
     with pytest.raises(ConfigError, match="ray_resources must map Ray resource names to amounts"):
         build_omni_config(model=str(z_image_dir), worker_backend="ray", ray_resources=bad)
+
+
+def test_ray_address_from_kwarg_or_deploy_yaml(z_image_dir, tmp_path):
+    from vllm_omni.entrypoints.omni_base import build_omni_config
+
+    assert build_omni_config(model=str(z_image_dir)).ray_address is None
+    cfg = build_omni_config(model=str(z_image_dir), worker_backend="ray", ray_address="ray://head:10001")
+    assert (cfg.worker_backend, cfg.ray_address) == ("ray", "ray://head:10001")
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text(f"model: {z_image_dir}\nworker_backend: ray\nray_address: auto\n")
+    assert build_omni_config(deploy_config=str(deploy)).ray_address == "auto"
+    with pytest.raises(ConfigError, match="ray_address must be a string"):
+        build_omni_config(model=str(z_image_dir), ray_address=6379)
