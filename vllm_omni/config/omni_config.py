@@ -185,15 +185,7 @@ class VllmOmniConfig:
         deploy_source = explicit.pop("deploy_config", None)
         deploy = load_deploy_config(deploy_config if deploy_config is not None else deploy_source)
         worker_backend = cls._worker_backend(explicit, deploy, default_worker_backend, input_names)
-        ray_address = explicit.pop("ray_address", None) or (
-            deploy.ray_address if deploy is not None else None
-        )
-        if ray_address is not None and not isinstance(ray_address, str):
-            raise ConfigError(
-                f"{input_names.global_option('ray_address')}: ray_address must be a string such as "
-                f"'ray://head:10001' or 'auto', got {ray_address!r}",
-                options=("ray_address",),
-            )
+        ray_address = cls._ray_address(explicit, deploy, input_names)
         global_opts, stage_keys = split_stage_scoped_keys(explicit)
         if "model" in global_opts:
             model = model or global_opts.pop("model")
@@ -232,13 +224,9 @@ class VllmOmniConfig:
                     merged[name] = value
                     origins[name] = name_of(key)
             stages.append(cls._build_stage(pipeline, stage_id, merged, model, origins))
-        return cls(
-            pipeline=pipeline,
-            stages=stages,
-            model=model,
-            worker_backend=worker_backend,
-            ray_address=ray_address,
-        )
+        config = cls(pipeline=pipeline, stages=stages, model=model, worker_backend=worker_backend)
+        config.ray_address = ray_address
+        return config
 
     @staticmethod
     def _worker_backend(
@@ -259,6 +247,26 @@ class VllmOmniConfig:
             raise ConfigError(
                 f"{source}: unknown worker backend {value!r}; choose one of {list(WORKER_BACKENDS)}",
                 options=("worker_backend",),
+            )
+        return value
+
+    @staticmethod
+    def _ray_address(
+        explicit: dict[str, Any], deploy: DeployConfig | None, input_names: InputNames
+    ) -> str | None:
+        """The pipeline-wide ``ray_address`` (popped from ``explicit``): explicit, then deploy YAML.
+
+        Raises:
+            ConfigError: not a string (naming the input).
+        """
+        value = explicit.pop("ray_address", None)
+        if value is None and deploy is not None:
+            value = deploy.ray_address
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"{input_names.global_option('ray_address')}: ray_address must be a string such as "
+                f"'ray://head:10001' or 'auto', got {value!r}",
+                options=("ray_address",),
             )
         return value
 

@@ -209,6 +209,6 @@ def test_ray_address_from_kwarg_or_deploy_yaml(z_image_dir, tmp_path):
     assert (cfg.worker_backend, cfg.ray_address) == ("ray", "ray://head:10001")
     deploy = tmp_path / "d.yaml"
     deploy.write_text(f"model: {z_image_dir}\nworker_backend: ray\nray_address: auto\n")
-    assert build_omni_config(deploy_config=str(deploy)).ray_address == "auto"
+    assert build_omni_config(None, deploy_config=str(deploy)).ray_address == "auto"
     with pytest.raises(ConfigError, match="ray_address must be a string"):
         build_omni_config(model=str(z_image_dir), ray_address=6379)
