@@ -175,7 +175,9 @@ class Orchestrator:
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
-                self.runtimes.append(make_stage_runtime(stage, config.worker_backend))
+                self.runtimes.append(
+                    make_stage_runtime(stage, config.worker_backend, ray_address=config.ray_address)
+                )
         except BaseException:
             self.shutdown()
             raise
