@@ -127,12 +127,10 @@ class Orchestrator:
             Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
             engine at the next step) and starts no later stage.
 
-        Raises (synchronously): errors of the entry stage's ``submit`` (e.g. invalid adapter) and
-            of :meth:`check_stage_loras`; nothing has started then.
+        Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
         """
         self.check_open()
-        stage_loras = dict(stage_loras or {})
-        self.check_stage_loras(stage_loras)
+        self.check_stage_loras(stage_loras := dict(stage_loras or {}))
         request_id = f"omni-{next(self._ids)}"
         done: Future = Future()
         finals: list[OmniRequestOutput] = []
