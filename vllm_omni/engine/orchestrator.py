@@ -22,9 +22,11 @@ from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
+from vllm_omni.engine.connectors import InProcessConnector, StageConnector
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
 from vllm_omni.errors import LoRANotEnabledError, StageEngineError
+from vllm_omni.models import has_stage_runtime, input_processor, make_in_tree_runtime
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
     Raises:
         StageEngineError: naming the stage and the missing class.
     """
+    if has_stage_runtime(stage):
+        return
     if stage.is_llm:
         check_model_class(stage)
     else:
@@ -53,8 +57,11 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
         check_pipeline_class(stage)
 
 
-def make_stage_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
-    """Start the runtime of one stage (a vLLM engine or the diffusion engine)."""
+def make_stage_runtime(stage: BaseVllmOmniStageConfig, config: VllmOmniConfig | None = None) -> StageRuntime:
+    """Start the runtime of one stage (a vLLM engine, the diffusion engine, or a runtime of
+    :mod:`vllm_omni.models` for the model classes it implements; those read ``config``)."""
+    if has_stage_runtime(stage):
+        return make_in_tree_runtime(stage, config)
     if stage.is_llm:
         return LLMStageEngine(stage)
     from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
@@ -87,12 +94,13 @@ class Orchestrator:
         self.runtimes: list[StageRuntime] = []
         self._ids = itertools.count()
         self._closed = False
+        self.connector: StageConnector = InProcessConnector("orchestrator")
         for stage in config.stages:
             check_stage_model_class(stage)
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s", stage.label, stage.model)
-                self.runtimes.append(make_stage_runtime(stage))
+                self.runtimes.append(make_stage_runtime(stage, config))
         except BaseException:
             self.shutdown()
             raise
@@ -151,7 +159,7 @@ class Orchestrator:
                 if nxt == len(self.runtimes):
                     done.set_result(finals)
                     return
-                prompts[nxt] = self._next_input(nxt, prompt, raw)
+                prompts[nxt] = self._next_input(nxt, prompt, raw, stage_params, lora_request)
                 hook = self._partial_hook(request_id, nxt, stage_params[nxt], on_partial, prompts, raw)
                 fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **hook)
                 with lock:
@@ -221,7 +229,14 @@ class Orchestrator:
         with self.runtimes[0].hold() if self.runtimes else contextlib.nullcontext():
             yield
 
-    def _next_input(self, stage_id: int, user_prompt: Any, raw: dict[int, Any]) -> Any:
+    def _next_input(
+        self,
+        stage_id: int,
+        user_prompt: Any,
+        raw: dict[int, Any],
+        stage_params: Sequence[Any] = (),
+        lora_request: Any = None,
+    ) -> Any:
         spec = self.config.pipeline.stages[stage_id]
         stage = self.config.stages[stage_id]
         sources = stage.engine_input_source or [stage_id - 1]
@@ -230,6 +245,10 @@ class Orchestrator:
         if spec.input_processor == "previous_text":
             src = self.config.stages[sources[0]]
             return _stage_text(raw[sources[0]], src.label)
+        processor = input_processor(spec.input_processor)
+        if processor is not None:  # tensors between stages: through the connector
+            payload = processor(raw[sources[0]], list(stage_params), lora_request)
+            return self.connector.receive(self.connector.send(payload))
         raise StageEngineError(
             f"{stage.label}: input processor {spec.input_processor!r} is not implemented in this build"
         )
@@ -238,6 +257,16 @@ class Orchestrator:
     def _to_output(
         request_id: str, stage, prompt: Any, result: Any, raw: dict[int, Any]
     ) -> OmniRequestOutput:
+        if hasattr(result, "waveform"):  # an audio stage (e.g. Qwen2.5-Omni's code2wav)
+            return OmniRequestOutput(
+                request_id,
+                stage.stage_id,
+                "audio",
+                prompt,
+                audio=result.waveform,
+                sample_rate=result.sample_rate,
+                stage_outputs=raw,
+            )
         if stage.is_llm:
             return OmniRequestOutput(
                 request_id, stage.stage_id, "text", prompt, request_output=result, stage_outputs=raw

@@ -12,11 +12,13 @@ no activation: the final, normed hidden states, as transformers' ``hidden_states
 
 Inputs, as ``Qwen2_5OmniForConditionalGeneration.generate`` builds them (text prompts):
 ``x_i = hidden_i + embed(token_i)`` (placeholders of audio/image/video: embedding 0);
-prefix = ``[x_0 .. x_{T-1}, embed(speaker bos), x_T]`` with the codec pad / bos embeddings
-added to its last two rows; the reply stream ``[x_{T+1} .. x_{T+n-2}, embed(text eos),
+prefix = ``[x_0 .. x_{T-1}, embed(speaker bos), x_T]``; the reply stream ``[x_{T+1} .. x_{T+n-2}, embed(text eos),
 embed(text pad)]``, whose row ``k`` (the last one once exhausted) is added to the codec
 embedding of the token fed at decode step ``k + 1``. Every row goes through
-``thinker_to_talker_proj`` before the decoder.
+``thinker_to_talker_proj`` before the decoder. (The talker's ``forward`` would add the codec
+pad / bos embeddings to the prefix's last two rows when called with an attention mask and no
+position ids; transformers 5.19's ``generate`` never calls it so, and this stage computes what
+that ``generate`` computes.)
 
 Decoding. The decoder runs on vLLM as a derived ``Qwen2ForCausalLM``
 (:func:`~.checkpoint.derive_talker_checkpoint`) fed ``prompt_embeds``. Since each decode
@@ -97,9 +99,6 @@ def build_talker_inputs(
     text = tables.thinker_embed
     bos = text[speaker_bos].unsqueeze(0)
     prefix = torch.cat([x[:t], bos, x[t : t + 1]]).clone()
-    codec = tables.codec_embed
-    prefix[-1] += codec[tables.ids["tts_codec_start_token_id"]]
-    prefix[-2] += codec[tables.ids["tts_codec_pad_token_id"]]
     end = text[tables.ids["tts_text_end_token_id"]].unsqueeze(0)
     pad = text[tables.ids["tts_text_pad_token_id"]].unsqueeze(0)
     reply = torch.cat([x[t + 1 :], end, pad])
