@@ -26,7 +26,7 @@ from vllm_omni.engine.connectors import InProcessConnector, StageConnector
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
 from vllm_omni.errors import LoRANotEnabledError, StageEngineError
-from vllm_omni.models import has_stage_runtime, input_processor, make_in_tree_runtime
+from vllm_omni.models.stage_runtimes import has_stage_runtime, input_processor, make_in_tree_runtime
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
-from vllm_omni.models import stage_params_type
+from vllm_omni.models.stage_runtimes import stage_params_type
 
 
 def build_omni_config(

@@ -1,4 +1,4 @@
-"""Factories of the Qwen2.5-Omni stages (``vllm_omni.models.STAGE_RUNTIMES``) and the
+"""Factories of the Qwen2.5-Omni stages (``vllm_omni.models.stage_runtimes.STAGE_RUNTIMES``) and the
 orchestrator's input processors between them (``thinker2talker``, ``talker2code2wav``)."""
 
 from __future__ import annotations
