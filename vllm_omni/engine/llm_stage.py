@@ -61,6 +61,9 @@ def check_model_class(stage: LLMStageConfig) -> None:
         return
     from vllm import ModelRegistry
 
+    from vllm_omni.models import register_omni_models
+
+    register_omni_models()
     if stage.model_arch not in ModelRegistry.get_supported_archs():
         raise StageEngineError(
             f"{stage.label}: model class {stage.model_arch!r} is not available in this vLLM installation "
