@@ -112,7 +112,9 @@ def derived_adapter(lora_request: LoRARequest | None, sub_model: str) -> LoRAReq
     (:func:`~.checkpoint.derive_adapter`); same name and id."""
     if lora_request is None:
         return None
-    return dataclasses.replace(lora_request, lora_path=derive_adapter(lora_request.lora_path, sub_model))
+    import msgspec
+
+    return msgspec.structs.replace(lora_request, lora_path=derive_adapter(lora_request.lora_path, sub_model))
 
 
 class ThinkerStatesEngine(LLMStageEngine):
