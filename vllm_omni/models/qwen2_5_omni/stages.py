@@ -16,7 +16,26 @@ from vllm_omni.models.qwen2_5_omni.code2wav import (
     load_speakers,
 )
 
-__all__ = ["AudioOutput", "AudioParams", "make_code2wav", "make_talker", "thinker2talker", "talker2code2wav"]
+__all__ = [
+    "AudioOutput",
+    "AudioParams",
+    "default_talker_params",
+    "make_code2wav",
+    "make_talker",
+    "talker2code2wav",
+    "thinker2talker",
+]
+
+#: transformers' talker defaults (``generate``'s ``talker_*`` arguments), less the repetition
+#: penalty this stage cannot apply; max_tokens is its ``talker_max_new_tokens``.
+TALKER_DEFAULTS = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "max_tokens": 4096}
+
+
+def default_talker_params() -> Any:
+    """``SamplingParams`` of the talker when a request gives none (:data:`TALKER_DEFAULTS`)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**TALKER_DEFAULTS)
 
 
 def make_talker(stage: Any, config: Any) -> Any:

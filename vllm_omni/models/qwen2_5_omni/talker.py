@@ -27,7 +27,8 @@ token over the embeddings so far; prefix caching (keyed by the embeddings) recom
 last partial block per step. Greedy or seeded sampling (seed ``s`` -> step ``k`` uses ``s + k``);
 ``codec bos`` is never sampled (transformers' ``suppress_tokens``); decoding stops at the
 talker's ``stop_token_ids`` (default: codec pad and codec end, transformers' default
-``talker_eos_token_id``) or ``max_tokens``. Penalties that look at earlier tokens are refused.
+``talker_eos_token_id``), at ``max_tokens``, or when the sequence fills the stage's
+``max_model_len``. Penalties that look at earlier tokens are refused.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class TalkerStageEngine(LLMStageEngine):
         super().__init__(
             dataclasses.replace(stage, model=talker_dir, model_arch="Qwen2ForCausalLM", options=options)
         )
+        #: the longest sequence (prefix + codes) the talker's engine holds
+        self.max_len = int(self._engine.vllm_config.model_config.max_model_len)
         from vllm.config import PoolerConfig
 
         pool = PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False)
@@ -268,6 +271,11 @@ class _TalkerRun:
             bos = int(self.engine.speakers[voice]["bos_token"])
             self.payload.tensors["hidden_states"] = hidden
             self.embeds, self.reply = build_talker_inputs(self.engine.tables, *self.ids, hidden, bos)
+            if self.embeds.shape[0] >= self.engine.max_len:
+                raise InvalidRequestError(
+                    f"{self.engine.stage.label}: the talker's prefix ({self.embeds.shape[0]} positions) "
+                    f"leaves no room in its max_model_len {self.engine.max_len}"
+                )
             self._next()
         except BaseException as exc:
             self._fail(exc)
@@ -290,7 +298,7 @@ class _TalkerRun:
                 self._finish("stop" if token in self.stops else "length")
                 return
             self.codes.append(token)
-            if len(self.codes) >= self.max_tokens:
+            if len(self.codes) >= self.max_tokens or self.embeds.shape[0] >= self.engine.max_len:
                 self._finish("length")
                 return
             tables = self.engine.tables

@@ -128,9 +128,27 @@ def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapte
         return validate_request_adapters(chosen, limit, field="lora")
 
 
-def stage_params(state: ServerState, llm_params: Any, diffusion_params: Any) -> list[Any]:
-    """One params object per stage: ``llm_params`` for LLM stages, ``diffusion_params`` for the rest."""
-    return [llm_params if is_llm else diffusion_params for is_llm in state.info.stage_is_llm]
+def stage_params(
+    state: ServerState, llm_params: Any, diffusion_params: Any, audio_params: Any = None
+) -> list[Any]:
+    """One params object per stage: ``llm_params`` for LLM stages, ``diffusion_params`` for
+    diffusion ones; a stage with its own defaults (a talker, an audio stage) gets those, an
+    audio stage ``audio_params`` when given, and a later stage with defaults the request's seed."""
+    info = state.info
+    out = []
+    for i, is_llm in enumerate(info.stage_is_llm):
+        default = info.stage_defaults[i] if i < len(info.stage_defaults) else None
+        if audio_params is not None and info.stage_is_audio[i]:
+            out.append(audio_params)
+        elif default is not None and i > 0:
+            seed = getattr(llm_params, "seed", None)
+            if seed is not None and hasattr(default, "clone"):
+                default = default.clone()
+                default.seed = seed
+            out.append(default)
+        else:
+            out.append(llm_params if is_llm else diffusion_params)
+    return out
 
 
 def default_llm_params(state: ServerState) -> Any:
