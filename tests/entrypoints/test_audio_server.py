@@ -16,7 +16,13 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import assert_openai_error, free_port, serve_command, server_env, start_server
+from tests.entrypoints.server_utils import (
+    assert_openai_error,
+    free_port,
+    serve_command,
+    server_env,
+    start_server,
+)
 from tools.make_tiny_qwen2_5_omni import SPEAKER
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -62,7 +68,9 @@ def _audio_chat(client, voice=SPEAKER, seed=7):
 
 
 def test_openai_client_reads_audio_and_its_transcript(client):
-    text_only = client.chat.completions.create(model="tiny-omni", messages=MESSAGES, max_tokens=6, temperature=0)
+    text_only = client.chat.completions.create(
+        model="tiny-omni", messages=MESSAGES, max_tokens=6, temperature=0
+    )
     message = text_only.choices[0].message
     assert message.audio is None and message.content
 
@@ -84,7 +92,10 @@ def test_openai_client_reads_audio_and_its_transcript(client):
         ({"modalities": ["text", "audio"], "audio": {"voice": "nobody", "format": "wav"}}, "audio.voice"),
         ({"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "mp3"}}, "audio.format"),
         ({"modalities": ["text", "audio"]}, "audio"),
-        ({"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "wav"}, "stream": True}, "stream"),
+        (
+            {"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "wav"}, "stream": True},
+            "stream",
+        ),
     ],
 )
 def test_bad_audio_fields_are_400_naming_the_field(server, fields, param):
