@@ -71,7 +71,9 @@ def project_stage_engine_args(stage: LLMStageConfig) -> EngineArgs:
 
 def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> None:
     """A stage whose class is one of :data:`vllm_omni.models.OMNI_MODEL_CLASSES` runs that class:
-    ``hf_overrides["architectures"]`` names it (other ``hf_overrides`` entries are kept)."""
+    ``hf_overrides["architectures"]`` names it (other ``hf_overrides`` entries are kept). A
+    Qwen2.5-Omni thinker without torchvision is made text-only
+    (:func:`~vllm_omni.models.torchvision_free.text_only_without_torchvision`)."""
     from vllm_omni.models import OMNI_MODEL_CLASSES
 
     if stage.model_arch not in OMNI_MODEL_CLASSES:
@@ -80,6 +82,11 @@ def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> N
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"{stage.label}: hf_overrides must be a dict for model class {stage.model_arch!r}")
     kwargs["hf_overrides"] = {**(overrides or {}), "architectures": [stage.model_arch]}
+    if stage.model_arch == "OmniQwen2_5OmniThinkerForConditionalGeneration":
+        from vllm_omni.models.torchvision_free import text_only_without_torchvision
+
+        if text_only_without_torchvision(stage.label, kwargs):
+            logger.info("%s: torchvision is not installed: text input only", stage.label)
 
 
 def _needs_cpu_kv_budget(kwargs: dict[str, Any]) -> bool:

@@ -53,3 +53,40 @@ def ensure_qwen2_vl_importable() -> bool:
         alias.vllm_omni_alias_of = PIL_MODULE
         sys.modules[TORCHVISION_MODULE] = alias
         return True
+
+
+#: The multimodal inputs of the Qwen2.5-Omni thinker. Its transformers processor always builds
+#: a video processor, which needs torchvision: without it, vLLM can build no multimodal processor
+#: for the model and the stage runs text only.
+QWEN2_5_OMNI_MODALITIES = ("audio", "image", "video")
+
+
+def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool:
+    """Without torchvision, make a Qwen2.5-Omni thinker stage text-only (in ``engine_kwargs``).
+
+    Sets ``limit_mm_per_prompt`` to 0 for every modality (vLLM then builds no multimodal
+    processor) when the stage does not set it; a no-op when torchvision is installed.
+
+    Returns:
+        True when the stage now runs text only for want of torchvision.
+
+    Raises:
+        ConfigError: the stage asks for multimodal inputs (a non-zero ``limit_mm_per_prompt``)
+            and torchvision is not installed.
+    """
+    from vllm_omni.errors import ConfigError
+
+    if torchvision_available():
+        return False
+    limits = engine_kwargs.get("limit_mm_per_prompt")
+    if limits is None:
+        engine_kwargs["limit_mm_per_prompt"] = dict.fromkeys(QWEN2_5_OMNI_MODALITIES, 0)
+        return True
+    asked = {k: v for k, v in dict(limits).items() if v}
+    if asked:
+        raise ConfigError(
+            f"{stage_label}: limit_mm_per_prompt {asked} asks for multimodal inputs, which the "
+            "Qwen2.5-Omni thinker's processor cannot take without torchvision (not installed); "
+            "install torchvision (the CUDA extra has it) or set limit_mm_per_prompt to 0 for every modality"
+        )
+    return True
