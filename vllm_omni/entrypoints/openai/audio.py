@@ -65,7 +65,7 @@ def audio_request_params(info: Any, req: Any) -> Any:
         raise bad_request("audio output cannot be streamed; send stream=false", "stream")
     if req.n != 1:
         raise bad_request("audio output takes one choice (n=1)", "n")
-    from vllm_omni.models.qwen2_5_omni.code2wav import AudioParams
+    from vllm_omni.inputs.audio import AudioParams
 
     return AudioParams(voice=req.audio.voice, seed=req.seed)
 

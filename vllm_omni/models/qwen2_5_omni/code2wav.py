@@ -28,6 +28,7 @@ import torch
 from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import InvalidRequestError, LoRANotEnabledError, StageEngineError
+from vllm_omni.inputs.audio import AudioParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +37,6 @@ logger = logging.getLogger(__name__)
 SAMPLE_RATE = 24000
 SPEAKER_FILE = "spk_dict.pt"
 _PREFIX = "token2wav."
-
-
-@dataclass(frozen=True)
-class AudioParams:
-    """Per-request parameters of the code2wav stage.
-
-    Attributes:
-        voice: a speaker of ``spk_dict.pt`` (``None``: the first one, as transformers' default
-            ``"Chelsie"`` is the first of the released checkpoint).
-        seed: seeds the DiT's starting noise (``None``: unseeded).
-        num_steps: ODE steps of the flow-matching DiT (transformers' default 10).
-        guidance_scale: classifier-free guidance of the DiT (default 0.5).
-        sway_coefficient: time-step sway of the DiT (default -1.0).
-    """
-
-    voice: str | None = None
-    seed: int | None = None
-    num_steps: int = 10
-    guidance_scale: float = 0.5
-    sway_coefficient: float = -1.0
 
 
 @dataclass(frozen=True)
