@@ -26,20 +26,27 @@ LLM_OPTIONS = {"dtype": "float32", "max_model_len": 256, "enable_lora": True, "m
 
 
 @functools.cache
-def _hf_model(model_dir: str, thinker_adapter: str | None):
+def _hf_model(model_dir: str, thinker_adapter: str | None, talker_adapter: str | None):
     from peft import PeftModel
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     if thinker_adapter is not None:
         PeftModel.from_pretrained(model, thinker_adapter)  # injects the LoRA layers into ``model``
+    if talker_adapter is not None:
+        PeftModel.from_pretrained(model.talker, talker_adapter)  # into the talker sub-model
     return model
 
 
 @functools.cache
-def hf_reference(model_dir: str, prompt: tuple[int, ...], thinker_adapter: str | None = None):
+def hf_reference(
+    model_dir: str,
+    prompt: tuple[int, ...],
+    thinker_adapter: str | None = None,
+    talker_adapter: str | None = None,
+):
     """``(thinker tokens, talker codes, waveform)`` of transformers' ``generate(return_audio=True)``."""
-    model = _hf_model(model_dir, thinker_adapter)
+    model = _hf_model(model_dir, thinker_adapter, talker_adapter)
     captured = {}
     talker_generate = model.talker.generate
 
@@ -69,6 +76,13 @@ def hf_reference(model_dir: str, prompt: tuple[int, ...], thinker_adapter: str |
     codes = captured["codes"]
     stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
     return seq[0, len(prompt) :].tolist(), codes[:stop], wav.numpy()
+
+
+@pytest.fixture(scope="session")
+def talker_adapter(tiny_omni_assets, tmp_path_factory):
+    from tests.omni.talker_adapter import make_talker_adapter
+
+    return make_talker_adapter(str(tiny_omni_assets.model_dir), tmp_path_factory.mktemp("talker") / "adapter")
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +157,22 @@ def test_unknown_voice_is_refused(omni):
 
     with pytest.raises(InvalidRequestError, match="unknown voice 'nobody'"):
         omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(voice="nobody"))
+
+
+def test_talker_adapter_reaches_the_talker(omni, tiny_omni_assets, talker_adapter):
+    """A talker adapter (peft on transformers' talker sub-model) on the talker runtime: codes and
+    waveform equal to transformers with the same adapter, and unlike those without it."""
+    from vllm_omni.models.qwen2_5_omni.stages import thinker2talker
+
+    text, _ = _run(omni, PROMPTS[0])
+    params = _params()
+    talker, code2wav = omni._orchestrator.runtimes[1:]
+    payload = thinker2talker(text.request_output, params, None)
+    adapter = LoRARequest("talker", 2, str(talker_adapter))
+    out = talker.submit(payload, params[1], lora_request=adapter).result(timeout=120)
+    wav = code2wav.submit(out.payload, params[2]).result(timeout=120).waveform
+    model_dir = str(tiny_omni_assets.model_dir)
+    tokens, codes, ref_wav = hf_reference(model_dir, PROMPTS[0], None, str(talker_adapter))
+    assert text.token_ids == tokens
+    assert out.codes.tolist() == codes != hf_reference(model_dir, PROMPTS[0])[1]
+    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=1e-5)
