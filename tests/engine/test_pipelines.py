@@ -6,7 +6,7 @@ import pytest
 from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
-from vllm_omni.errors import StageEngineError
+from vllm_omni.errors import LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
 pytestmark = pytest.mark.engine
@@ -41,6 +41,12 @@ def test_llm_chain_stage1_consumes_stage0_text_and_adapter_reaches_entry_only(ti
         assert out.token_ids == hf_greedy(model, out.prompt, N)
         # the stage 1 engine has no LoRA: runtime management skips it
         assert omni.list_loras() == {1}
+        # per-stage request adapters: a stage without LoRA is refused before anything runs,
+        # naming the stage and the option
+        with pytest.raises(
+            LoRANotEnabledError, match=r"Stage 1 \(llm_ar\) does not have LoRA enabled.*enable_lora"
+        ):
+            omni.generate("hello world", [params, params], lora_request={0: adapter, 1: adapter})
 
 
 def test_stage_with_unavailable_model_class_fails_at_engine_start(tiny_llm_assets):

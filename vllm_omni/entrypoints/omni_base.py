@@ -249,6 +249,55 @@ class OmniBase:
             )
         return {"adapters": adapters}
 
+    def _split_stage_loras(self, lora_request: Any) -> tuple[Any, dict[int, Any]]:
+        """``lora_request`` as (the entry stage's adapter, ``{later stage id: adapter}``).
+
+        A ``LoRARequest`` (or ``None``) keeps its meaning: the entry stage's adapter. A dict
+        keyed by stage id (per-stage request adapters, an opt-in extension) gives each named
+        stage its own adapter; the entry stage's key is its id (0). The later stages are checked
+        by ``Orchestrator.check_stage_loras`` when the request is submitted.
+
+        Raises:
+            InvalidRequestError: a key that is not a stage id of this pipeline.
+        """
+        if not isinstance(lora_request, dict):
+            return lora_request, {}
+        entry_id = self.config.entry_stage.stage_id
+        later: dict[int, Any] = {}
+        for stage_id, lora in lora_request.items():
+            if isinstance(stage_id, bool) or not isinstance(stage_id, int):
+                raise InvalidRequestError(
+                    f"lora_request keys must be stage ids (int), got {stage_id!r:.50}; "
+                    f"pipeline {self.config.pipeline.name!r} has stages 0..{len(self.config.stages) - 1}"
+                )
+            if stage_id != entry_id and lora is not None:
+                later[stage_id] = lora
+        return lora_request.get(entry_id), later
+
+    def _split_stage_adapters(
+        self, adapters: Sequence[RequestAdapter] | None
+    ) -> tuple[Sequence[RequestAdapter] | None, dict[int, Any]]:
+        """``adapters`` (the HTTP layer's form) as (the entry stage's, ``{later stage id: LoRARequest}``).
+
+        Raises:
+            InvalidRequestError: two adapters for one later stage, or one with a scale other than 1.0
+                (an LLM stage applies one adapter per request, at scale 1.0).
+        """
+        if adapters is None:
+            return None, {}
+        entry_id = self.config.entry_stage.stage_id
+        entry = [a for a in adapters if a.stage_id in (None, entry_id)]
+        later: dict[int, Any] = {}
+        for a in adapters:
+            if a.stage_id in (None, entry_id):
+                continue
+            if a.stage_id in later or a.scale not in (None, 1.0):
+                raise InvalidRequestError(
+                    f"stage {a.stage_id}: an LLM stage applies one adapter per request, at scale 1.0"
+                )
+            later[a.stage_id] = a.lora
+        return tuple(entry), later
+
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:
         return all(self._orchestrator.lora_call("add_lora", lora_request, stage_id=stage_id).values())

@@ -65,10 +65,14 @@ class RequestAdapter:
         scale: its weight in this request; ``None`` takes the stage default (``1.0``, or the
             stage's ``lora_scale`` for an adapter pre-loaded from ``lora_path``). ``0`` adds
             nothing; a negative scale negates the adapter's delta.
+        stage_id: the stage it applies to; ``None`` is the entry stage (the default meaning of
+            a request's adapter). A later stage must be an LLM stage with LoRA enabled
+            (per-stage request adapters, an opt-in extension).
     """
 
     lora: LoRARequest
     scale: float | None = None
+    stage_id: int | None = None
 
 
 def validate_request_adapters(
@@ -96,7 +100,7 @@ def validate_request_adapters(
             f"{len(adapters)} adapters in one request exceed max_loras={max_loras} of the diffusion stage; "
             f"raise max_loras or compose fewer adapters"
         )
-    seen: set[int] = set()
+    seen: set[tuple[int | None, int]] = set()  # an adapter may serve two stages, once each
     out = []
     for i, adapter in enumerate(adapters):
         if not isinstance(adapter, RequestAdapter):
@@ -114,9 +118,9 @@ def validate_request_adapters(
             )
         if not lora.lora_path:
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path")
-        if lora_id in seen:
+        if (adapter.stage_id, lora_id) in seen:
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} appears twice; list each adapter once")
-        seen.add(lora_id)
+        seen.add((adapter.stage_id, lora_id))
         if scale is not None and (
             isinstance(scale, bool)
             or not isinstance(scale, int | float)
@@ -128,7 +132,11 @@ def validate_request_adapters(
                 f"{scale_name} must be a finite number in [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}], "
                 f"got {scale!r:.50}"
             )
-        out.append(adapter if scale is None or type(scale) is float else RequestAdapter(lora, float(scale)))
+        out.append(
+            adapter
+            if scale is None or type(scale) is float
+            else RequestAdapter(lora, float(scale), adapter.stage_id)
+        )
     return tuple(out)
 
 

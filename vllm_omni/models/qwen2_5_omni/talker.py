@@ -175,7 +175,7 @@ class TalkerStageEngine(LLMStageEngine):
 
     def validate_request(self, prompt: Any, params: Any, lora_request: Any = None, **kwargs: Any) -> None:
         """The LLM stage's checks plus: a thinker payload, one completion, no history penalties."""
-        if not isinstance(prompt, StagePayload):
+        if prompt is not None and not isinstance(prompt, StagePayload):  # None: check params/adapter only
             raise InvalidRequestError(
                 f"{self.stage.label} takes the thinker's StagePayload, got {type(prompt).__name__}"
             )
@@ -190,7 +190,7 @@ class TalkerStageEngine(LLMStageEngine):
                 f"{self.stage.label}: the talker samples one completion without repetition, presence or "
                 "frequency penalties (n=1, repetition_penalty=1.0)"
             )
-        voice = prompt.meta.get("voice")
+        voice = None if prompt is None else prompt.meta.get("voice")
         if voice is not None and voice not in self.speakers:
             raise InvalidRequestError(
                 f"{self.stage.label}: unknown voice {voice!r}; voices: {list(self.speakers)}"
