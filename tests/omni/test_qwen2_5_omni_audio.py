@@ -159,20 +159,29 @@ def test_unknown_voice_is_refused(omni):
         omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(voice="nobody"))
 
 
-def test_talker_adapter_reaches_the_talker(omni, tiny_omni_assets, talker_adapter):
-    """A talker adapter (peft on transformers' talker sub-model) on the talker runtime: codes and
-    waveform equal to transformers with the same adapter, and unlike those without it."""
-    from vllm_omni.models.qwen2_5_omni.stages import thinker2talker
-
-    text, _ = _run(omni, PROMPTS[0])
-    params = _params()
-    talker, code2wav = omni._orchestrator.runtimes[1:]
-    payload = thinker2talker(text.request_output, params, None)
-    adapter = LoRARequest("talker", 2, str(talker_adapter))
-    out = talker.submit(payload, params[1], lora_request=adapter).result(timeout=120)
-    wav = code2wav.submit(out.payload, params[2]).result(timeout=120).waveform
+def test_per_stage_adapters_reach_thinker_and_talker(omni, tiny_omni_assets, talker_adapter):
+    """``lora_request={0: thinker, 1: talker}``: each adapter reaches its stage (the thinker's also
+    its hidden states); tokens, codes and waveform equal transformers with peft on both sub-models."""
+    thinker = LoRARequest("thinker", 1, str(tiny_omni_assets.thinker_adapter))
+    talker = LoRARequest("talker", 2, str(talker_adapter))
     model_dir = str(tiny_omni_assets.model_dir)
-    tokens, codes, ref_wav = hf_reference(model_dir, PROMPTS[0], None, str(talker_adapter))
+    text, audio = _run(omni, PROMPTS[0], lora_request={0: thinker, 1: talker})
+    tokens, codes, wav = hf_reference(
+        model_dir, PROMPTS[0], str(tiny_omni_assets.thinker_adapter), str(talker_adapter)
+    )
     assert text.token_ids == tokens
-    assert out.codes.tolist() == codes != hf_reference(model_dir, PROMPTS[0])[1]
-    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=1e-5)
+    assert audio.stage_outputs[1].codes.tolist() == codes
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
+    # the talker adapter alone changes the codes, not the text
+    text_t, audio_t = _run(omni, PROMPTS[0], lora_request={1: talker})
+    base_tokens, base_codes, _ = hf_reference(model_dir, PROMPTS[0])
+    _, talker_codes, _ = hf_reference(model_dir, PROMPTS[0], None, str(talker_adapter))
+    assert text_t.token_ids == base_tokens
+    assert audio_t.stage_outputs[1].codes.tolist() == talker_codes != base_codes
+
+
+def test_an_adapter_for_code2wav_is_refused_naming_the_stage(omni, talker_adapter):
+    from vllm_omni.errors import LoRANotEnabledError
+
+    with pytest.raises(LoRANotEnabledError, match=r"Stage 2 \(llm_generation\)"):
+        _run(omni, PROMPTS[0], lora_request={2: LoRARequest("talker", 2, str(talker_adapter))})
