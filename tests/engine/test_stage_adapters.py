@@ -111,3 +111,60 @@ def test_async_omni_takes_per_stage_adapters_too(chain, tiny_llm_assets):
     _check_chain(out, tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b)
     with pytest.raises(InvalidRequestError, match="lora_request names stage 2"):
         asyncio.run(run({2: b}))
+
+
+@pytest.fixture(scope="module")
+def http(chain, tiny_llm_assets):
+    """The HTTP app over the running pipeline (in process), and the openai client on it."""
+    import openai
+    from starlette.testclient import TestClient
+
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+    from vllm_omni.entrypoints.openai.api_server import build_app
+    from vllm_omni.entrypoints.openai.settings import ServerSettings
+    from vllm_omni.entrypoints.openai.state import make_state
+
+    aomni = object.__new__(AsyncOmni)
+    aomni.__dict__.update(chain.__dict__)
+    state = make_state(aomni, ServerSettings(lora_dirs=[str(tiny_llm_assets.adapter_a.parent)]))
+    with TestClient(build_app(state)) as client:
+        yield state, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+
+
+def test_http_lora_entries_take_a_stage(http, chain, tiny_llm_assets):
+    from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
+    from vllm_omni.entrypoints.openai.routes.chat import prepare_text_chat
+
+    state, client = http
+    a = {"path": str(tiny_llm_assets.adapter_a)}
+    b = {"path": str(tiny_llm_assets.adapter_b), "stage": 1}
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"model": state.base_name, "messages": messages, "max_tokens": N, "temperature": 0.0}
+
+    def http_text(lora):
+        resp = client.chat.completions.create(**body, extra_body={"lora": lora, "ignore_eos": True})
+        return resp.choices[0].message.content
+
+    def python_text(lora_request):
+        run = prepare_text_chat(state, ChatCompletionRequest(**body, ignore_eos=True), ())
+        (out,) = chain.generate(run.prompt, run.params, lora_request=lora_request, use_tqdm=False)
+        return out.text
+
+    la = LoRARequest("a", 1, str(tiny_llm_assets.adapter_a))
+    lb = LoRARequest("b", 2, str(tiny_llm_assets.adapter_b))
+    both = http_text([a, b])
+    assert both == python_text({0: la, 1: lb})
+    assert http_text([b]) == python_text({1: lb})
+    assert both != http_text([a])  # stage 1's adapter did reach stage 1
+
+    import openai
+
+    def refused(lora, match):
+        with pytest.raises(openai.BadRequestError) as err:
+            http_text(lora)
+        assert err.value.status_code == 400
+        assert match in err.value.body["message"], err.value.body
+
+    refused([{**b, "stage": 7}], "lora_request names stage 7")
+    refused([{**b, "stage": "1"}], "lora[0].stage must be a stage id")
+    refused([b, {**b, "int_id": 99}], "stage 1: an LLM stage applies one adapter per request")

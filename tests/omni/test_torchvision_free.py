@@ -49,6 +49,8 @@ def test_thinker_is_text_only_without_torchvision(monkeypatch):
     kwargs: dict = {}
     assert torchvision_free.text_only_without_torchvision("Stage 0 (llm_ar)", kwargs)
     assert kwargs["limit_mm_per_prompt"] == {"audio": 0, "image": 0, "video": 0}
+    # sized from the thinker's text config (thinker_config.text_config), not vLLM's 0.92 of all RAM
+    assert kwargs["kv_cache_memory_bytes"] >= 256 << 20
     with pytest.raises(
         ConfigError, match=r"Stage 0 \(llm_ar\): limit_mm_per_prompt \{'audio': 1\}.*torchvision"
     ):
@@ -67,6 +69,7 @@ def test_thinker_stage_engine_args_name_the_class(tiny_omni_assets, monkeypatch)
     from vllm_omni.engine.stage_engine_args import project_stage_engine_kwargs
 
     monkeypatch.setattr(torchvision_free, "torchvision_available", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a fresh shell: the budget is ours
     cfg = VllmOmniConfig.from_pipeline_config(
         resolve_pipeline_config("qwen2_5_omni_thinker_only"),
         {"hf_overrides": {"x": 1}},
@@ -78,3 +81,5 @@ def test_thinker_stage_engine_args_name_the_class(tiny_omni_assets, monkeypatch)
         "architectures": ["OmniQwen2_5OmniThinkerForConditionalGeneration"],
     }
     assert kwargs["limit_mm_per_prompt"] == {"audio": 0, "image": 0, "video": 0}
+    # sized from the thinker's text config (thinker_config.text_config), not vLLM's 0.92 of all RAM
+    assert kwargs["kv_cache_memory_bytes"] >= 256 << 20

@@ -107,7 +107,7 @@ def _text_config(model: str, trust_remote_code: bool) -> dict[str, Any] | None:
         return None
     for key in ("text_config", "thinker_config", "llm_config"):
         nested = config.get(key)
-        if isinstance(nested, dict) and key == "thinker_config":  # Qwen2.5-Omni: the thinker's decoder
+        if key == "thinker_config" and isinstance(nested, dict):  # Qwen2.5-Omni: thinker.text_config
             nested = nested.get("text_config", nested)
         if isinstance(nested, dict) and nested.get("num_hidden_layers"):
             return nested
