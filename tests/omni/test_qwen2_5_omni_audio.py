@@ -185,3 +185,10 @@ def test_an_adapter_for_code2wav_is_refused_naming_the_stage(omni, talker_adapte
 
     with pytest.raises(LoRANotEnabledError, match=r"Stage 2 \(llm_generation\)"):
         _run(omni, PROMPTS[0], lora_request={2: LoRARequest("talker", 2, str(talker_adapter))})
+
+
+def test_last_stage_returns_text_without_running_the_audio_stages(omni, monkeypatch):
+    talker = omni._orchestrator.runtimes[1]
+    monkeypatch.setattr(talker, "submit", lambda *a, **k: pytest.fail("the talker ran"))
+    outs = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(), last_stage=0)
+    assert [o.final_output_type for o in outs] == ["text"] and outs[0].token_ids

@@ -115,9 +115,10 @@ class Orchestrator:
         on_output: Callable[[OmniRequestOutput], None] | None = None,
         on_partial: Callable[[OmniRequestOutput], None] | None = None,
         stage_loras: Mapping[int, LoRARequest] | None = None,
+        last_stage: int | None = None,
         **entry_kwargs: Any,
     ) -> Future:
-        """Run one request through every stage.
+        """Run one request through every stage (through ``last_stage`` only, when given).
 
         Args:
             prompt: the entry stage's prompt (text, token ids or a vLLM prompt dict).
@@ -126,6 +127,8 @@ class Orchestrator:
             on_output: called (from an engine thread) with each final-output stage's result.
             on_partial: streaming: see :meth:`_partial_hook`.
             stage_loras: ``{stage_id: adapter}`` for later LLM stages (see :meth:`check_stage_loras`).
+            last_stage: the request ends after this stage (e.g. text only from an audio pipeline:
+                its later stages do not run); ``None``: the last stage.
             entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
                 entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
                 built by the entry point), passed on unchanged.
@@ -141,6 +144,11 @@ class Orchestrator:
         self.check_open()
         stage_loras = dict(stage_loras or {})
         self.check_stage_loras(stage_loras)
+        end = len(self.runtimes) if last_stage is None else last_stage + 1
+        if not 0 < end <= len(self.runtimes):
+            raise InvalidRequestError(
+                f"last_stage must be a stage id 0..{len(self.runtimes) - 1}, got {last_stage}"
+            )
         request_id = f"omni-{next(self._ids)}"
         done: Future = Future()
         finals: list[OmniRequestOutput] = []
@@ -163,7 +171,7 @@ class Orchestrator:
                     if on_output is not None:
                         on_output(out)
                 nxt = stage_id + 1
-                if nxt == len(self.runtimes):
+                if nxt == end:
                     done.set_result(finals)
                     return
                 prompts[nxt] = self._next_input(nxt, prompt, raw, stage_params, lora_request)

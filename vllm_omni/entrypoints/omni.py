@@ -33,6 +33,7 @@ class Omni(OmniBase):
         lora_scales: list[float] | list[list[float]] | None = None,
         adapters: Sequence[RequestAdapter] | None = None,
         use_tqdm: bool = True,
+        last_stage: int | None = None,
         **entry_kwargs: Any,
     ) -> list[OmniRequestOutput]:
         """Run prompts through every stage; requests run concurrently.
@@ -41,6 +42,8 @@ class Omni(OmniBase):
             prompts: one prompt (str / token ids / vLLM prompt dict) or a list of them;
                 ``prompt=`` is an alias. Prompts for a diffusion entry stage are submitted
                 together, so compatible ones share denoiser batches.
+            last_stage: each request ends after this stage (its later stages do not run; e.g.
+                text only from ``qwen2_5_omni`` with ``last_stage=0``); ``None``: every stage.
             sampling_params: see ``OmniBase._stage_params`` (``OmniDiffusionSamplingParams``
                 for diffusion stages, which may carry ``lora_requests`` / ``lora_scales``).
             lora_request: one adapter for every prompt, or one per prompt (``None`` = base);
@@ -101,7 +104,9 @@ class Omni(OmniBase):
             self._orchestrator.check_stage_loras(later)
         with self._orchestrator.batching():
             futures = [
-                self._orchestrator.submit(p, params, stage_loras=later, **kw, **entry_kwargs)
+                self._orchestrator.submit(
+                    p, params, stage_loras=later, last_stage=last_stage, **kw, **entry_kwargs
+                )
                 for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras)
             ]
         _wait_all(futures, use_tqdm)

@@ -39,6 +39,7 @@ class EntryStageInfo:
             ``"audio"``).
         stage_is_audio: per stage, in stage-id order, whether it makes audio (takes ``AudioParams``).
         voices: the voices an audio stage offers (its checkpoint's ``spk_dict.pt``), else empty.
+        entry_final_output: whether the caller receives the entry stage's output.
         stage_defaults: per stage, the params a front end gives it when a request has none of
             its own (a talker's sampling, code2wav's ``AudioParams``), else ``None``.
         max_adapters_per_request: 1 on an LLM entry stage (vLLM applies one adapter per
@@ -66,6 +67,7 @@ class EntryStageInfo:
     stage_is_audio: tuple[bool, ...] = ()
     voices: tuple[str, ...] = ()
     stage_defaults: tuple[Any, ...] = ()
+    entry_final_output: bool = False
     startup_lora_paths: tuple[str, ...] = ()
     startup_adapters: tuple[LoRARequest, ...] = ()
     startup_lora_scale: float = 1.0
@@ -131,6 +133,7 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
         "stage_is_audio": tuple(_is_audio(s) for s in config.stages),
         "voices": _voices(config),
         "stage_defaults": tuple(default_stage_params(s) for s in config.stages),
+        "entry_final_output": bool(entry.final_output),
     }
     if entry.is_llm:
         options = entry.options

@@ -54,6 +54,7 @@ class PreparedRun:
     prompt: Any
     params: list[Any]
     adapters: Adapters
+    last_stage: int | None = None  # text only from an audio pipeline: the stages after the text's do not run
 
 
 # ---------------------------------------------------------------- chat
@@ -85,8 +86,9 @@ async def chat_completions(request: Request) -> Response:
             include_usage=req.include_usage,
             return_token_ids=req.return_token_ids,
         )
-        return await stream_text(request, state, [StreamRun(run.prompt, run.params, run.adapters)], spec)
-    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request)
+        runs = [StreamRun(run.prompt, run.params, run.adapters, run.last_stage)]
+        return await stream_text(request, state, runs, spec)
+    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request, run.last_stage)
     if text:
         body = head | text_chat_reply(state, req, outputs)
         if audio is not None:
@@ -108,7 +110,10 @@ def prepare_text_chat(
     room = (state.info.max_model_len or 2048) - len(prompt["prompt_token_ids"])
     sp = llm.sampling_params(max(1, room), stream=req.stream)
     diffusion = req.diffusion_params(1) if state.info.has_diffusion_stage else None
-    return PreparedRun(prompt, stage_params(state, sp, diffusion, audio), adapters)
+    info = state.info
+    # text only from an audio pipeline whose entry stage gives the text: its later stages do not run
+    last = 0 if audio is None and "audio" in info.output_kinds and info.entry_final_output else None
+    return PreparedRun(prompt, stage_params(state, sp, diffusion, audio), adapters, last)
 
 
 def prepare_image_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:

@@ -164,17 +164,26 @@ def default_llm_params(state: ServerState) -> Any:
 
 
 def stream_pipeline(
-    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters
+    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters, last_stage: int | None = None
 ) -> AsyncIterator[Any]:
-    """``AsyncOmni.generate`` for one prompt (each final output; pieces of a DELTA stage).
+    """``AsyncOmni.generate`` for one prompt (each final output; pieces of a DELTA stage), ending
+    after ``last_stage`` when given.
 
     Closing the iterator, or cancelling the task iterating it, cancels the request.
     """
-    return state.omni.generate(prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters)
+    kwargs = {} if last_stage is None else {"last_stage": last_stage}
+    return state.omni.generate(
+        prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters, **kwargs
+    )
 
 
 async def run_pipeline(
-    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters, request: Request | None = None
+    state: ServerState,
+    prompt: Any,
+    params: list[Any],
+    adapters: Adapters,
+    request: Request | None = None,
+    last_stage: int | None = None,
 ) -> list[Any]:
     """Run one prompt and collect its final outputs; with ``request``, cancel it when that client leaves.
 
@@ -185,7 +194,7 @@ async def run_pipeline(
 
     async def collect() -> list[Any]:
         with engine_errors("lora"):
-            return [out async for out in stream_pipeline(state, prompt, params, adapters)]
+            return [out async for out in stream_pipeline(state, prompt, params, adapters, last_stage)]
 
     if request is None:
         return await collect()
