@@ -209,6 +209,8 @@ class TalkerStageEngine(LLMStageEngine):
         if ids[1].numel() == 0:
             raise InvalidRequestError(f"{self.stage.label}: the thinker generated no token")
         thinker_lora = derived_adapter(prompt.meta.get("thinker_lora_request"), "thinker")
+        if thinker_lora is not None:
+            self._refresh_pooling_adapter(thinker_lora)
         seq = torch.cat([ids[0], ids[1][:-1]]).tolist()
         pooled = self.states.submit(
             {"prompt_token_ids": seq}, PoolingParams(task="token_embed"), thinker_lora
@@ -217,6 +219,14 @@ class TalkerStageEngine(LLMStageEngine):
         run.current = pooled
         pooled.add_done_callback(run.on_hidden)
         return done
+
+    def _refresh_pooling_adapter(self, lora: LoRARequest) -> None:
+        """Drop the pooling engine's copy of ``lora.lora_int_id`` when it was loaded from another
+        path: the thinker stage's ``remove_lora`` does not reach this engine, and an id reused for
+        other weights must not be served the old ones."""
+        known = self.states._valid_adapters.get(lora.lora_int_id)
+        if known is not None and known != lora.lora_path:
+            self.states.remove_lora(lora.lora_int_id)
 
     def step(self, embeds: torch.Tensor, params: SamplingParams, lora_request: LoRARequest | None) -> Future:
         """One decode step: the vLLM request of one token over ``embeds`` (float32 ``[L, H]``)."""
