@@ -138,17 +138,11 @@ class Orchestrator:
             Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
             engine at the next step) and starts no later stage.
 
-        Raises (synchronously): errors of the entry stage's ``submit`` (e.g. invalid adapter) and
-            of :meth:`check_stage_loras`; nothing has started then.
+        Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
         """
         self.check_open()
-        stage_loras = dict(stage_loras or {})
-        self.check_stage_loras(stage_loras)
-        end = len(self.runtimes) if last_stage is None else last_stage + 1
-        if not 0 < end <= len(self.runtimes):
-            raise InvalidRequestError(
-                f"last_stage must be a stage id 0..{len(self.runtimes) - 1}, got {last_stage}"
-            )
+        self.check_stage_loras(stage_loras := dict(stage_loras or {}))
+        end = self._end(last_stage)
         request_id = f"omni-{next(self._ids)}"
         done: Future = Future()
         finals: list[OmniRequestOutput] = []
@@ -197,6 +191,19 @@ class Orchestrator:
         done.add_done_callback(lambda f: _cancel_in_flight(f, current, lock))
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
+
+    def _end(self, last_stage: int | None) -> int:
+        """One past the last stage a request runs (``last_stage`` of :meth:`submit`).
+
+        Raises:
+            InvalidRequestError: ``last_stage`` is not a stage id of this pipeline.
+        """
+        n = len(self.runtimes)
+        if last_stage is None:
+            return n
+        if isinstance(last_stage, bool) or not isinstance(last_stage, int) or not 0 <= last_stage < n:
+            raise InvalidRequestError(f"last_stage must be a stage id 0..{n - 1}, got {last_stage!r}")
+        return last_stage + 1
 
     def check_stage_loras(self, stage_loras: Mapping[int, LoRARequest]) -> None:
         """Check the adapters of a request's later stages before anything starts.

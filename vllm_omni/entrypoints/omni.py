@@ -76,16 +76,7 @@ class Omni(OmniBase):
         """
         prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
-        n = len(prompt_list)
-        if isinstance(lora_request, list):
-            if len(lora_request) != n:
-                raise InvalidRequestError(f"got {len(lora_request)} lora_request entries for {n} prompts")
-            split = [self._split_stage_loras(lr) for lr in lora_request]
-        else:
-            split = [self._split_stage_loras(lora_request)] * n
-        loras = [entry for entry, _ in split]
-        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
-        stage_loras = [{**later, **adapter_stage_loras} for _, later in split]
+        loras, adapters, stage_loras = self._per_prompt_loras(lora_request, len(prompt_list), adapters)
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
         one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one

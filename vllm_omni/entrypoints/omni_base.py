@@ -249,6 +249,29 @@ class OmniBase:
             )
         return {"adapters": adapters}
 
+    def _per_prompt_loras(
+        self, lora_request: Any, n: int, adapters: Sequence[RequestAdapter] | None
+    ) -> tuple[list[Any], Sequence[RequestAdapter] | None, list[dict[int, Any]]]:
+        """``Omni.generate``'s adapters per prompt: (entry-stage ``lora_request`` per prompt,
+        the entry stage's ``adapters``, ``{later stage id: adapter}`` per prompt).
+
+        Raises:
+            InvalidRequestError: a ``lora_request`` list whose length is not ``n``, or a rule of
+                :meth:`_split_stage_loras` / :meth:`_split_stage_adapters`.
+        """
+        if isinstance(lora_request, list):
+            if len(lora_request) != n:
+                raise InvalidRequestError(f"got {len(lora_request)} lora_request entries for {n} prompts")
+            split = [self._split_stage_loras(lr) for lr in lora_request]
+        else:
+            split = [self._split_stage_loras(lora_request)] * n
+        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
+        return (
+            [entry for entry, _ in split],
+            adapters,
+            [{**later, **adapter_stage_loras} for _, later in split],
+        )
+
     def _split_stage_loras(self, lora_request: Any) -> tuple[Any, dict[int, Any]]:
         """``lora_request`` as (the entry stage's adapter, ``{later stage id: adapter}``).
 
