@@ -124,19 +124,15 @@ class Orchestrator:
             prompt: the entry stage's prompt (text, token ids or a vLLM prompt dict).
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
-            on_output: called (from an engine thread) with each final-output stage's result.
-            on_partial: streaming: see :meth:`_partial_hook`.
+            on_output / on_partial: called from an engine thread with each final stage result / streamed piece.
             stage_loras: ``{stage_id: adapter}`` for later LLM stages (see :meth:`check_stage_loras`).
-            last_stage: the request ends after this stage (e.g. text only from an audio pipeline:
-                its later stages do not run); ``None``: the last stage.
-            entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
-                entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
-                built by the entry point), passed on unchanged.
+            last_stage: the stage the request ends after (later stages do not run); ``None``: the last.
+            entry_kwargs: extra per-request arguments of the entry stage runtime, passed on unchanged
+                (a diffusion entry stage's ``adapters``: :class:`~vllm_omni.lora.request.RequestAdapter` s).
 
         Returns:
-            A future of the list of final-output :class:`OmniRequestOutput` in stage order.
-            Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
-            engine at the next step) and starts no later stage.
+            A future of the list of final-output :class:`OmniRequestOutput` in stage order; cancelling
+            it cancels the stage request in flight (an LLM stage aborts it) and starts no later stage.
 
         Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
         """
