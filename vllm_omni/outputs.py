@@ -13,14 +13,18 @@ class OmniRequestOutput:
     Attributes:
         request_id: id of the pipeline request (shared by all its stages).
         stage_id: the stage that produced this output.
-        final_output_type: ``"text"`` (LLM stage), ``"image"`` (diffusion stage) or ``"video"``
-            (diffusion stage running a video pipeline).
+        final_output_type: ``"text"`` (LLM stage), ``"image"`` (diffusion stage), ``"video"``
+            (diffusion stage running a video pipeline) or ``"audio"`` (a waveform stage such as
+            Qwen2.5-Omni's code2wav).
         prompt: the prompt this stage received.
         request_output: the stage's vLLM ``RequestOutput`` (LLM stages), else ``None``.
         images: PIL images (diffusion stages), else empty (also for video pipelines).
         videos: video pipelines: one list of PIL frames per video, else empty.
         latents: final latents of a diffusion stage, float32 CPU ``(num_images_per_prompt, C, h, w)``
             when the pipeline exposes them (in-tree always; diffusers fallback for ``output_type="latent"``).
+        audio: audio stages: the waveform, a 1-D ``numpy.float32`` array of samples in [-1, 1]
+            (mono), else ``None``.
+        sample_rate: samples per second of ``audio`` (Hz), else ``None``.
         stage_outputs: every stage's raw output for this request, by stage id.
     """
 
@@ -32,6 +36,8 @@ class OmniRequestOutput:
     images: list = field(default_factory=list)
     latents: Any = None
     videos: list = field(default_factory=list)
+    audio: Any = None
+    sample_rate: int | None = None
     stage_outputs: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @property

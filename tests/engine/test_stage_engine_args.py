@@ -155,3 +155,16 @@ def test_engine_starts_with_no_kv_budget_in_the_environment(tiny_llm_assets, mon
     with Omni(str(tiny_llm_assets.model_dir), max_model_len=128, max_num_seqs=4, dtype="float32") as omni:
         out = omni.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_kv_budget_reads_the_decoder_of_a_qwen2_5_omni_config(tmp_path):
+    """The thinker's decoder sits in ``thinker_config.text_config``: its sizes give the KV budget."""
+    from vllm_omni.engine.stage_engine_args import _text_config
+
+    text = {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen2_5_omni", "thinker_config": {"text_config": text}, "talker_config": {}}
+        )
+    )
+    assert _text_config(str(tmp_path), False) == text

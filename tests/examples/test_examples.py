@@ -4,6 +4,7 @@
   the expected geometry; its (0, 0) cell is the base image, and every scale change changes the
   image the way the adapter is meant to (warm: redder, less blue; stripes: more texture).
 * ``llm_lora.py``: each adapter changes the greedy text of the tiny LLM.
+* ``qwen2_5_omni.py``: text and a WAV from the tiny Qwen2.5-Omni (thinker -> talker -> code2wav).
 * the demo model itself: a few MB, loads in diffusers' ``ZImagePipeline`` in fp32.
 """
 
@@ -23,6 +24,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[2]
 T2I = REPO / "examples" / "offline_inference" / "text_to_image" / "text_to_image.py"
 LLM = REPO / "examples" / "offline_inference" / "llm_lora.py"
+OMNI = REPO / "examples" / "offline_inference" / "qwen2_5_omni.py"
 DEMO = REPO / "examples" / "demo_model"
 ADAPTERS = [str(DEMO / "adapters" / "warm"), str(DEMO / "adapters" / "stripes")]
 QUICK = ["--prompt", "a blue square", "--num-inference-steps", "4", "--guidance-scale", "3", "--seed", "1"]
@@ -206,3 +208,12 @@ def test_llm_lora_example(tiny_llm_assets):
         True
     ] * 3
     assert len({line.split(" -> ", 1)[1] for line in lines}) == 3  # each adapter changes the continuation
+
+
+def test_qwen2_5_omni_example(tiny_omni_assets, tmp_path):
+    import wave
+
+    out = _run(OMNI, "--max-tokens", "6", "--talker-max-tokens", "16", "--out", str(tmp_path / "reply.wav"))
+    assert "text: " in out and "audio: " in out
+    with wave.open(str(tmp_path / "reply.wav")) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000) and w.getnframes() > 0

@@ -136,6 +136,11 @@ class LLMStageEngine(StageDriver):
         StageEngineError: the model class is unavailable or the engine failed to start.
     """
 
+    #: the params a request takes, and the engine outputs that resolve requests (a pooling
+    #: runtime overrides both)
+    _params_type: type = SamplingParams
+    _output_types: tuple[type, ...] = (RequestOutput,)
+
     def __init__(self, stage: LLMStageConfig):
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -217,6 +222,16 @@ class LLMStageEngine(StageDriver):
             StageEngineError: the stage is shut down or its engine failed earlier.
         """
         self.validate_request(prompt, params, lora_request)
+        return self._enqueue(prompt, params, lora_request, on_partial)
+
+    def _enqueue(
+        self,
+        prompt: Any,
+        params: Any,
+        lora_request: LoRARequest | None,
+        on_partial: Callable[[RequestOutput], None] | None = None,
+    ) -> Future:
+        """Queue a request that passed :meth:`validate_request`; its future (see :meth:`submit`)."""
         if on_partial is None:
             params = self.prepare_params(params)
         elif params.output_kind != RequestOutputKind.DELTA:
@@ -262,11 +277,12 @@ class LLMStageEngine(StageDriver):
             raise InvalidRequestError(
                 f"{self.stage.label} does not take {sorted(kwargs)} (diffusion-stage arguments)"
             )
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, self._params_type):
             raise ValueError(
-                f"{self.stage.label} takes vllm.SamplingParams, got {type(params).__name__}: {params!r:.200}"
+                f"{self.stage.label} takes vllm.{self._params_type.__name__}, got "
+                f"{type(params).__name__}: {params!r:.200}"
             )
-        seed = params.seed
+        seed = getattr(params, "seed", None)
         if seed is not None and not -(2**63) <= seed < 2**63:
             # out of int64 the engine step fails, and a failed step kills the whole stage
             raise InvalidRequestError(
@@ -430,7 +446,7 @@ class LLMStageEngine(StageDriver):
                 self._fail_all(exc)
                 return
             for out in outputs:
-                if not isinstance(out, RequestOutput):
+                if not isinstance(out, self._output_types):
                     continue
                 # non-finished outputs come only for streaming requests (the others are FINAL_ONLY)
                 entry = running.pop(out.request_id, None) if out.finished else running.get(out.request_id)

@@ -23,6 +23,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
+from vllm_omni.engine.connectors import InProcessConnector, StageConnector
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.placement import worker_env
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
@@ -36,6 +37,7 @@ from vllm_omni.errors import (
     StageEngineError,
 )
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.models.stage_runtimes import has_stage_runtime, input_processor, make_in_tree_runtime
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
     Raises:
         StageEngineError: naming the stage and the missing class.
     """
+    if has_stage_runtime(stage):
+        return
     if stage.is_llm:
         check_model_class(stage)
     else:
@@ -64,8 +68,11 @@ def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
         check_pipeline_class(stage)
 
 
-def make_inline_runtime(stage: BaseVllmOmniStageConfig) -> StageRuntime:
-    """Start the runtime of one stage in this process (a vLLM engine or the diffusion engine)."""
+def make_inline_runtime(stage: BaseVllmOmniStageConfig, config: VllmOmniConfig | None = None) -> StageRuntime:
+    """Start the runtime of one stage in this process (a vLLM engine, the diffusion engine, or a
+    runtime of :mod:`vllm_omni.models` for the model classes it implements; those read ``config``)."""
+    if has_stage_runtime(stage):
+        return make_in_tree_runtime(stage, config)
     if stage.is_llm:
         return LLMStageEngine(stage)
     from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
@@ -79,6 +86,7 @@ def make_stage_runtime(
     *,
     make_one: ReplicaFactory | None = None,
     ray_address: str | None = None,
+    config: VllmOmniConfig | None = None,
 ) -> StageRuntime:
     """Start the runtime of one stage: ``stage.replicas`` runtimes on ``worker_backend``, behind a
     :class:`~vllm_omni.engine.replicas.ReplicatedStageRuntime` when more than one.
@@ -90,6 +98,9 @@ def make_stage_runtime(
             its replica's ``devices``: :func:`~vllm_omni.engine.placement.worker_env`) or ``"ray"``
             (a Ray actor per replica: ``RayStageRuntime``).
         make_one: builds replica ``i`` as ``make_one(stage, i)`` instead (tests).
+        config: the whole pipeline config, read by the stage runtimes of :mod:`vllm_omni.models`
+            (the Qwen2.5-Omni talker and code2wav). Those run in this process whatever the
+            backend (they drive engines of their own); a log line says so.
         ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
 
     Raises:
@@ -97,6 +108,14 @@ def make_stage_runtime(
         StageEngineError: the stage failed to start (replicas already started are shut down).
     """
     check_worker_backend(worker_backend)
+    if make_one is None and has_stage_runtime(stage):
+        if worker_backend != "inline":
+            logger.info(
+                "%s runs in this process: worker_backend %r applies to vLLM and diffusion stages",
+                stage.label,
+                worker_backend,
+            )
+        return start_replicas(stage, lambda st, _index: make_inline_runtime(st, config))
     if make_one is None:
         if worker_backend == "ray":
             _require_ray()
@@ -178,13 +197,16 @@ class Orchestrator:
         self.runtimes: list[StageRuntime] = []
         self._ids = itertools.count()
         self._closed = False
+        self.connector: StageConnector = InProcessConnector("orchestrator")
         for stage in config.stages:
             check_stage_model_class(stage)
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
                 self.runtimes.append(
-                    make_stage_runtime(stage, config.worker_backend, ray_address=config.ray_address)
+                    make_stage_runtime(
+                        stage, config.worker_backend, ray_address=config.ray_address, config=config
+                    )
                 )
         except BaseException:
             self.shutdown()
@@ -198,30 +220,30 @@ class Orchestrator:
         on_output: Callable[[OmniRequestOutput], None] | None = None,
         on_partial: Callable[[OmniRequestOutput], None] | None = None,
         stage_loras: Mapping[int, LoRARequest] | None = None,
+        last_stage: int | None = None,
         **entry_kwargs: Any,
     ) -> Future:
-        """Run one request through every stage.
+        """Run one request through every stage (through ``last_stage`` only, when given).
 
         Args:
             prompt: the entry stage's prompt (text, token ids or a vLLM prompt dict).
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
-            on_output: called (from an engine thread) with each final-output stage's result.
-            on_partial: streaming: see :meth:`_partial_hook`.
+            on_output / on_partial: called from an engine thread with each final stage result / streamed piece.
             stage_loras: ``{stage_id: adapter}`` for later LLM stages (see :meth:`check_stage_loras`).
-            entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
-                entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
-                built by the entry point), passed on unchanged.
+            last_stage: the stage the request ends after (later stages do not run); ``None``: the last.
+            entry_kwargs: extra per-request arguments of the entry stage runtime, passed on unchanged
+                (a diffusion entry stage's ``adapters``: :class:`~vllm_omni.lora.request.RequestAdapter` s).
 
         Returns:
-            A future of the list of final-output :class:`OmniRequestOutput` in stage order.
-            Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
-            engine at the next step) and starts no later stage.
+            A future of the list of final-output :class:`OmniRequestOutput` in stage order; cancelling
+            it cancels the stage request in flight (an LLM stage aborts it) and starts no later stage.
 
         Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
         """
         self.check_open()
         self.check_stage_loras(stage_loras := dict(stage_loras or {}))
+        end = self._end(last_stage)
         request_id = f"omni-{next(self._ids)}"
         done: Future = Future()
         finals: list[OmniRequestOutput] = []
@@ -244,10 +266,10 @@ class Orchestrator:
                     if on_output is not None:
                         on_output(out)
                 nxt = stage_id + 1
-                if nxt == len(self.runtimes):
+                if nxt == end:
                     done.set_result(finals)
                     return
-                prompts[nxt] = self._next_input(nxt, prompt, raw)
+                prompts[nxt] = self._next_input(nxt, prompt, raw, stage_params, lora_request)
                 hook = self._partial_hook(request_id, nxt, stage_params[nxt], on_partial, prompts, raw)
                 if nxt in stage_loras:
                     hook["lora_request"] = stage_loras[nxt]
@@ -270,6 +292,19 @@ class Orchestrator:
         done.add_done_callback(lambda f: _cancel_in_flight(f, current, lock))
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
+
+    def _end(self, last_stage: int | None) -> int:
+        """One past the last stage a request runs (``last_stage`` of :meth:`submit`).
+
+        Raises:
+            InvalidRequestError: ``last_stage`` is not a stage id of this pipeline.
+        """
+        n = len(self.runtimes)
+        if last_stage is None:
+            return n
+        if isinstance(last_stage, bool) or not isinstance(last_stage, int) or not 0 <= last_stage < n:
+            raise InvalidRequestError(f"last_stage must be a stage id 0..{n - 1}, got {last_stage!r}")
+        return last_stage + 1
 
     def check_stage_loras(self, stage_loras: Mapping[int, LoRARequest]) -> None:
         """Check the adapters of a request's later stages before anything starts.
@@ -355,7 +390,14 @@ class Orchestrator:
         with self.runtimes[0].hold() if self.runtimes else contextlib.nullcontext():
             yield
 
-    def _next_input(self, stage_id: int, user_prompt: Any, raw: dict[int, Any]) -> Any:
+    def _next_input(
+        self,
+        stage_id: int,
+        user_prompt: Any,
+        raw: dict[int, Any],
+        stage_params: Sequence[Any] = (),
+        lora_request: Any = None,
+    ) -> Any:
         spec = self.config.pipeline.stages[stage_id]
         stage = self.config.stages[stage_id]
         sources = stage.engine_input_source or [stage_id - 1]
@@ -364,6 +406,10 @@ class Orchestrator:
         if spec.input_processor == "previous_text":
             src = self.config.stages[sources[0]]
             return _stage_text(raw[sources[0]], src.label)
+        processor = input_processor(spec.input_processor)
+        if processor is not None:  # tensors between stages: through the connector
+            payload = processor(raw[sources[0]], list(stage_params), lora_request)
+            return self.connector.receive(self.connector.send(payload))
         raise StageEngineError(
             f"{stage.label}: input processor {spec.input_processor!r} is not implemented in this build"
         )
@@ -372,6 +418,16 @@ class Orchestrator:
     def _to_output(
         request_id: str, stage, prompt: Any, result: Any, raw: dict[int, Any]
     ) -> OmniRequestOutput:
+        if hasattr(result, "waveform"):  # an audio stage (e.g. Qwen2.5-Omni's code2wav)
+            return OmniRequestOutput(
+                request_id,
+                stage.stage_id,
+                "audio",
+                prompt,
+                audio=result.waveform,
+                sample_rate=result.sample_rate,
+                stage_outputs=raw,
+            )
         if stage.is_llm:
             return OmniRequestOutput(
                 request_id, stage.stage_id, "text", prompt, request_output=result, stage_outputs=raw

@@ -60,6 +60,7 @@ class AsyncOmni(OmniBase):
         lora_requests: list[LoRARequest] | None = None,
         lora_scales: list[float] | None = None,
         adapters: Sequence[RequestAdapter] | None = None,
+        last_stage: int | None = None,
         **entry_kwargs: Any,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Run one prompt through the pipeline, yielding each final-output stage's result.
@@ -71,7 +72,9 @@ class AsyncOmni(OmniBase):
         stage ``lora_scale`` scales it, and ``lora_requests`` / ``lora_scales`` compose several
         adapters (scales default to 1.0 each); concurrent requests share denoiser batches.
         ``adapters`` gives them instead as :class:`~vllm_omni.lora.request.RequestAdapter`
-        (``scale=None``: the stage default), the form the HTTP layer builds.
+        (``scale=None``: the stage default), the form the HTTP layer builds. ``last_stage``
+        ends the request after that stage (later stages do not run; e.g. text only from
+        ``qwen2_5_omni`` with ``last_stage=0``).
 
         Streaming: a final-output LLM stage whose ``SamplingParams.output_kind`` is
         ``RequestOutputKind.DELTA`` yields one output per engine step, as vLLM's ``AsyncLLM``
@@ -114,6 +117,7 @@ class AsyncOmni(OmniBase):
             on_output=on_output,
             on_partial=put if streamed else None,
             stage_loras=stage_loras,
+            last_stage=last_stage,
             **entry_kwargs,
         )
         finished = asyncio.wrap_future(done)

@@ -33,6 +33,7 @@ class Omni(OmniBase):
         lora_scales: list[float] | list[list[float]] | None = None,
         adapters: Sequence[RequestAdapter] | None = None,
         use_tqdm: bool = True,
+        last_stage: int | None = None,
         **entry_kwargs: Any,
     ) -> list[OmniRequestOutput]:
         """Run prompts through every stage; requests run concurrently.
@@ -41,22 +42,20 @@ class Omni(OmniBase):
             prompts: one prompt (str / token ids / vLLM prompt dict) or a list of them;
                 ``prompt=`` is an alias. Prompts for a diffusion entry stage are submitted
                 together, so compatible ones share denoiser batches.
+            last_stage: the stage each request ends after (later stages do not run); ``None``: the last.
             sampling_params: see ``OmniBase._stage_params`` (``OmniDiffusionSamplingParams``
                 for diffusion stages, which may carry ``lora_requests`` / ``lora_scales``).
-            lora_request: one adapter for every prompt, or one per prompt (``None`` = base);
-                attached to the entry stage's requests only. Per-stage request adapters (opt-in
-                extension): a dict ``{stage_id: LoRARequest}`` (for every prompt, or as a
-                per-prompt entry) gives each named stage its own adapter; every named stage
-                must be an LLM stage with LoRA enabled, else the request is refused before it
-                starts.
+            lora_request: one adapter for every prompt, or one per prompt (``None`` = base); attached
+                to the entry stage's requests only. Per-stage request adapters (opt-in extension): a dict
+                ``{stage_id: LoRARequest}`` (for every prompt, or as a per-prompt entry) gives each named
+                stage its own adapter; every named stage must be an LLM stage with LoRA enabled, else the
+                request is refused before it starts.
             lora_scale: scale of ``lora_request`` (diffusion entry stages; default 1.0).
-            lora_requests / lora_scales: adapters composed in one request (diffusion entry
-                stages): a list of ``LoRARequest`` for every prompt, or one list per prompt;
-                scales default to 1.0 each.
-            adapters: the same adapters for every prompt as
-                :class:`~vllm_omni.lora.request.RequestAdapter` (``scale=None``: the stage
-                default; ``stage_id`` set: a later LLM stage's adapter), instead of the
-                ``lora_*`` arguments.
+            lora_requests / lora_scales: adapters composed in one request (diffusion entry stages): a
+                list of ``LoRARequest`` for every prompt, or one list per prompt; scales default to 1.0.
+            adapters: the same adapters for every prompt as :class:`~vllm_omni.lora.request.RequestAdapter`
+                (``scale=None``: the stage default; ``stage_id`` set: a later LLM stage's adapter), instead
+                of the ``lora_*`` arguments.
             use_tqdm: show a progress bar over requests.
 
         Returns:
@@ -92,7 +91,9 @@ class Omni(OmniBase):
             self._orchestrator.check_stage_loras(later)
         with self._orchestrator.batching():
             futures = [
-                self._orchestrator.submit(p, params, stage_loras=later, **kw, **entry_kwargs)
+                self._orchestrator.submit(
+                    p, params, stage_loras=later, last_stage=last_stage, **kw, **entry_kwargs
+                )
                 for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras)
             ]
         _wait_all(futures, use_tqdm)

@@ -20,6 +20,7 @@ from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
+from vllm_omni.models.stage_runtimes import stage_params_type
 
 
 def build_omni_config(
@@ -130,7 +131,10 @@ class OmniBase:
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         if not per_stage and sampling_params is not None:
-            kinds = {SamplingParams if s.is_llm else OmniDiffusionSamplingParams for s in stages}
+            kinds = {
+                stage_params_type(s) or (SamplingParams if s.is_llm else OmniDiffusionSamplingParams)
+                for s in stages
+            }
             if not isinstance(sampling_params, tuple(kinds)):
                 names = " or ".join(sorted(k.__name__ for k in kinds))
                 raise InvalidRequestError(
@@ -140,10 +144,9 @@ class OmniBase:
         out = []
         for i, stage in enumerate(stages):
             params = sampling_params[i] if per_stage else sampling_params
-            if stage.is_llm:
-                kind = SamplingParams
-            else:
-                kind = OmniDiffusionSamplingParams
+            kind = stage_params_type(stage)
+            if kind is None:
+                kind = SamplingParams if stage.is_llm else OmniDiffusionSamplingParams
             if isinstance(params, kind):
                 out.append(params)
             elif params is None or not per_stage:

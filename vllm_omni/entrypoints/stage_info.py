@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.models.stage_runtimes import default_stage_params, stage_params_type
 
-OutputKind = Literal["text", "image", "video"]
+OutputKind = Literal["text", "image", "video", "audio"]
 
 # Pipeline classes (``model_arch`` of a diffusion stage) that produce video, not images.
 _VIDEO_CLASS = re.compile(r"(Video|Wan|Mochi|LTX|Allegro|Latte)", re.IGNORECASE)
@@ -34,7 +35,13 @@ class EntryStageInfo:
         is_llm: whether the entry stage is an LLM stage (else diffusion).
         model_arch: the entry stage's model / pipeline class name (``None``: derived later).
         stage_is_llm: per stage, in stage-id order, whether it is an LLM stage.
-        output_kinds: the kinds final-output stages produce (``"text"``, ``"image"``, ``"video"``).
+        output_kinds: the kinds final-output stages produce (``"text"``, ``"image"``, ``"video"``,
+            ``"audio"``).
+        stage_is_audio: per stage, in stage-id order, whether it makes audio (takes ``AudioParams``).
+        voices: the voices an audio stage offers (its checkpoint's ``spk_dict.pt``), else empty.
+        entry_final_output: whether the caller receives the entry stage's output.
+        stage_defaults: per stage, the params a front end gives it when a request has none of
+            its own (a talker's sampling, code2wav's ``AudioParams``), else ``None``.
         max_adapters_per_request: 1 on an LLM entry stage (vLLM applies one adapter per
             request), ``max_loras`` on a diffusion one.
         startup_lora_paths: the diffusion entry stage's ``lora_path`` entries, as given
@@ -57,6 +64,10 @@ class EntryStageInfo:
     stage_is_llm: tuple[bool, ...]
     output_kinds: frozenset[OutputKind]
     max_adapters_per_request: int
+    stage_is_audio: tuple[bool, ...] = ()
+    voices: tuple[str, ...] = ()
+    stage_defaults: tuple[Any, ...] = ()
+    entry_final_output: bool = False
     startup_lora_paths: tuple[str, ...] = ()
     startup_adapters: tuple[LoRARequest, ...] = ()
     startup_lora_scale: float = 1.0
@@ -83,7 +94,23 @@ class EntryStageInfo:
         return 1.0
 
 
+def _is_audio(stage) -> bool:
+    kind = stage_params_type(stage)
+    return kind is not None and kind.__name__ == "AudioParams"
+
+
+def _voices(config: VllmOmniConfig) -> tuple[str, ...]:
+    audio = [s for s in config.stages if _is_audio(s) and s.model]
+    if not audio:
+        return ()
+    from vllm_omni.models.qwen2_5_omni.code2wav import load_speakers
+
+    return tuple(load_speakers(audio[0].model))
+
+
 def _output_kind(stage) -> OutputKind:
+    if _is_audio(stage):
+        return "audio"
     if stage.is_llm:
         return "text"
     return "video" if _VIDEO_CLASS.search(stage.model_arch or "") else "image"
@@ -103,6 +130,10 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
         "model_arch": entry.model_arch,
         "stage_is_llm": tuple(s.is_llm for s in config.stages),
         "output_kinds": frozenset(_output_kind(s) for s in config.stages if s.final_output),
+        "stage_is_audio": tuple(_is_audio(s) for s in config.stages),
+        "voices": _voices(config),
+        "stage_defaults": tuple(default_stage_params(s) for s in config.stages),
+        "entry_final_output": bool(entry.final_output),
     }
     if entry.is_llm:
         options = entry.options

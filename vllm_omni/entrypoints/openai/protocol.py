@@ -171,12 +171,27 @@ class DiffusionFields(_Body):
             raise bad_request(f"invalid generation parameters: {exc}") from exc
 
 
+class AudioOutputFields(_Body):
+    """``audio`` of a chat request (OpenAI's audio output parameters); checked by the route,
+    which knows the pipeline's voices and formats."""
+
+    voice: str = Field(min_length=1, max_length=256)
+    format: str = Field(min_length=1, max_length=32)
+
+
 class ChatCompletionRequest(SamplingFields, DiffusionFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
+    audio: AudioOutputFields | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+
+    @property
+    def wants_audio(self) -> bool:
+        """Whether the reply must carry audio (``"audio"`` among ``modalities``)."""
+        return "audio" in (self.modalities or ())
 
 
 class CompletionRequest(SamplingFields):

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from vllm_omni.entrypoints.openai import media
+from vllm_omni.entrypoints.openai.audio import audio_message, audio_request_params
 from vllm_omni.entrypoints.openai.errors import bad_request
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import (
@@ -53,19 +54,22 @@ class PreparedRun:
     prompt: Any
     params: list[Any]
     adapters: Adapters
+    last_stage: int | None = None  # text only from an audio pipeline: the stages after the text's do not run
 
 
 # ---------------------------------------------------------------- chat
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    """Chat with an LLM pipeline (text reply) or an image pipeline (images as data URIs)."""
+    """Chat with an LLM pipeline (text reply; with ``"modalities": ["text", "audio"]`` on an audio
+    pipeline, ``message.audio`` too: :mod:`..audio`) or an image pipeline (images as data URIs)."""
     state = get_state(request)
     req = parse_body(ChatCompletionRequest, await read_json(request))
     adapters = resolve_adapters(state, req.model, req.lora)
     text = "text" in state.info.output_kinds and state.info.is_llm
+    audio = audio_request_params(state.info, req)
     if text:
         loop = asyncio.get_running_loop()
-        run = await loop.run_in_executor(_TOKENIZE_POOL, prepare_text_chat, state, req, adapters)
+        run = await loop.run_in_executor(_TOKENIZE_POOL, prepare_text_chat, state, req, adapters, audio)
     else:
         run = prepare_image_chat(state, req, adapters)
     head = {
@@ -82,23 +86,34 @@ async def chat_completions(request: Request) -> Response:
             include_usage=req.include_usage,
             return_token_ids=req.return_token_ids,
         )
-        return await stream_text(request, state, [StreamRun(run.prompt, run.params, run.adapters)], spec)
-    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request)
+        runs = [StreamRun(run.prompt, run.params, run.adapters, run.last_stage)]
+        return await stream_text(request, state, runs, spec)
+    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request, run.last_stage)
     if text:
         body = head | text_chat_reply(state, req, outputs)
+        if audio is not None:
+            message = body["choices"][0]["message"]
+            message["audio"] = audio_message(outputs, message["content"])
+            message["content"] = None  # as OpenAI answers: the text is the audio's transcript
     else:
         body = head | image_chat_reply(state, outputs)
     return sse(chat_chunks(body)) if req.stream else JSONResponse(body)
 
 
-def prepare_text_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:
-    """The templated conversation and its params; ``max_tokens`` defaults to the room left in the context."""
+def prepare_text_chat(
+    state: ServerState, req: ChatCompletionRequest, adapters: Adapters, audio: Any = None
+) -> PreparedRun:
+    """The templated conversation and its params; ``max_tokens`` defaults to the room left in the
+    context; ``audio``: the audio stage's params when the request asks for audio."""
     prompt = chat_prompt(state, req)
     llm = req.model_copy(update={"max_tokens": req.max_completion_tokens or req.max_tokens})
     room = (state.info.max_model_len or 2048) - len(prompt["prompt_token_ids"])
     sp = llm.sampling_params(max(1, room), stream=req.stream)
     diffusion = req.diffusion_params(1) if state.info.has_diffusion_stage else None
-    return PreparedRun(prompt, stage_params(state, sp, diffusion), adapters)
+    info = state.info
+    # text only from an audio pipeline whose entry stage gives the text: its later stages do not run
+    last = 0 if audio is None and "audio" in info.output_kinds and info.entry_final_output else None
+    return PreparedRun(prompt, stage_params(state, sp, diffusion, audio), adapters, last)
 
 
 def prepare_image_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:

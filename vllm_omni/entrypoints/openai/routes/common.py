@@ -136,9 +136,27 @@ def resolve_adapters(
         return validate_request_adapters(chosen, field="lora", num_steps=num_steps)
 
 
-def stage_params(state: ServerState, llm_params: Any, diffusion_params: Any) -> list[Any]:
-    """One params object per stage: ``llm_params`` for LLM stages, ``diffusion_params`` for the rest."""
-    return [llm_params if is_llm else diffusion_params for is_llm in state.info.stage_is_llm]
+def stage_params(
+    state: ServerState, llm_params: Any, diffusion_params: Any, audio_params: Any = None
+) -> list[Any]:
+    """One params object per stage: ``llm_params`` for LLM stages, ``diffusion_params`` for
+    diffusion ones; a stage with its own defaults (a talker, an audio stage) gets those, an
+    audio stage ``audio_params`` when given, and a later stage with defaults the request's seed."""
+    info = state.info
+    out = []
+    for i, is_llm in enumerate(info.stage_is_llm):
+        default = info.stage_defaults[i] if i < len(info.stage_defaults) else None
+        if audio_params is not None and info.stage_is_audio[i]:
+            out.append(audio_params)
+        elif default is not None and i > 0:
+            seed = getattr(llm_params, "seed", None)
+            if seed is not None and hasattr(default, "clone"):
+                default = default.clone()
+                default.seed = seed
+            out.append(default)
+        else:
+            out.append(llm_params if is_llm else diffusion_params)
+    return out
 
 
 def default_llm_params(state: ServerState) -> Any:
@@ -151,17 +169,26 @@ def default_llm_params(state: ServerState) -> Any:
 
 
 def stream_pipeline(
-    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters
+    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters, last_stage: int | None = None
 ) -> AsyncIterator[Any]:
-    """``AsyncOmni.generate`` for one prompt (each final output; pieces of a DELTA stage).
+    """``AsyncOmni.generate`` for one prompt (each final output; pieces of a DELTA stage), ending
+    after ``last_stage`` when given.
 
     Closing the iterator, or cancelling the task iterating it, cancels the request.
     """
-    return state.omni.generate(prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters)
+    kwargs = {} if last_stage is None else {"last_stage": last_stage}
+    return state.omni.generate(
+        prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters, **kwargs
+    )
 
 
 async def run_pipeline(
-    state: ServerState, prompt: Any, params: list[Any], adapters: Adapters, request: Request | None = None
+    state: ServerState,
+    prompt: Any,
+    params: list[Any],
+    adapters: Adapters,
+    request: Request | None = None,
+    last_stage: int | None = None,
 ) -> list[Any]:
     """Run one prompt and collect its final outputs; with ``request``, cancel it when that client leaves.
 
@@ -172,7 +199,7 @@ async def run_pipeline(
 
     async def collect() -> list[Any]:
         with engine_errors("lora"):
-            return [out async for out in stream_pipeline(state, prompt, params, adapters)]
+            return [out async for out in stream_pipeline(state, prompt, params, adapters, last_stage)]
 
     if request is None:
         return await collect()

@@ -43,6 +43,7 @@ class StreamRun:
     prompt: Any
     params: list[Any]
     adapters: Adapters
+    last_stage: int | None = None  # the request ends after this stage (None: the last one)
 
 
 @dataclass
@@ -116,7 +117,9 @@ async def stream_text(request: Request, state: ServerState, runs: list[StreamRun
         ClientDisconnected: the client went away before the first piece.
     """
     first_run = runs[0]
-    pieces = stream_pipeline(state, first_run.prompt, first_run.params, first_run.adapters)
+    pieces = stream_pipeline(
+        state, first_run.prompt, first_run.params, first_run.adapters, first_run.last_stage
+    )
     try:
         with engine_errors("lora"):
             first = await cancel_on_disconnect(request, anext(pieces, None))
@@ -132,7 +135,10 @@ async def _events(
     try:
         for i, run in enumerate(runs):
             if i:
-                pieces, first = stream_pipeline(state, run.prompt, run.params, run.adapters), None
+                pieces, first = (
+                    stream_pipeline(state, run.prompt, run.params, run.adapters, run.last_stage),
+                    None,
+                )
             offset = i * spec.n
             for event in spec.opening(offset):
                 yield event

@@ -1,0 +1,104 @@
+"""`vllm-omni serve <tiny Qwen2.5-Omni> --pipeline qwen2_5_omni`: chat with audio output over real HTTP.
+
+One server for the module. The openai client reads ``message.audio`` (base64 WAV and its
+transcript); a request that does not ask for audio gets text only; bad audio fields are 400s
+naming the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_utils import (
+    assert_openai_error,
+    free_port,
+    serve_command,
+    server_env,
+    start_server,
+)
+from tools.make_tiny_qwen2_5_omni import SPEAKER
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+STAGE = {"dtype": "float32", "max_model_len": 128}
+OVERRIDES = {"0": STAGE | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}}, "1": STAGE}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_omni_assets, tmp_path_factory):
+    port = free_port()
+    cmd = serve_command(
+        tiny_omni_assets.model_dir,
+        port,
+        "--pipeline",
+        "qwen2_5_omni",
+        "--stage-overrides",
+        json.dumps(OVERRIDES),
+        "--served-model-name",
+        "tiny-omni",
+    )
+    log = tmp_path_factory.mktemp("serve_omni_log") / "server.log"
+    srv = start_server(cmd, port, log, server_env(), timeout=600)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+
+
+def _audio_chat(client, voice=SPEAKER, seed=7):
+    return client.chat.completions.create(
+        model="tiny-omni",
+        messages=MESSAGES,
+        modalities=["text", "audio"],
+        audio={"voice": voice, "format": "wav"},
+        max_tokens=6,
+        temperature=0,
+        seed=seed,
+    )
+
+
+def test_openai_client_reads_audio_and_its_transcript(client):
+    text_only = client.chat.completions.create(
+        model="tiny-omni", messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    message = text_only.choices[0].message
+    assert message.audio is None and message.content
+
+    reply = _audio_chat(client)
+    audio = reply.choices[0].message.audio
+    assert reply.choices[0].message.content is None
+    assert audio.transcript == message.content  # greedy thinker: the same text
+    assert audio.id.startswith("audio_") and audio.expires_at > reply.created
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        frames = w.readframes(w.getnframes())
+    assert len(frames) > 0 and frames != b"\x00" * len(frames)
+    assert _audio_chat(client).choices[0].message.audio.data == audio.data  # seeded talker and DiT
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"modalities": ["text", "audio"], "audio": {"voice": "nobody", "format": "wav"}}, "audio.voice"),
+        ({"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "mp3"}}, "audio.format"),
+        ({"modalities": ["text", "audio"]}, "audio"),
+        (
+            {"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "wav"}, "stream": True},
+            "stream",
+        ),
+    ],
+)
+def test_bad_audio_fields_are_400_naming_the_field(server, fields, param):
+    body = {"model": "tiny-omni", "messages": MESSAGES, "max_tokens": 4} | fields
+    err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60), (400,))
+    assert err["param"] == param

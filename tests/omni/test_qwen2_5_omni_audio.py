@@ -1,0 +1,194 @@
+"""Qwen2.5-Omni end to end (thinker -> talker -> code2wav) against transformers' ``generate``.
+
+One pipeline serves every test of the module; the transformers references are computed once
+per session. Greedy thinker and talker on both sides, the DiT's starting noise seeded
+identically (``torch.manual_seed(SEED)`` before transformers' ``generate``, ``AudioParams.seed``
+here), few DiT steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+
+from tools.make_tiny_qwen2_5_omni import SPEAKER, TALKER_EOS_TOKEN_IDS
+from vllm_omni.inputs.audio import AudioParams
+from vllm_omni.lora.request import LoRARequest
+from vllm_omni.models.qwen2_5_omni.code2wav import SAMPLE_RATE
+
+THINK, TALK, STEPS, SEED = 6, 16, 3, 1234
+PROMPTS = ((5, 6, 7, 8, 9, 10, 11, 12), (40, 41, 42, 43, 44))
+LLM_OPTIONS = {"dtype": "float32", "max_model_len": 256, "enable_lora": True, "max_lora_rank": 16}
+
+
+@functools.cache
+def _hf_model(model_dir: str, thinker_adapter: str | None, talker_adapter: str | None):
+    from peft import PeftModel
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if thinker_adapter is not None:
+        PeftModel.from_pretrained(model, thinker_adapter)  # injects the LoRA layers into ``model``
+    if talker_adapter is not None:
+        PeftModel.from_pretrained(model.talker, talker_adapter)  # into the talker sub-model
+    return model
+
+
+@functools.cache
+def hf_reference(
+    model_dir: str,
+    prompt: tuple[int, ...],
+    thinker_adapter: str | None = None,
+    talker_adapter: str | None = None,
+):
+    """``(thinker tokens, talker codes, waveform)`` of transformers' ``generate(return_audio=True)``."""
+    model = _hf_model(model_dir, thinker_adapter, talker_adapter)
+    captured = {}
+    talker_generate = model.talker.generate
+
+    def capture(*args, **kwargs):
+        out = talker_generate(*args, **kwargs)
+        captured["codes"] = out[0, kwargs["input_ids"].shape[1] :].tolist()
+        return out
+
+    model.talker.generate = capture
+    ids = torch.tensor([prompt])
+    torch.manual_seed(SEED)
+    try:
+        seq, wav = model.generate(
+            input_ids=ids,
+            speaker=SPEAKER,
+            return_audio=True,
+            thinker_max_new_tokens=THINK,
+            thinker_do_sample=False,
+            talker_max_new_tokens=TALK,
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+            talker_eos_token_id=list(TALKER_EOS_TOKEN_IDS),
+            token2wav_num_steps=STEPS,
+        )
+    finally:
+        del model.talker.generate
+    codes = captured["codes"]
+    stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
+    return seq[0, len(prompt) :].tolist(), codes[:stop], wav.numpy()
+
+
+@pytest.fixture(scope="session")
+def talker_adapter(tiny_omni_assets, tmp_path_factory):
+    from tests.omni.talker_adapter import make_talker_adapter
+
+    return make_talker_adapter(str(tiny_omni_assets.model_dir), tmp_path_factory.mktemp("talker") / "adapter")
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_omni_assets):
+    from vllm_omni import Omni
+
+    overrides = {
+        "0": LLM_OPTIONS | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}},
+        "1": LLM_OPTIONS,
+    }
+    with Omni(str(tiny_omni_assets.model_dir), pipeline="qwen2_5_omni", stage_overrides=overrides) as engine:
+        yield engine
+
+
+def _params(voice=SPEAKER, seed=SEED):
+    return [
+        SamplingParams(temperature=0, max_tokens=THINK),
+        SamplingParams(temperature=0, max_tokens=TALK),
+        AudioParams(voice=voice, seed=seed, num_steps=STEPS),
+    ]
+
+
+def _run(omni, prompt, **kwargs):
+    text, audio = omni.generate({"prompt_token_ids": list(prompt)}, _params(), **kwargs)
+    return text, audio
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_text_codes_and_waveform_equal_transformers(omni, tiny_omni_assets, prompt):
+    text, audio = _run(omni, prompt)
+    tokens, codes, wav = hf_reference(str(tiny_omni_assets.model_dir), prompt)
+    assert (text.stage_id, text.final_output_type, audio.stage_id, audio.final_output_type) == (
+        0,
+        "text",
+        2,
+        "audio",
+    )
+    assert text.token_ids == tokens
+    assert audio.stage_outputs[1].codes.tolist() == codes and len(codes) > 0
+    assert audio.sample_rate == SAMPLE_RATE and audio.audio.dtype == np.float32 and audio.audio.ndim == 1
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
+    assert np.abs(wav).max() > 1e-3  # not a silent reference
+
+
+def test_waveform_depends_on_codes_voice_and_seed(omni):
+    """The comparison above is meaningful: other codes, voices or noise give other waveforms."""
+    base = _run(omni, PROMPTS[0])[1].audio
+    other_prompt = _run(omni, PROMPTS[1])[1].audio
+    other_voice = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(voice="Ethan"))[1].audio
+    other_seed = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(seed=SEED + 1))[1].audio
+    for other in (other_voice, other_seed):
+        assert other.shape == base.shape and np.abs(other - base).max() > 1e-4
+    assert other_prompt.shape != base.shape or np.abs(other_prompt - base).max() > 1e-4
+
+
+def test_thinker_adapter_reaches_the_thinker_and_its_hidden_states(omni, tiny_omni_assets):
+    """The entry adapter changes the thinker's tokens and the hidden states the talker reads
+    (its pooling pass runs with the same adapter): equal to peft on transformers' thinker."""
+    adapter = LoRARequest("thinker", 1, str(tiny_omni_assets.thinker_adapter))
+    text, audio = _run(omni, PROMPTS[0], lora_request=adapter)
+    tokens, codes, wav = hf_reference(
+        str(tiny_omni_assets.model_dir), PROMPTS[0], str(tiny_omni_assets.thinker_adapter)
+    )
+    assert tokens != hf_reference(str(tiny_omni_assets.model_dir), PROMPTS[0])[0]
+    assert text.token_ids == tokens
+    assert audio.stage_outputs[1].codes.tolist() == codes
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
+
+
+def test_unknown_voice_is_refused(omni):
+    from vllm_omni.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="unknown voice 'nobody'"):
+        omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(voice="nobody"))
+
+
+def test_per_stage_adapters_reach_thinker_and_talker(omni, tiny_omni_assets, talker_adapter):
+    """``lora_request={0: thinker, 1: talker}``: each adapter reaches its stage (the thinker's also
+    its hidden states); tokens, codes and waveform equal transformers with peft on both sub-models."""
+    thinker = LoRARequest("thinker", 1, str(tiny_omni_assets.thinker_adapter))
+    talker = LoRARequest("talker", 2, str(talker_adapter))
+    model_dir = str(tiny_omni_assets.model_dir)
+    text, audio = _run(omni, PROMPTS[0], lora_request={0: thinker, 1: talker})
+    tokens, codes, wav = hf_reference(
+        model_dir, PROMPTS[0], str(tiny_omni_assets.thinker_adapter), str(talker_adapter)
+    )
+    assert text.token_ids == tokens
+    assert audio.stage_outputs[1].codes.tolist() == codes
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
+    # the talker adapter alone changes the codes, not the text
+    text_t, audio_t = _run(omni, PROMPTS[0], lora_request={1: talker})
+    base_tokens, base_codes, _ = hf_reference(model_dir, PROMPTS[0])
+    _, talker_codes, _ = hf_reference(model_dir, PROMPTS[0], None, str(talker_adapter))
+    assert text_t.token_ids == base_tokens
+    assert audio_t.stage_outputs[1].codes.tolist() == talker_codes != base_codes
+
+
+def test_an_adapter_for_code2wav_is_refused_naming_the_stage(omni, talker_adapter):
+    from vllm_omni.errors import LoRANotEnabledError
+
+    with pytest.raises(LoRANotEnabledError, match=r"Stage 2 \(llm_generation\)"):
+        _run(omni, PROMPTS[0], lora_request={2: LoRARequest("talker", 2, str(talker_adapter))})
+
+
+def test_last_stage_returns_text_without_running_the_audio_stages(omni, monkeypatch):
+    talker = omni._orchestrator.runtimes[1]
+    monkeypatch.setattr(talker, "submit", lambda *a, **k: pytest.fail("the talker ran"))
+    outs = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(), last_stage=0)
+    assert [o.final_output_type for o in outs] == ["text"] and outs[0].token_ids
