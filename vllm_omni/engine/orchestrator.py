@@ -35,6 +35,7 @@ from vllm_omni.errors import (
     InvalidRequestError,
     LoRANotEnabledError,
     StageEngineError,
+    restate,
 )
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.models.stage_runtimes import has_stage_runtime, input_processor, make_in_tree_runtime
@@ -337,10 +338,8 @@ class Orchestrator:
                 )
             try:
                 self.runtimes[stage_id].validate_request(None, SamplingParams(), lora)
-            except InvalidAdapterError as exc:  # name the stage the adapter was meant for
-                if stage.label in str(exc):
-                    raise
-                raise InvalidAdapterError(f"lora_request[{stage_id}] for {stage.label}: {exc}") from exc
+            except InvalidAdapterError as exc:  # name the entry and the stage it was meant for
+                raise restate(exc, f"lora_request[{stage_id}] for {stage.label}") from exc
 
     def _partial_hook(
         self,
