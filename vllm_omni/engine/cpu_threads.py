@@ -9,7 +9,7 @@ The rule, applied when the orchestrator starts ``mp`` workers for stages that ru
 stage sets ``devices: cpu``, or sets no ``devices`` on a host without CUDA): the cores this process
 may run on (``os.sched_getaffinity(0)``) are split, in order, into one contiguous range per CPU
 worker (all stages x replicas, in stage then replica order; the first ``cores % workers`` ranges
-get one core more). Each worker gets
+get one core more). Each worker gets (when there are at least two)
 
 * ``OMP_NUM_THREADS``: the size of its range;
 * ``VLLM_CPU_OMP_THREADS_BIND``: its range (``"0-3"``), split into one range per rank
@@ -129,6 +129,8 @@ def plan_pipeline_threads(
 
     Returns:
         An entry for each stage that runs on CPU (:func:`runs_on_cpu`); other stages are absent.
+        ``{}`` when fewer than two workers run on CPU (one worker keeps torch's and vLLM's
+        defaults: vLLM's ``auto`` binding then keeps a core free for its scheduler process).
         The plan is logged once at INFO.
     """
     if worker_backend != "mp":
@@ -138,7 +140,7 @@ def plan_pipeline_threads(
 
         cpu_host = current_platform.is_cpu()
     workers = [(s, i) for s in stages if runs_on_cpu(s, cpu_host) for i in range(s.replicas)]
-    if not workers:
+    if len(workers) < 2:  # nothing to share: torch's and vLLM's own defaults, as inline
         return {}
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     ranks = [s.parallel_size()[0] if s.is_llm else 1 for s, _ in workers]

@@ -169,6 +169,8 @@ class Orchestrator:
 
     Every stage's model class is checked before the first engine is built, so a pipeline
     with a stage this installation cannot run fails at once.
+    With ``worker_backend="mp"``, the workers of the stages on CPU share the host's cores by
+    :func:`~vllm_omni.engine.cpu_threads.plan_pipeline_threads` (logged once at INFO).
 
     Raises:
         StageEngineError: a stage's model class is unavailable (nothing was started) or a

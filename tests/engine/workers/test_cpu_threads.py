@@ -47,7 +47,7 @@ def z_image():
     return str(ensure_tiny_diffusion_assets(test_assets_root())["z_image"])
 
 
-def test_pipeline_plan_covers_cpu_stages_and_replicas(tiny_llm_assets, z_image, caplog):
+def test_pipeline_plan_covers_cpu_stages_and_replicas(tiny_llm_assets, caplog):
     llm = str(tiny_llm_assets.model_dir)
     cfg = build_omni_config(llm, pipeline="llm_chain", stage_1_replicas=2)
     with caplog.at_level(logging.INFO, logger="vllm_omni.engine.cpu_threads"):
@@ -56,15 +56,17 @@ def test_pipeline_plan_covers_cpu_stages_and_replicas(tiny_llm_assets, z_image, 
     assert "6 core(s) for 3 worker(s)" in caplog.text
     assert plan_pipeline_threads(cfg.stages, "inline", cpu_host=True, cores=range(6)) == {}
     assert plan_pipeline_threads(cfg.stages, "ray", cpu_host=True, cores=range(6)) == {}
-    # on a CUDA host only the stages placed on "cpu" share the cores
-    cuda = build_omni_config(llm, pipeline="llm_chain", stage_1_devices="cpu")
+    # on a CUDA host only the stages placed on "cpu" share the cores; one CPU worker is not planned
+    single = build_omni_config(llm, pipeline="llm_chain", stage_0_devices="cuda:0", stage_1_devices="cpu")
+    assert plan_pipeline_threads(single.stages, "mp", cpu_host=False, cores=range(6), user_env={}) == {}
+    cuda = build_omni_config(llm, pipeline="llm_chain", stage_1_devices="cpu", stage_1_replicas=2)
     assert plan_pipeline_threads(cuda.stages, "mp", cpu_host=False, cores=range(4), user_env={}) == {
-        1: [{T: "4", B: "0-3"}]
+        1: [{T: "2", B: "0-1"}, {T: "2", B: "2-3"}]
     }
 
 
 def test_a_worker_runs_with_its_planned_threads(z_image, monkeypatch):
-    """The worker applies the planned variables before torch starts: its pool has that size."""
+    """The worker is spawned with the planned variables, so its torch pool has that size."""
     from vllm_omni.engine.orchestrator import make_stage_runtime
 
     monkeypatch.delenv(T, raising=False)
