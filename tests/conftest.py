@@ -1,6 +1,7 @@
 """Shared pytest fixtures.
 
-LLM section: the tiny Qwen2 test model and its LoRA adapters (built locally, cached).
+LLM section: the tiny Qwen2 test model and its LoRA adapters, and the tiny Qwen2.5-Omni
+checkpoint (built locally, cached).
 """
 
 from __future__ import annotations
@@ -43,3 +44,15 @@ def tiny_llm_assets():
     from tools.make_tiny_llm import ensure_tiny_llm_assets
 
     return ensure_tiny_llm_assets(test_assets_root())
+
+
+@pytest.fixture(scope="session")
+def tiny_omni_assets():
+    """Tiny random Qwen2.5-Omni checkpoint (thinker, talker, token2wav, ``spk_dict.pt``) and two
+    thinker adapters with the same weights: full-model keys and thinker-alone keys.
+
+    Built on first use (~5 s), then reused; safe under pytest-xdist.
+    """
+    from tools.make_tiny_qwen2_5_omni import ensure_tiny_omni_assets
+
+    return ensure_tiny_omni_assets(test_assets_root())

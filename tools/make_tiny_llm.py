@@ -129,8 +129,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_con
 # --------------------------------------------------------------------------------------
 
 
-def _train_bpe():
-    """Train the byte-level BPE (deterministic) and return a ``tokenizers.Tokenizer``."""
+def _train_bpe(special_tokens: tuple[str, ...] = SPECIAL_TOKENS):
+    """Train the byte-level BPE (deterministic) and return a ``tokenizers.Tokenizer``.
+
+    ``special_tokens`` are appended after the ``BPE_VOCAB_SIZE`` ordinary tokens, in order.
+    """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -161,7 +164,7 @@ def _train_bpe():
         special_tokens=[],
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     return tok
 
 
@@ -169,11 +172,21 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def write_tokenizer(out_dir: str | os.PathLike) -> dict[str, int]:
-    """Write tokenizer files into ``out_dir``; return the special token ids."""
+def write_tokenizer(
+    out_dir: str | os.PathLike,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    extra_config: dict | None = None,
+) -> dict[str, int]:
+    """Write tokenizer files into ``out_dir``; return the special token ids.
+
+    Args:
+        special_tokens: the special tokens (ids ``BPE_VOCAB_SIZE`` on, in order); must hold
+            ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``.
+        extra_config: extra ``tokenizer_config.json`` entries (e.g. named multimodal tokens).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train_bpe()
+    tok = _train_bpe(special_tokens)
 
     tok.save(str(out / "tokenizer.json"), pretty=True)
     # vocab.json / merges.txt in the GPT-2/Qwen2 slow-tokenizer format (ordinary tokens only).
@@ -184,7 +197,7 @@ def write_tokenizer(out_dir: str | os.PathLike) -> dict[str, int]:
     merge_lines = [m if isinstance(m, str) else " ".join(m) for m in merges]
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merge_lines) + "\n", encoding="utf-8")
 
-    special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    special_ids = {t: tok.token_to_id(t) for t in special_tokens}
     added_tokens_decoder = {
         str(special_ids[t]): {
             "content": t,
@@ -194,13 +207,13 @@ def write_tokenizer(out_dir: str | os.PathLike) -> dict[str, int]:
             "single_word": False,
             "special": True,
         }
-        for t in SPECIAL_TOKENS
+        for t in special_tokens
     }
     tokenizer_config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_prefix_space": False,
         "added_tokens_decoder": added_tokens_decoder,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)],
+        "additional_special_tokens": [t for t in special_tokens if t not in (EOS_TOKEN, PAD_TOKEN)],
         "bos_token": None,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
@@ -210,6 +223,7 @@ def write_tokenizer(out_dir: str | os.PathLike) -> dict[str, int]:
         "model_max_length": TINY_CONFIG["max_position_embeddings"],
         "split_special_tokens": False,
         "chat_template": CHAT_TEMPLATE,
+        **(extra_config or {}),
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     _write_json(

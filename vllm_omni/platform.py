@@ -123,8 +123,10 @@ def prepare_engine_process() -> None:
     In a process started by an engine owner (vLLM's engine core and workers) it also starts the
     parent watch of :mod:`vllm_omni.process_guard`: the process exits when its parent is gone.
     """
+    from vllm_omni.models import register_omni_models
     from vllm_omni.process_guard import watch_parent
 
     watch_parent()
+    register_omni_models()
     request_amx_permission()
     patch_torch_lora_ops()

@@ -14,7 +14,7 @@ if str(REPO_ROOT) not in sys.path:  # `tools/` lives in the checkout, not in the
 
 
 @pytest.fixture(scope="session")
-def docs_assets_root(tiny_llm_assets, tmp_path_factory) -> Path:
+def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Path:
     """A folder holding every name of ``doc_blocks.PLACEHOLDERS`` (tiny models, tiny adapters)."""
     from doc_blocks import build_assets
 
@@ -32,5 +32,7 @@ def docs_assets_root(tiny_llm_assets, tmp_path_factory) -> Path:
         "z_attn": z_loras["attn"],
         "z_ff": z_loras["ff"],
         "z_attn_file": z_loras["attn_file"],
+        "omni_model": tiny_omni_assets.model_dir,
+        "omni_thinker_adapter": tiny_omni_assets.thinker_adapter,
     }
     return build_assets(tmp_path_factory.mktemp("docs_assets"), assets)

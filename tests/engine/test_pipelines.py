@@ -6,7 +6,7 @@ import pytest
 from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
-from vllm_omni.errors import StageEngineError
+from vllm_omni.errors import LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
 pytestmark = pytest.mark.engine
@@ -41,6 +41,12 @@ def test_llm_chain_stage1_consumes_stage0_text_and_adapter_reaches_entry_only(ti
         assert out.token_ids == hf_greedy(model, out.prompt, N)
         # the stage 1 engine has no LoRA: runtime management skips it
         assert omni.list_loras() == {1}
+        # per-stage request adapters: a stage without LoRA is refused before anything runs,
+        # naming the stage and the option
+        with pytest.raises(
+            LoRANotEnabledError, match=r"Stage 1 \(llm_ar\) does not have LoRA enabled.*enable_lora"
+        ):
+            omni.generate("hello world", [params, params], lora_request={0: adapter, 1: adapter})
 
 
 def test_stage_with_unavailable_model_class_fails_at_engine_start(tiny_llm_assets):
@@ -48,16 +54,17 @@ def test_stage_with_unavailable_model_class_fails_at_engine_start(tiny_llm_asset
 
     with pytest.raises(
         StageEngineError,
-        match=r"Stage 0 \(llm_ar\): model class 'OmniQwen2_5OmniThinkerForConditionalGeneration' is not available",
+        match=r"Stage 0 \(llm_ar\): model class 'Qwen3TTSTalkerForConditionalGeneration' is not available",
     ):
-        Omni(str(tiny_llm_assets.model_dir), pipeline="qwen2_5_omni_thinker_only", max_model_len=64)
+        Omni(str(tiny_llm_assets.model_dir), pipeline="qwen3_tts", max_model_len=64)
 
 
 @pytest.mark.parametrize(
     ("name", "label", "missing"),
     [
         ("qwen3_tts", r"Stage 0 \(llm_ar\)", "Qwen3TTSTalkerForConditionalGeneration"),
-        ("qwen2_5_omni", r"Stage 0 \(llm_ar\)", "OmniQwen2_5OmniThinkerForConditionalGeneration"),
+        # the thinker runs (tests/omni); the talker does not yet
+        ("qwen2_5_omni", r"Stage 1 \(llm_ar\)", "OmniQwen2_5OmniTalkerForConditionalGeneration"),
         ("bagel", r"Stage 0 \(llm_ar\)", "OmniBagelForConditionalGeneration"),
     ],
 )

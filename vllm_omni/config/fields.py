@@ -26,7 +26,16 @@ LORA_FIELD_ALIASES: dict[str, str] = {"target_modules": "lora_target_modules"}
 
 # Keys every stage entry may carry that are not engine options.
 STAGE_META_KEYS = frozenset(
-    {"model", "stage_type", "model_arch", "engine_input_source", "final_output", "devices", "replicas"}
+    {
+        "model",
+        "stage_type",
+        "model_arch",
+        "engine_input_source",
+        "final_output",
+        "devices",
+        "replicas",
+        "ray_resources",
+    }
 )
 
 # EngineArgs fields owned by the stage engine concern although no upstream concern dataclass declares them.

@@ -82,6 +82,19 @@ def _check_meta_types(label: str, meta: dict[str, Any], origins: dict[str, str])
             f"got {meta['final_output']!r}",
             options=("final_output",),
         )
+    resources = meta.get("ray_resources")
+    if resources is not None and not (
+        isinstance(resources, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+            for k, v in resources.items()
+        )
+    ):
+        raise ConfigError(
+            f"{_where(origins, 'ray_resources', label)}: ray_resources must map Ray resource names to "
+            f'amounts >= 0, e.g. {{"node_a": 1}}, got {resources!r}',
+            options=("ray_resources",),
+        )
     if "engine_input_source" in meta:
         source = meta["engine_input_source"]
         if not isinstance(source, list | tuple) or not all(
@@ -104,12 +117,15 @@ class VllmOmniConfig:
         model: the default model path of the pipeline (stages may override it).
         worker_backend: where stage runtimes run: ``"inline"`` (this process), ``"mp"`` (one
             worker process per stage) or ``"ray"`` (one Ray actor per stage).
+        ray_address: the Ray cluster of ``worker_backend="ray"`` (default: ``RAY_ADDRESS``,
+            else a local cluster started for the pipeline).
     """
 
     pipeline: PipelineConfig
     stages: list[BaseVllmOmniStageConfig]
     model: str | None = None
     worker_backend: str = "inline"
+    ray_address: str | None = None
 
     def stage_by_id(self, stage_id: int) -> BaseVllmOmniStageConfig:
         """The config of stage ``stage_id``.
@@ -169,6 +185,7 @@ class VllmOmniConfig:
         deploy_source = explicit.pop("deploy_config", None)
         deploy = load_deploy_config(deploy_config if deploy_config is not None else deploy_source)
         worker_backend = cls._worker_backend(explicit, deploy, default_worker_backend, input_names)
+        ray_address = cls._ray_address(explicit, deploy, input_names)
         global_opts, stage_keys = split_stage_scoped_keys(explicit)
         if "model" in global_opts:
             model = model or global_opts.pop("model")
@@ -207,7 +224,9 @@ class VllmOmniConfig:
                     merged[name] = value
                     origins[name] = name_of(key)
             stages.append(cls._build_stage(pipeline, stage_id, merged, model, origins))
-        return cls(pipeline=pipeline, stages=stages, model=model, worker_backend=worker_backend)
+        config = cls(pipeline=pipeline, stages=stages, model=model, worker_backend=worker_backend)
+        config.ray_address = ray_address
+        return config
 
     @staticmethod
     def _worker_backend(
@@ -228,6 +247,26 @@ class VllmOmniConfig:
             raise ConfigError(
                 f"{source}: unknown worker backend {value!r}; choose one of {list(WORKER_BACKENDS)}",
                 options=("worker_backend",),
+            )
+        return value
+
+    @staticmethod
+    def _ray_address(
+        explicit: dict[str, Any], deploy: DeployConfig | None, input_names: InputNames
+    ) -> str | None:
+        """The pipeline-wide ``ray_address`` (popped from ``explicit``): explicit, then deploy YAML.
+
+        Raises:
+            ConfigError: not a string (naming the input).
+        """
+        value = explicit.pop("ray_address", None)
+        if value is None and deploy is not None:
+            value = deploy.ray_address
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"{input_names.global_option('ray_address')}: ray_address must be a string such as "
+                f"'ray://head:10001' or 'auto', got {value!r}",
+                options=("ray_address",),
             )
         return value
 
@@ -328,6 +367,7 @@ class VllmOmniConfig:
             model_arch=meta.get("model_arch", spec.model_arch),
             engine_input_source=list(source),
             final_output=bool(meta.get("final_output", spec.final_output)),
+            ray_resources=dict(meta.get("ray_resources") or {}),
             options=merged,
             origins=origins,
             devices=meta.get("devices"),

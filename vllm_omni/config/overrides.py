@@ -171,13 +171,14 @@ class DeployStageEntry(BaseModel):
 
 
 class DeployConfig(BaseModel):
-    """A deploy YAML: optional ``pipeline`` name, ``model`` and ``worker_backend``, and a ``stages:`` list."""
+    """A deploy YAML: optional ``pipeline`` name, ``model``, ``worker_backend`` and ``ray_address``, and a ``stages:`` list."""
 
     model_config = ConfigDict(extra="forbid")
 
     pipeline: str | None = None
     model: str | None = None
     worker_backend: str | None = None
+    ray_address: str | None = None
     stages: list[DeployStageEntry] = Field(default_factory=list)
     _source_name: str = PrivateAttr(default="deploy config")
 

@@ -7,11 +7,14 @@ stage outputs feed it. Registered names follow the public project's: ``qwen3_tts
 pipelines that run on any causal LM / diffusers directory (``llm_chain``,
 ``llm_to_diffusion``) and the single-stage defaults derived from a model directory.
 
-Registering a topology does not make its model classes available: ``qwen3_tts``,
-``qwen2_5_omni``, ``qwen2_5_omni_thinker_only`` and ``bagel`` name classes that neither this
-package nor stock vLLM / diffusers implement. They resolve (options, overrides, ``--dry-run``),
-and starting one fails before any engine is built with a ``StageEngineError`` naming the stage
-and the missing class (``Orchestrator`` checks every stage first).
+Registering a topology does not make its model classes available. Run end to end (tested on
+tiny checkpoints; ``wan2_2_ti2v`` through its class): ``qwen2_5_omni_thinker_only`` (vLLM's
+Qwen2.5-Omni thinker, registered by :mod:`vllm_omni.models`), ``wan2_2_ti2v``, ``llm_chain``,
+``llm_to_diffusion`` and the single-stage defaults. ``qwen3_tts``, ``qwen2_5_omni`` (its talker and code2wav stages) and ``bagel`` name
+classes that neither this package nor stock vLLM / diffusers implement yet. They resolve (options,
+overrides, ``--dry-run``), and starting one fails before any engine is built with a
+``StageEngineError`` naming the stage and the missing class (``Orchestrator`` checks every stage
+first).
 """
 
 from __future__ import annotations

@@ -65,6 +65,8 @@ class BaseVllmOmniStageConfig:
         engine_input_source: ids of the stages whose outputs feed this one.
         final_output: whether this stage's output is returned to the caller.
         options: the resolved explicit options (engine/diffusion option names).
+        ray_resources: Ray resources the stage's actor needs besides one CPU (``worker_backend="ray"``),
+            e.g. ``{"node_a": 1}`` for a custom resource a node was started with.
         origins: option name -> the input that set it (``--stage-overrides``, ``deploy config
             'd.yaml', stages[0]``, ...); errors name it.
         devices: where the stage's workers run (``["cpu"]``, ``["cuda:1", "cuda:2"]``; a
@@ -84,6 +86,7 @@ class BaseVllmOmniStageConfig:
     engine_input_source: list[int] = field(default_factory=list)
     final_output: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    ray_resources: dict[str, float] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     devices: list[str] | None = None
     replicas: int = 1

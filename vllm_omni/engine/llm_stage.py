@@ -49,6 +49,21 @@ _PARKED: list[Any] = []
 _LIVE_LOCK = threading.Lock()
 #: Seconds ``shutdown()`` waits for the driver thread when no timeout is given.
 _DRIVER_JOIN_S = 30.0
+#: vLLM keeps the state of the step being run in module globals (``vllm.forward_context``'s
+#: ``_forward_context``: attention metadata, LoRA mapping): two engines that run their steps in
+#: this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) must not step at the same time, or one
+#: reads the other's metadata (measured: an ``llm_chain`` whose two stages step together aborted
+#: in the oneDNN matmul). Engines in their own processes step freely.
+_IN_PROCESS_STEP_LOCK = threading.Lock()
+
+
+def _step_guard(engine: Any) -> Any:
+    """The lock an engine holds while it steps: :data:`_IN_PROCESS_STEP_LOCK` when its core runs
+    in this process, else none."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    in_process = isinstance(getattr(engine, "engine_core", None), InprocClient)
+    return _IN_PROCESS_STEP_LOCK if in_process else contextlib.nullcontext()
 
 
 def check_model_class(stage: LLMStageConfig) -> None:
@@ -61,6 +76,9 @@ def check_model_class(stage: LLMStageConfig) -> None:
         return
     from vllm import ModelRegistry
 
+    from vllm_omni.models import register_omni_models
+
+    register_omni_models()
     if stage.model_arch not in ModelRegistry.get_supported_archs():
         raise StageEngineError(
             f"{stage.label}: model class {stage.model_arch!r} is not available in this vLLM installation "
@@ -164,6 +182,7 @@ class LLMStageEngine(StageDriver):
     def _run(self, engine_cls, engine_args, started: Future) -> None:
         try:
             self._engine = engine_cls.from_engine_args(engine_args)
+            self._step_lock = _step_guard(self._engine)
             if self.validator is not None:
                 self.validator.compute_dtype = lora_compute_dtype(self._engine.vllm_config)
         except BaseException as exc:
@@ -405,7 +424,8 @@ class LLMStageEngine(StageDriver):
             if not running:
                 continue
             try:
-                outputs = self._engine.step()
+                with self._step_lock:
+                    outputs = self._engine.step()
             except Exception as exc:
                 self._fail_all(exc)
                 return

@@ -15,8 +15,13 @@ Checks, in order:
    ``lora_alpha``, and only finite floating-point ``lora_A``/``lora_B`` pairs;
 2. vLLM's own ``PEFTHelper`` applies vLLM's legality rules (rank <= ``max_lora_rank`` incl.
    ``rank_pattern``, no DoRA, no bias, no ``modules_to_save`` ...);
-3. every module is a linear layer that exists in the model; ``lora_A`` is ``[r, in_features]``
-   and ``lora_B`` ``[out_features, r]`` with ``r`` the rank the config declares for that module;
+3. every module is a linear layer that exists in the model, in the part of it vLLM adapts
+   (:data:`LORA_SCOPES`: vLLM's Qwen2.5-Omni thinker adapts ``thinker.model.*`` only; a module
+   elsewhere would be loaded and silently not applied); an adapter none of whose modules binds
+   is refused with an example key (vLLM would run it as the base model: an adapter saved from
+   the thinker alone, ``base_model.model.model.layers...``, is such a case); ``lora_A`` is
+   ``[r, in_features]`` and ``lora_B`` ``[out_features, r]`` with ``r`` the rank the config
+   declares for that module;
 4. when the stage sets ``lora_target_modules``, vLLM will wrap the layer that module runs in:
    the check is vLLM's own ``is_in_target_modules`` on the runtime name (``q_proj`` runs in the
    packed ``qkv_proj`` per the model class's ``packed_modules_mapping``, so ``["qkv_proj"]``
@@ -28,13 +33,15 @@ Checks, in order:
    buffers and corrupt every later request of the stage.
 
 The model's linear layers come from the stage's HF config instantiated on the meta
-device with transformers (no weights are read).
+device with transformers (no weights are read): ``AutoModelForCausalLM``, or the class of the
+stage's :class:`LoRAScope`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -59,14 +66,48 @@ def _location(path: str) -> str:
     return os.path.realpath(path) if isinstance(path, str) and "://" not in path else str(path)
 
 
+@dataclass(frozen=True)
+class LoRAScope:
+    """Which transformers model a vLLM class mirrors, and which part of it vLLM adapts.
+
+    Attributes:
+        hf_class: transformers class built (on the meta device) from the stage's config.
+        prefixes: module-name prefixes (in ``hf_class``'s names) of the layers vLLM wraps with
+            LoRA; an adapter module elsewhere would be loaded and silently not applied.
+        tower_prefixes: further prefixes vLLM wraps when ``enable_tower_connector_lora`` is set.
+    """
+
+    hf_class: str
+    prefixes: tuple[str, ...]
+    tower_prefixes: tuple[str, ...] = ()
+
+
+_QWEN2_5_OMNI_THINKER = LoRAScope(
+    "Qwen2_5OmniForConditionalGeneration",
+    ("thinker.model.",),
+    ("thinker.audio_tower.", "thinker.visual."),
+)
+#: vLLM classes that adapt a part of a larger transformers model (others: the whole causal LM).
+LORA_SCOPES: dict[str, LoRAScope] = {
+    # vLLM runs a whole Qwen2.5-Omni checkpoint as its thinker; talker / token2wav are dropped
+    "Qwen2_5OmniForConditionalGeneration": _QWEN2_5_OMNI_THINKER,
+    "OmniQwen2_5OmniThinkerForConditionalGeneration": _QWEN2_5_OMNI_THINKER,
+}
+
+
 @lru_cache(maxsize=8)
-def _linear_shapes(model_path: str) -> dict[str, tuple[int, int]]:
-    """``{module name: (in_features, out_features)}`` of every ``nn.Linear`` in the model."""
+def _linear_shapes(model_path: str, hf_class: str | None = None) -> dict[str, tuple[int, int]]:
+    """``{module name: (in_features, out_features)}`` of every ``nn.Linear`` in the model
+    (``AutoModelForCausalLM``, or the transformers class ``hf_class``)."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        if hf_class is None:
+            model = AutoModelForCausalLM.from_config(hf_config)
+        else:
+            model = getattr(transformers, hf_class)._from_config(hf_config)
     return {
         name: (module.in_features, module.out_features)
         for name, module in model.named_modules()
@@ -192,12 +233,19 @@ class LLMAdapterValidator:
         self._check_shapes(pairs, name, helper)
 
     def _check_shapes(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str, helper) -> None:
-        shapes = _linear_shapes(self.model_path)
+        shapes, outside = self._model_modules()
+        modules = {key: key.removeprefix(_PEFT_PREFIX) for key in sorted(pairs)}
+        if modules and not any(m in shapes for m in modules.values()):
+            raise InvalidAdapterError(self._binds_nothing(name, modules, outside))
         problems: list[str] = []
         for key, (a, b) in sorted(pairs.items()):
-            module = key.removeprefix(_PEFT_PREFIX)
+            module = modules[key]
             if module not in shapes:
-                problems.append(f"{module}: no linear layer of that name in the model")
+                problems.append(
+                    f"{module}: a layer vLLM does not adapt in this model ({outside[module]})"
+                    if module in outside
+                    else f"{module}: no linear layer of that name in the model"
+                )
                 continue
             untargeted = self._untargeted(module)
             if untargeted:
@@ -216,6 +264,45 @@ class LLMAdapterValidator:
                 problems.append(f"{module}: {overflow}")
         if problems:
             raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {_summary(problems)}")
+
+    def _model_modules(self) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """The linear layers vLLM adapts (``{name: (in, out)}``, peft's names) and the other
+        linear layers of the transformers model (``{name: why vLLM leaves it out}``)."""
+        arch = self.model_arch or _architecture(self.model_path)
+        scope = LORA_SCOPES.get(arch)
+        if scope is None:
+            return _linear_shapes(self.model_path), {}
+        prefixes = scope.prefixes
+        if getattr(self.lora_config, "enable_tower_connector_lora", False):
+            prefixes += scope.tower_prefixes
+        inside, outside = {}, {}
+        for module, shape in _linear_shapes(self.model_path, scope.hf_class).items():
+            if module.startswith(prefixes):
+                inside[module] = shape
+            else:
+                outside[module] = f"{arch} applies LoRA under {', '.join(prefixes)} only"
+        return inside, outside
+
+    def _binds_nothing(self, name: str, modules: dict[str, str], outside: dict[str, str]) -> str:
+        """The message for an adapter none of whose modules vLLM would apply (it would run as the
+        base model, silently)."""
+        key, module = next(iter(modules.items()))
+        shapes, _ = self._model_modules()
+        hint = ""
+        expected = next(iter(shapes), "")
+        scope = LORA_SCOPES.get(self.model_arch or _architecture(self.model_path))
+        for prefix in scope.prefixes if scope else ():
+            root = prefix.split(".", 1)[0] + "."
+            if f"{root}{module}" in shapes:
+                hint = (
+                    f"; its keys look saved from the {root[:-1]!r} sub-model alone: save the adapter "
+                    f"from the whole model (keys {_PEFT_PREFIX}{root}{module}), or rename the keys so"
+                )
+        return (
+            f"{name} binds no module of {self.stage_label}'s model: e.g. key {key!r} names "
+            f"{module!r}, which {'vLLM does not adapt' if module in outside else 'the model does not have'}"
+            f"{hint}; the model's adapted layers are named like {expected!r}"
+        )
 
     def _untargeted(self, module: str) -> str | None:
         """Why vLLM would not apply ``module`` under the stage's ``lora_target_modules`` (``None``: it would)."""

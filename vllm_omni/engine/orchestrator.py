@@ -14,10 +14,11 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.omni_config import VllmOmniConfig
@@ -28,7 +29,14 @@ from vllm_omni.engine.placement import worker_env
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
 from vllm_omni.engine.replicas import ReplicaFactory, start_replicas
 from vllm_omni.engine.workers import WORKER_BACKENDS
-from vllm_omni.errors import ConfigError, LoRANotEnabledError, StageEngineError
+from vllm_omni.errors import (
+    ConfigError,
+    InvalidAdapterError,
+    InvalidRequestError,
+    LoRANotEnabledError,
+    StageEngineError,
+)
+from vllm_omni.lora.request import LoRARequest
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -189,7 +197,12 @@ class Orchestrator:
             for stage in config.stages:
                 logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
                 self.runtimes.append(
-                    make_stage_runtime(stage, config.worker_backend, thread_envs=threads.get(stage.stage_id))
+                    make_stage_runtime(
+                        stage,
+                        config.worker_backend,
+                        ray_address=config.ray_address,
+                        thread_envs=threads.get(stage.stage_id),
+                    )
                 )
         except BaseException:
             self.shutdown()
@@ -202,6 +215,7 @@ class Orchestrator:
         lora_request: Any = None,
         on_output: Callable[[OmniRequestOutput], None] | None = None,
         on_partial: Callable[[OmniRequestOutput], None] | None = None,
+        stage_loras: Mapping[int, LoRARequest] | None = None,
         **entry_kwargs: Any,
     ) -> Future:
         """Run one request through every stage.
@@ -212,6 +226,7 @@ class Orchestrator:
             lora_request: adapter for the entry stage only.
             on_output: called (from an engine thread) with each final-output stage's result.
             on_partial: streaming: see :meth:`_partial_hook`.
+            stage_loras: ``{stage_id: adapter}`` for later LLM stages (see :meth:`check_stage_loras`).
             entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
                 entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
                 built by the entry point), passed on unchanged.
@@ -221,9 +236,10 @@ class Orchestrator:
             Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
             engine at the next step) and starts no later stage.
 
-        Raises (synchronously): errors of the entry stage's ``submit`` (e.g. invalid adapter).
+        Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
         """
         self.check_open()
+        self.check_stage_loras(stage_loras := dict(stage_loras or {}))
         request_id = f"omni-{next(self._ids)}"
         done: Future = Future()
         finals: list[OmniRequestOutput] = []
@@ -251,6 +267,8 @@ class Orchestrator:
                     return
                 prompts[nxt] = self._next_input(nxt, prompt, raw)
                 hook = self._partial_hook(request_id, nxt, stage_params[nxt], on_partial, prompts, raw)
+                if nxt in stage_loras:
+                    hook["lora_request"] = stage_loras[nxt]
                 fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **hook)
                 with lock:
                     current[:] = [fut]
@@ -270,6 +288,42 @@ class Orchestrator:
         done.add_done_callback(lambda f: _cancel_in_flight(f, current, lock))
         first.add_done_callback(lambda f: run_stage(0, f))
         return done
+
+    def check_stage_loras(self, stage_loras: Mapping[int, LoRARequest]) -> None:
+        """Check the adapters of a request's later stages before anything starts.
+
+        Args:
+            stage_loras: ``{stage_id: LoRARequest}``; every key a stage after the entry stage.
+
+        Raises:
+            InvalidRequestError: a key that is not a later stage of this pipeline, a diffusion
+                stage, or a value that is not a ``LoRARequest``;
+            LoRANotEnabledError: the named stage has no ``enable_lora`` (the message names the
+                stage and the option);
+            InvalidAdapterError: the adapter cannot be served by that stage.
+        """
+        n = len(self.runtimes)
+        for stage_id, lora in stage_loras.items():
+            if isinstance(stage_id, bool) or not isinstance(stage_id, int) or not 0 < stage_id < n:
+                raise InvalidRequestError(
+                    f"lora_request names stage {stage_id!r}, but pipeline {self.config.pipeline.name!r} "
+                    f"has stages 0..{n - 1} (stage 0, the entry stage, takes the request's own adapter)"
+                )
+            stage = self.config.stages[stage_id]
+            if not stage.is_llm:
+                raise InvalidRequestError(
+                    f"lora_request names {stage.label}: per-stage request adapters apply to LLM stages only"
+                )
+            if not isinstance(lora, LoRARequest):
+                raise InvalidRequestError(
+                    f"lora_request[{stage_id}] must be a LoRARequest, got {type(lora).__name__}: {lora!r:.200}"
+                )
+            try:
+                self.runtimes[stage_id].validate_request(None, SamplingParams(), lora)
+            except InvalidAdapterError as exc:  # name the stage the adapter was meant for
+                if stage.label in str(exc):
+                    raise
+                raise InvalidAdapterError(f"lora_request[{stage_id}] for {stage.label}: {exc}") from exc
 
     def _partial_hook(
         self,

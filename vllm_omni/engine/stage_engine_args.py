@@ -56,6 +56,7 @@ def project_stage_engine_kwargs(stage: LLMStageConfig) -> dict[str, Any]:
     if stage.lora_config is not None:
         kwargs.update(OmniStageLoRAConfig.project_engine_args(stage.options))
     kwargs["model"] = stage.model
+    _select_omni_model_class(stage, kwargs)
     if _needs_cpu_kv_budget(kwargs):
         budget = cpu_kv_cache_budget(stage)
         if budget is not None:
@@ -66,6 +67,26 @@ def project_stage_engine_kwargs(stage: LLMStageConfig) -> dict[str, Any]:
 def project_stage_engine_args(stage: LLMStageConfig) -> EngineArgs:
     """``EngineArgs`` of one LLM stage (see :func:`project_stage_engine_kwargs`)."""
     return EngineArgs(**project_stage_engine_kwargs(stage))
+
+
+def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> None:
+    """A stage whose class is one of :data:`vllm_omni.models.OMNI_MODEL_CLASSES` runs that class:
+    ``hf_overrides["architectures"]`` names it (other ``hf_overrides`` entries are kept). A
+    Qwen2.5-Omni thinker without torchvision is made text-only
+    (:func:`~vllm_omni.models.torchvision_free.text_only_without_torchvision`)."""
+    from vllm_omni.models import OMNI_MODEL_CLASSES
+
+    if stage.model_arch not in OMNI_MODEL_CLASSES:
+        return
+    overrides = kwargs.get("hf_overrides")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ConfigError(f"{stage.label}: hf_overrides must be a dict for model class {stage.model_arch!r}")
+    kwargs["hf_overrides"] = {**(overrides or {}), "architectures": [stage.model_arch]}
+    if stage.model_arch == "OmniQwen2_5OmniThinkerForConditionalGeneration":
+        from vllm_omni.models.torchvision_free import text_only_without_torchvision
+
+        if text_only_without_torchvision(stage.label, kwargs):
+            logger.info("%s: torchvision is not installed: text input only", stage.label)
 
 
 def _needs_cpu_kv_budget(kwargs: dict[str, Any]) -> bool:
@@ -86,8 +107,10 @@ def _text_config(model: str, trust_remote_code: bool) -> dict[str, Any] | None:
         return None
     for key in ("text_config", "thinker_config", "llm_config"):
         nested = config.get(key)
+        if key == "thinker_config" and isinstance(nested, dict):  # Qwen2.5-Omni: thinker.text_config
+            nested = nested.get("text_config", nested)
         if isinstance(nested, dict) and nested.get("num_hidden_layers"):
-            return nested.get("text_config", nested) if key == "thinker_config" else nested
+            return nested
     return config
 
 

@@ -55,7 +55,7 @@ class AsyncOmni(OmniBase):
         sampling_params: Any = None,
         request_id: str | None = None,
         *,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | dict[int, LoRARequest] | None = None,
         lora_scale: float | None = None,
         lora_requests: list[LoRARequest] | None = None,
         lora_scales: list[float] | None = None,
@@ -64,7 +64,10 @@ class AsyncOmni(OmniBase):
     ) -> AsyncIterator[OmniRequestOutput]:
         """Run one prompt through the pipeline, yielding each final-output stage's result.
 
-        ``lora_request`` is attached to the entry stage's request only. For a diffusion entry
+        ``lora_request`` is attached to the entry stage's request only; a dict
+        ``{stage_id: LoRARequest}`` gives each named LLM stage its own adapter (per-stage request
+        adapters, as ``Omni.generate``; refused before anything runs when a named stage is
+        missing or has no LoRA enabled). For a diffusion entry
         stage ``lora_scale`` scales it, and ``lora_requests`` / ``lora_scales`` compose several
         adapters (scales default to 1.0 each); concurrent requests share denoiser batches.
         ``adapters`` gives them instead as :class:`~vllm_omni.lora.request.RequestAdapter`
@@ -87,10 +90,13 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
+        lora_request, stage_loras = self._split_stage_loras(lora_request)
+        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
         [lora_kwargs] = self._entry_lora_kwargs(
             [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
         )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
+        stage_loras = {**stage_loras, **adapter_stage_loras}
         streamed = self._streamed_stages(params)
 
         def put(out: OmniRequestOutput) -> None:
@@ -107,6 +113,7 @@ class AsyncOmni(OmniBase):
             params,
             on_output=on_output,
             on_partial=put if streamed else None,
+            stage_loras=stage_loras,
             **entry_kwargs,
         )
         finished = asyncio.wrap_future(done)

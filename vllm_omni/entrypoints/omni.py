@@ -27,7 +27,7 @@ class Omni(OmniBase):
         sampling_params: Any = None,
         *,
         prompt: Any = None,
-        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | dict[int, LoRARequest] | list | None = None,
         lora_scale: float | None = None,
         lora_requests: list[LoRARequest] | list[list[LoRARequest]] | None = None,
         lora_scales: list[float] | list[list[float]] | None = None,
@@ -44,14 +44,19 @@ class Omni(OmniBase):
             sampling_params: see ``OmniBase._stage_params`` (``OmniDiffusionSamplingParams``
                 for diffusion stages, which may carry ``lora_requests`` / ``lora_scales``).
             lora_request: one adapter for every prompt, or one per prompt (``None`` = base);
-                attached to the entry stage's requests only.
+                attached to the entry stage's requests only. Per-stage request adapters (opt-in
+                extension): a dict ``{stage_id: LoRARequest}`` (for every prompt, or as a
+                per-prompt entry) gives each named stage its own adapter; every named stage
+                must be an LLM stage with LoRA enabled, else the request is refused before it
+                starts.
             lora_scale: scale of ``lora_request`` (diffusion entry stages; default 1.0).
             lora_requests / lora_scales: adapters composed in one request (diffusion entry
                 stages): a list of ``LoRARequest`` for every prompt, or one list per prompt;
                 scales default to 1.0 each.
             adapters: the same adapters for every prompt as
                 :class:`~vllm_omni.lora.request.RequestAdapter` (``scale=None``: the stage
-                default), instead of the ``lora_*`` arguments.
+                default; ``stage_id`` set: a later LLM stage's adapter), instead of the
+                ``lora_*`` arguments.
             use_tqdm: show a progress bar over requests.
 
         Returns:
@@ -63,17 +68,12 @@ class Omni(OmniBase):
                 per-prompt lists, diffusion LoRA arguments on an LLM entry stage, or (diffusion)
                 an invalid request;
             LoRANotEnabledError / InvalidAdapterError / StageEngineError: before any request
-                starts when the adapter cannot be served; otherwise the first failure.
+                starts when an adapter cannot be served by its stage (the message names the
+                stage); otherwise the first failure.
         """
         prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
-        n = len(prompt_list)
-        if isinstance(lora_request, list):
-            if len(lora_request) != n:
-                raise InvalidRequestError(f"got {len(lora_request)} lora_request entries for {n} prompts")
-            loras = lora_request
-        else:
-            loras = [lora_request] * n
+        loras, adapters, stage_loras = self._per_prompt_loras(lora_request, len(prompt_list), adapters)
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
         one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one
@@ -87,12 +87,13 @@ class Omni(OmniBase):
             adapters=adapters,
         )
         entry = self._orchestrator.runtimes[0]
-        for p, kw in zip(prompt_list, per_prompt_kwargs):  # all checked before the first is queued
+        for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras):  # all checked first
             entry.validate_request(p, params[0], **kw, **entry_kwargs)
+            self._orchestrator.check_stage_loras(later)
         with self._orchestrator.batching():
             futures = [
-                self._orchestrator.submit(p, params, **kw, **entry_kwargs)
-                for p, kw in zip(prompt_list, per_prompt_kwargs)
+                self._orchestrator.submit(p, params, stage_loras=later, **kw, **entry_kwargs)
+                for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras)
             ]
         _wait_all(futures, use_tqdm)
         results: list[OmniRequestOutput] = []

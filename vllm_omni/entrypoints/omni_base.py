@@ -256,6 +256,78 @@ class OmniBase:
             )
         return {"adapters": adapters}
 
+    def _per_prompt_loras(
+        self, lora_request: Any, n: int, adapters: Sequence[RequestAdapter] | None
+    ) -> tuple[list[Any], Sequence[RequestAdapter] | None, list[dict[int, Any]]]:
+        """``Omni.generate``'s adapters per prompt: (entry-stage ``lora_request`` per prompt,
+        the entry stage's ``adapters``, ``{later stage id: adapter}`` per prompt).
+
+        Raises:
+            InvalidRequestError: a ``lora_request`` list whose length is not ``n``, or a rule of
+                :meth:`_split_stage_loras` / :meth:`_split_stage_adapters`.
+        """
+        if isinstance(lora_request, list):
+            if len(lora_request) != n:
+                raise InvalidRequestError(f"got {len(lora_request)} lora_request entries for {n} prompts")
+            split = [self._split_stage_loras(lr) for lr in lora_request]
+        else:
+            split = [self._split_stage_loras(lora_request)] * n
+        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
+        return (
+            [entry for entry, _ in split],
+            adapters,
+            [{**later, **adapter_stage_loras} for _, later in split],
+        )
+
+    def _split_stage_loras(self, lora_request: Any) -> tuple[Any, dict[int, Any]]:
+        """``lora_request`` as (the entry stage's adapter, ``{later stage id: adapter}``).
+
+        A ``LoRARequest`` (or ``None``) keeps its meaning: the entry stage's adapter. A dict
+        keyed by stage id (per-stage request adapters, an opt-in extension) gives each named
+        stage its own adapter; the entry stage's key is its id (0). The later stages are checked
+        by ``Orchestrator.check_stage_loras`` when the request is submitted.
+
+        Raises:
+            InvalidRequestError: a key that is not a stage id of this pipeline.
+        """
+        if not isinstance(lora_request, dict):
+            return lora_request, {}
+        entry_id = self.config.entry_stage.stage_id
+        later: dict[int, Any] = {}
+        for stage_id, lora in lora_request.items():
+            if isinstance(stage_id, bool) or not isinstance(stage_id, int):
+                raise InvalidRequestError(
+                    f"lora_request keys must be stage ids (int), got {stage_id!r:.50}; "
+                    f"pipeline {self.config.pipeline.name!r} has stages 0..{len(self.config.stages) - 1}"
+                )
+            if stage_id != entry_id and lora is not None:
+                later[stage_id] = lora
+        return lora_request.get(entry_id), later
+
+    def _split_stage_adapters(
+        self, adapters: Sequence[RequestAdapter] | None
+    ) -> tuple[Sequence[RequestAdapter] | None, dict[int, Any]]:
+        """``adapters`` (the HTTP layer's form) as (the entry stage's, ``{later stage id: LoRARequest}``).
+
+        Raises:
+            InvalidRequestError: two adapters for one later stage, or one with a scale other than 1.0
+                (an LLM stage applies one adapter per request, at scale 1.0).
+        """
+        if adapters is None:
+            return None, {}
+        entry_id = self.config.entry_stage.stage_id
+        entry = [a for a in adapters if a.stage_id in (None, entry_id)]
+        later: dict[int, Any] = {}
+        for a in adapters:
+            if a.stage_id in (None, entry_id):
+                continue
+            if a.stage_id in later or a.scale not in (None, 1.0):
+                raise InvalidRequestError(
+                    f"stage {a.stage_id}: an LLM stage applies one adapter per request, at scale 1.0"
+                )
+            later[a.stage_id] = a.lora
+        return tuple(entry), later
+
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:
         return all(self._orchestrator.lora_call("add_lora", lora_request, stage_id=stage_id).values())

@@ -62,10 +62,14 @@ class RequestAdapter:
             nothing; a negative scale negates the adapter's delta. A
             :class:`~vllm_omni.lora.schedule.LoRAScaleSchedule` varies it per step and per block
             (diffusion stages).
+        stage_id: the stage it applies to; ``None`` is the entry stage (the default meaning of
+            a request's adapter). A later stage must be an LLM stage with LoRA enabled
+            (per-stage request adapters, an opt-in extension).
     """
 
     lora: LoRARequest
     scale: float | LoRAScaleSchedule | None = None
+    stage_id: int | None = None
 
 
 def validate_request_adapters(
@@ -102,7 +106,7 @@ def validate_request_adapters(
             f"{len(adapters)} adapters in one request exceed max_loras={max_loras} of the diffusion stage; "
             f"raise max_loras or compose fewer adapters"
         )
-    seen: set[int] = set()
+    seen: set[tuple[int | None, int]] = set()  # an adapter may serve two stages, once each
     out = []
     for i, adapter in enumerate(adapters):
         if not isinstance(adapter, RequestAdapter):
@@ -120,9 +124,9 @@ def validate_request_adapters(
             )
         if not lora.lora_path:
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path")
-        if lora_id in seen:
+        if (adapter.stage_id, lora_id) in seen:
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} appears twice; list each adapter once")
-        seen.add(lora_id)
+        seen.add((adapter.stage_id, lora_id))
         scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
         try:
             value = coerce_scale(scale, scale_name)
@@ -130,7 +134,7 @@ def validate_request_adapters(
                 value.check_steps(num_steps, scale_name)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{exc} (LoRA {lora_id}, {lora.lora_name!r})") from None
-        out.append(adapter if value is scale else RequestAdapter(lora, value))
+        out.append(adapter if value is scale else RequestAdapter(lora, value, adapter.stage_id))
     return tuple(out)
 
 

@@ -12,6 +12,9 @@
 - ``int_id``: optional adapter id; by default a stable function of the path
   (:func:`~vllm_omni.lora.request.stable_lora_int_id`), so the same name with another
   path is another adapter and never reuses the old weights.
+- ``stage``: optional stage id (per-stage request adapters, an opt-in extension); unset is the
+  entry stage, as before. A later stage must be an LLM stage with LoRA enabled, and takes one
+  adapter at scale 1.0; otherwise the request is refused before it starts.
 
 A bare ``{"name": ...}`` selects an adapter the server already knows (``--lora-modules``
 or ``/v1/load_lora_adapter``).
@@ -35,7 +38,8 @@ from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 from vllm_omni.lora.schedule import LoRAScaleSchedule, coerce_scale
 
-ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id")
+ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id", "stage")
+MAX_STAGE_ID = 1023
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ITEMS = 16  # hard cap before any per-pipeline limit
@@ -50,6 +54,7 @@ class LoRASpec:
     path: str | None
     scale: float | LoRAScaleSchedule | None = None  # None: the default (1.0, or the stage's lora_scale)
     int_id: int | None = None
+    stage: int | None = None  # None: the entry stage
 
 
 def _one_of(entry: dict, keys: tuple[str, str], where: str) -> Any:
@@ -88,7 +93,12 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
         isinstance(int_id, bool) or not isinstance(int_id, int) or not 1 <= int_id <= _INT_ID_MAX
     ):
         raise bad_request(f"{where}.int_id must be an integer in [1, {_INT_ID_MAX}]", "lora")
-    return LoRASpec(name=name, path=path, scale=scale, int_id=int_id)
+    stage = entry.get("stage")
+    if stage is not None and (
+        isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= MAX_STAGE_ID
+    ):
+        raise bad_request(f"{where}.stage must be a stage id (an integer in [0, {MAX_STAGE_ID}])", "lora")
+    return LoRASpec(name=name, path=path, scale=scale, int_id=int_id, stage=stage)
 
 
 def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:

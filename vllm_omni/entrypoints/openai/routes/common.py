@@ -123,14 +123,17 @@ def resolve_adapters(
         if model not in state.registry.named:
             raise not_found(f"The model `{model}` does not exist.", "model")
         chosen.append(RequestAdapter(state.registry.named[model]))
-    specs = parse_lora_field(lora, max_items=limit)
-    chosen.extend(RequestAdapter(state.registry.to_request(spec), spec.scale) for spec in specs)
-    if info.is_llm and (len(chosen) > 1 or any(a.scale not in (None, 1.0) for a in chosen)):
+    # entries with a later "stage" (one each) come on top of the entry stage's limit
+    specs = parse_lora_field(lora, max_items=limit + len(info.stage_is_llm) - 1)
+    chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage) for s in specs)
+    entry = [a for a in chosen if a.stage_id in (None, 0)]
+    if info.is_llm and (len(entry) > 1 or any(a.scale not in (None, 1.0) for a in entry)):
         raise bad_request(
             f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0", "lora"
         )
     with engine_errors("lora"):
-        return validate_request_adapters(chosen, limit, field="lora", num_steps=num_steps)
+        validate_request_adapters(entry, limit, field="lora", num_steps=num_steps)
+        return validate_request_adapters(chosen, field="lora", num_steps=num_steps)
 
 
 def stage_params(state: ServerState, llm_params: Any, diffusion_params: Any) -> list[Any]:

@@ -1,0 +1,92 @@
+"""Importing vLLM's Qwen2-VL family without torchvision.
+
+vLLM 0.32's ``qwen2_vl`` model module (imported by Qwen2.5-VL and the Qwen2.5-Omni thinker)
+takes ``smart_resize`` from ``transformers.models.qwen2_vl.image_processing_qwen2_vl``, the
+torchvision image processor, which imports torchvision at module level. On a CPU machine there
+is no usable torchvision: the wheels the package index offers are CUDA builds whose compiled
+ops do not load beside torch 2.13+cpu (``operator torchvision::nms does not exist``), and
+``tools/setup.sh`` removes them.
+
+transformers ships the same processor without torchvision
+(``image_processing_pil_qwen2_vl``: same ``smart_resize``, ``Qwen2VLImageProcessorPil``), and
+itself falls back to it when torchvision is absent. :func:`ensure_qwen2_vl_importable` makes
+the torchvision module name resolve to that one, **only when torchvision is not installed**; with
+torchvision installed (the CUDA extra) it does nothing. Image inputs then go through the PIL
+processor, as transformers' own fallback does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+import types
+
+TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+_LOCK = threading.Lock()
+
+
+def torchvision_available() -> bool:
+    """Whether a ``torchvision`` package is installed (its import may still fail: not checked)."""
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def ensure_qwen2_vl_importable() -> bool:
+    """Alias :data:`TORCHVISION_MODULE` to the PIL processor module when torchvision is absent.
+
+    Returns:
+        True when the alias is in place (now or before); False when torchvision is installed
+        or the module was already imported (nothing to do).
+    """
+    with _LOCK:
+        current = sys.modules.get(TORCHVISION_MODULE)
+        if current is not None:
+            return bool(getattr(current, "vllm_omni_alias_of", None))
+        if torchvision_available():
+            return False
+        pil = importlib.import_module(PIL_MODULE)
+        alias = types.ModuleType(TORCHVISION_MODULE, pil.__doc__)
+        alias.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+        alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+        alias.vllm_omni_alias_of = PIL_MODULE
+        sys.modules[TORCHVISION_MODULE] = alias
+        return True
+
+
+#: The multimodal inputs of the Qwen2.5-Omni thinker. Its transformers processor always builds
+#: a video processor, which needs torchvision: without it, vLLM can build no multimodal processor
+#: for the model and the stage runs text only.
+QWEN2_5_OMNI_MODALITIES = ("audio", "image", "video")
+
+
+def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool:
+    """Without torchvision, make a Qwen2.5-Omni thinker stage text-only (in ``engine_kwargs``).
+
+    Sets ``limit_mm_per_prompt`` to 0 for every modality (vLLM then builds no multimodal
+    processor) when the stage does not set it; a no-op when torchvision is installed.
+
+    Returns:
+        True when the stage now runs text only for want of torchvision.
+
+    Raises:
+        ConfigError: the stage asks for multimodal inputs (a non-zero ``limit_mm_per_prompt``)
+            and torchvision is not installed.
+    """
+    from vllm_omni.errors import ConfigError
+
+    if torchvision_available():
+        return False
+    limits = engine_kwargs.get("limit_mm_per_prompt")
+    if limits is None:
+        engine_kwargs["limit_mm_per_prompt"] = dict.fromkeys(QWEN2_5_OMNI_MODALITIES, 0)
+        return True
+    asked = {k: v for k, v in dict(limits).items() if v}
+    if asked:
+        raise ConfigError(
+            f"{stage_label}: limit_mm_per_prompt {asked} asks for multimodal inputs, which the "
+            "Qwen2.5-Omni thinker's processor cannot take without torchvision (not installed); "
+            "install torchvision (the CUDA extra has it) or set limit_mm_per_prompt to 0 for every modality"
+        )
+    return True
