@@ -11,6 +11,10 @@ requests submitted together. For each backend, measured in the same run (wall cl
   one after the other gets about ``max / (T0 + T1)``).
 * ``latency``: one request through the pipeline alone (the per-request cost of the backend).
 
+``torch_threads`` records each stage's torch intra-op pool (an ``mp`` worker's as its worker reports it;
+with ``mp`` on CPU, the cores are split between the workers: ``vllm_omni.engine.cpu_threads``), and the
+results keep the load average before and after and the thread variables of the run.
+
 Each measurement is the median of ``--repeats`` runs after a warm-up. One pipeline runs at a
 time: the inline one first, then the mp one (a change of the machine's load between them shows
 in ``mp_vs_inline``, not in each backend's own ``ratio``).
@@ -65,6 +69,7 @@ def _timed(fn) -> float:
 
 def measure(backend: str, deploy: str, args) -> dict[str, list[float]]:
     """``{"T0": [...], "T1": [...], "T": [...], "latency": [...]}`` seconds for one backend."""
+    import torch
     from vllm import SamplingParams
 
     from vllm_omni import Omni
@@ -78,6 +83,8 @@ def measure(backend: str, deploy: str, args) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"T0": [], "T1": [], "T": [], "latency": []}
     with Omni(deploy_config=deploy, worker_backend=backend) as omni:
         s0, s1 = omni._orchestrator.runtimes
+        # torch intra-op threads of each stage's worker (mp; inline stages share this process's)
+        out["torch_threads"] = [getattr(s, "torch_threads", 0) or torch.get_num_threads() for s in (s0, s1)]
         texts = [o.prompt for o in omni.generate(prompts, [llm, diff], use_tqdm=False)]  # warm-up
 
         def stage(runtime, inputs, params) -> None:
@@ -97,7 +104,7 @@ def measure(backend: str, deploy: str, args) -> dict[str, list[float]]:
 def summarize(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     table = {}
     for backend, s in samples.items():
-        med = {k: statistics.median(v) for k, v in s.items()}
+        med = {k: statistics.median(s[k]) for k in ("T0", "T1", "T", "latency")}
         bound = max(med["T0"], med["T1"])
         table[backend] = {
             **{f"{k}_s": round(v, 4) for k, v in med.items()},
@@ -105,6 +112,7 @@ def summarize(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str,
             "bound_req_s": round(N_REQUESTS / bound, 3),
             "ratio": round(bound / med["T"], 3),
             "serial_ratio": round(bound / (med["T0"] + med["T1"]), 3),
+            "torch_threads": s.get("torch_threads"),
         }
     if {"mp", "inline"} <= set(table):
         table["mp_vs_inline"] = {
@@ -127,6 +135,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     llm, z_image = _assets()
+    load_before = os.getloadavg()
     samples = {}
     with tempfile.TemporaryDirectory() as folder:
         deploy = _deploy(folder, llm, z_image, args)
@@ -136,7 +145,15 @@ def main(argv=None) -> int:
     print(json.dumps(table, indent=2))
     result = {
         "args": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load": os.getloadavg()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load": os.getloadavg(),
+        },
+        "env": {
+            k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "VLLM_CPU_OMP_THREADS_BIND")
+        },
         "samples": samples,
         "summary": table,
     }

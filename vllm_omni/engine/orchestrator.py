@@ -24,6 +24,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.connectors import InProcessConnector, StageConnector
+from vllm_omni.engine.cpu_threads import plan_pipeline_threads
 from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.placement import worker_env
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
@@ -88,6 +89,7 @@ def make_stage_runtime(
     make_one: ReplicaFactory | None = None,
     ray_address: str | None = None,
     config: VllmOmniConfig | None = None,
+    thread_envs: list[dict[str, str]] | None = None,
 ) -> StageRuntime:
     """Start the runtime of one stage: ``stage.replicas`` runtimes on ``worker_backend``, behind a
     :class:`~vllm_omni.engine.replicas.ReplicatedStageRuntime` when more than one.
@@ -103,6 +105,8 @@ def make_stage_runtime(
             (the Qwen2.5-Omni talker and code2wav). Those run in this process whatever the
             backend (they drive engines of their own); a log line says so.
         ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
+        thread_envs: ``mp`` only: the CPU thread variables of each replica's worker
+            (:func:`~vllm_omni.engine.cpu_threads.plan_pipeline_threads`); ``None``: none.
 
     Raises:
         ConfigError: an unknown backend, or ``"ray"`` without Ray installed.
@@ -129,7 +133,8 @@ def make_stage_runtime(
             )
 
         def make_one(st: BaseVllmOmniStageConfig, index: int) -> StageRuntime:
-            return _make_replica(st, index, worker_backend, ray_address)
+            threads = thread_envs[index] if thread_envs else {}
+            return _make_replica(st, index, worker_backend, ray_address, threads)
 
     return start_replicas(stage, make_one)
 
@@ -145,15 +150,20 @@ def _require_ray() -> None:
 
 
 def _make_replica(
-    stage: BaseVllmOmniStageConfig, index: int, worker_backend: str, ray_address: str | None
+    stage: BaseVllmOmniStageConfig,
+    index: int,
+    worker_backend: str,
+    ray_address: str | None,
+    threads: dict[str, str] | None = None,
 ) -> StageRuntime:
-    """Replica ``index`` of ``stage`` on ``worker_backend`` (see :func:`make_stage_runtime`)."""
+    """Replica ``index`` of ``stage`` on ``worker_backend`` (see :func:`make_stage_runtime`);
+    an ``mp`` worker gets ``threads`` and its device group's :func:`worker_env`."""
     if worker_backend == "inline":
         return make_inline_runtime(stage)
     if worker_backend == "mp":
         from vllm_omni.engine.workers.client import WorkerStageRuntime
 
-        return WorkerStageRuntime(stage, env=worker_env(stage, index))
+        return WorkerStageRuntime(stage, env={**(threads or {}), **worker_env(stage, index)})
     from vllm_omni.engine.workers.ray_backend import RayStageRuntime
 
     return RayStageRuntime(stage, address=ray_address)
@@ -187,6 +197,8 @@ class Orchestrator:
 
     Every stage's model class is checked before the first engine is built, so a pipeline
     with a stage this installation cannot run fails at once.
+    With ``worker_backend="mp"``, the workers of the stages on CPU share the host's cores by
+    :func:`~vllm_omni.engine.cpu_threads.plan_pipeline_threads` (logged once at INFO).
 
     Raises:
         StageEngineError: a stage's model class is unavailable (nothing was started) or a
@@ -201,12 +213,17 @@ class Orchestrator:
         self.connector: StageConnector = InProcessConnector("orchestrator")
         for stage in config.stages:
             check_stage_model_class(stage)
+        threads = plan_pipeline_threads(config.stages, config.worker_backend)
         try:
             for stage in config.stages:
                 logger.info("starting %s with model %s (%s)", stage.label, stage.model, config.worker_backend)
                 self.runtimes.append(
                     make_stage_runtime(
-                        stage, config.worker_backend, ray_address=config.ray_address, config=config
+                        stage,
+                        config.worker_backend,
+                        ray_address=config.ray_address,
+                        config=config,
+                        thread_envs=threads.get(stage.stage_id),
                     )
                 )
         except BaseException:

@@ -2,8 +2,8 @@
 
 A stage's ``devices`` (checked by the stage config, see ``vllm_omni.config.placement``) are
 split in order into one group per replica, each of the stage's parallel size. A process
-worker applies :func:`worker_env` in the child before torch or vLLM is imported
-(:func:`apply_worker_env`), so the worker sees only its own devices, renumbered from
+worker is spawned with :func:`worker_env` in its environment (``WorkerStageRuntime``), so it
+sees only its own devices, renumbered from
 ``cuda:0``; with ``"cpu"`` it sees no CUDA device at all. Inline replicas share the caller's
 process: nothing is applied there, and the caller's environment is never changed.
 """

@@ -33,6 +33,8 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.utils.system_utils import set_env_var
+
 from vllm_omni.engine.workers import protocol as P
 from vllm_omni.engine.workers.lora_journal import LoRAJournal
 from vllm_omni.engine.workers.mp import worker_main
@@ -53,6 +55,8 @@ START_TIMEOUT_S = 900.0
 #: Seconds ``shutdown()`` waits for the worker when no timeout is given.
 SHUTDOWN_WAIT_S = 120.0
 
+#: Held while a worker is spawned with its env in this process's environment.
+_SPAWN_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet[WorkerStageRuntime] = weakref.WeakSet()
 _atexit_registered = False
 
@@ -108,6 +112,8 @@ class WorkerStageRuntime:
         self.env = dict(env or {})
         self.journal = LoRAJournal()
         self.restarts = 0
+        #: ``torch.get_num_threads()`` in the worker once its runtime started (0: unknown)
+        self.torch_threads = 0
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
@@ -333,7 +339,12 @@ class WorkerStageRuntime:
 
     # ---------------------------------------------------------------- worker life
     def _spawn(self) -> None:
-        """Start a worker and wait for its runtime (raises its start-up error)."""
+        """Start a worker and wait for its runtime (raises its start-up error).
+
+        The worker's ``env`` is in this process's environment while the child is spawned: the
+        child imports torch (unpickling its arguments) before ``worker_main`` runs, and OpenMP
+        reads ``OMP_NUM_THREADS`` when it loads, so setting it in the child would be too late.
+        """
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(
@@ -342,7 +353,10 @@ class WorkerStageRuntime:
             name=f"omni-stage-{self.stage.stage_id}",
             daemon=False,  # a stage's engine may start processes of its own
         )
-        proc.start()
+        with _SPAWN_LOCK, contextlib.ExitStack() as env:
+            for key, value in self.env.items():
+                env.enter_context(set_env_var(key, value))
+            proc.start()
         child.close()
         self._generation += 1
         worker = _Worker(proc, parent, self._generation)
@@ -378,6 +392,8 @@ class WorkerStageRuntime:
                     f"({describe_exit(worker.proc.exitcode)})"
                 ) from None
             if isinstance(msg, P.Ready):
+                self.torch_threads = msg.torch_threads
+                logger.debug("%s: worker %d ready, %d torch thread(s)", label, msg.pid, msg.torch_threads)
                 return
             if isinstance(msg, P.Failed):
                 raise P.load_error(msg.error)

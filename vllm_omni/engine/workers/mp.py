@@ -1,7 +1,8 @@
 """The stage worker process of the ``mp`` backend.
 
-:func:`worker_main` runs in a spawned process: it applies the env dict it was given (device
-visibility and the like) before torch or vLLM are imported, starts the parent watch of
+:func:`worker_main` runs in a spawned process, started with its env dict (device visibility,
+CPU threads) already in its environment (the parent sets it around the spawn: unpickling the
+arguments imports torch before this function runs); it sets the dict again, starts the parent watch of
 :mod:`vllm_omni.process_guard` (the worker exits when the orchestrator's process is gone,
 SIGKILL included), builds the stage's ordinary inline runtime and serves the messages of
 :mod:`~vllm_omni.engine.workers.protocol` until :class:`~.protocol.Shutdown` or the end of the pipe.
@@ -138,7 +139,8 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None)
             conn.send_bytes(P.encode(P.Failed(-1, P.dump_error(exc))))
         return
     worker = _Worker(conn, runtime)
-    worker.send(P.Ready(os.getpid()))
+    torch = sys.modules.get("torch")  # imported by every runtime; not imported here otherwise
+    worker.send(P.Ready(os.getpid(), torch.get_num_threads() if torch is not None else 0))
     timeout = worker.serve()
     worker.close(timeout)
     # the runtime released everything it started; skip the interpreter's teardown (seconds of

@@ -59,9 +59,11 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class Ready(msgspec.Struct, tag="ready"):
-    """The runtime started in process ``pid``."""
+    """The runtime started in process ``pid``, whose torch intra-op pool has ``torch_threads``
+    threads (``torch.get_num_threads()`` after the runtime started; 0: unknown)."""
 
     pid: int
+    torch_threads: int = 0
 
 
 class Accepted(msgspec.Struct, tag="accepted"):
