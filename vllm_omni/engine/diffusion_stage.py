@@ -389,14 +389,8 @@ class DiffusionStageEngine(StageDriver):
         )[0]
 
     def _drive(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._closed or self._commands or (self._queue and self._holds == 0)):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                commands, self._commands = self._commands, []
-                batch = self._take_batch() if self._holds == 0 else []
+        while (work := self._next_work(self._take_batch)) is not None:
+            commands, batch = work
             self._run_commands(commands)
             if batch:
                 self._run_batch(batch)

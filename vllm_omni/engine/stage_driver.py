@@ -71,6 +71,23 @@ class StageDriver:
             self._cv.notify()
         return fut.result()
 
+    def _next_work(
+        self, take: Callable[[], Any]
+    ) -> tuple[list[tuple[Callable[[], Any], Future]], Any] | None:
+        """Wait for work: ``(commands, taken)`` once there are management calls or queued
+        requests outside a :meth:`hold`, ``None`` once the driver is closed.
+
+        ``take()`` runs under the lock when requests are queued and nothing holds them, and
+        removes what the loop runs next (one item, or a batch); ``taken`` is ``None`` otherwise.
+        """
+        with self._cv:
+            while not (self._closed or self._commands or (self._queue and self._holds == 0)):
+                self._cv.wait()
+            if self._closed:
+                return None
+            commands, self._commands = self._commands, []
+            return commands, take() if self._queue and self._holds == 0 else None
+
     @staticmethod
     def _run_commands(commands: Iterable[tuple[Callable[[], Any], Future]]) -> None:
         for fn, fut in commands:

@@ -185,14 +185,8 @@ class Code2WavStageEngine(StageDriver):
         self._stop_driver(self._thread, deadline - time.monotonic())
 
     def _drive(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._closed or self._commands or (self._queue and self._holds == 0)):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                commands, self._commands = self._commands, []
-                item = self._queue.popleft() if self._queue and self._holds == 0 else None
+        while (work := self._next_work(self._queue.popleft)) is not None:
+            commands, item = work
             self._run_commands(commands)
             if item is None or not item.future.set_running_or_notify_cancel():
                 continue
