@@ -34,6 +34,36 @@ def test_assets_root() -> Path:
 
 test_assets_root.__test__ = False  # not a test
 
+_CPU_AT_SETUP = pytest.StashKey[tuple[float, float]]()
+
+
+def _cpu_now() -> tuple[float, float]:
+    """(this process's CPU seconds, CPU seconds of its reaped children), user + system."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = _cpu_now()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """CPU time of a test (setup + call + teardown) as junit properties ``cpu_s`` / ``child_cpu_s``.
+
+    Wall time on a loaded machine says little; CPU time does not depend on the load.
+    ``child_cpu_s`` counts subprocesses reaped during the test (a module-scoped server counts in
+    the test whose teardown stops it). ``tools/test_durations.py`` aggregates both per file.
+    """
+    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+        own0, kids0 = item.stash[_CPU_AT_SETUP]
+        own1, kids1 = _cpu_now()
+        item.user_properties.append(("cpu_s", f"{own1 - own0:.3f}"))
+        item.user_properties.append(("child_cpu_s", f"{kids1 - kids0:.3f}"))
+    return (yield)
+
 
 @pytest.fixture(scope="session")
 def tiny_llm_assets():
