@@ -45,7 +45,7 @@ def server(tiny_omni_assets, tmp_path_factory):
         "tiny-omni",
     )
     log = tmp_path_factory.mktemp("serve_omni_log") / "server.log"
-    srv = start_server(cmd, port, log, server_env(), timeout=600)
+    srv = start_server(cmd, port, log, server_env())
     yield srv
     srv.stop()
 
