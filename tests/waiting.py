@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import psutil
+
 T = TypeVar("T")
 
 #: Multiplies every cap given to :func:`wait_until` (``VLLM_OMNI_TEST_WAIT_SCALE``, default 1):
@@ -61,3 +63,33 @@ def wait_until(
             seen = describe() if describe is not None else value
             raise WaitTimeout(f"waited {waited:.1f}s ({checks} checks) for {what}; last seen: {seen}")
         time.sleep(interval_s)
+
+
+def alive(procs: list[psutil.Process]) -> list[str]:
+    """``"pid name status cmdline"`` of each process in ``procs`` that still runs (zombies do not count)."""
+    left = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {p.name()} {p.status()} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def wait_gone(procs: list[psutil.Process], what: str, cap_s: float = 120.0) -> None:
+    """Wait until none of ``procs`` runs; on the cap, fail listing those that still do."""
+    wait_until(lambda: not alive(procs), what, cap_s=cap_s, interval_s=0.2, describe=lambda: alive(procs))
+
+
+def load_stretch(cpu_s: float = 0.3) -> float:
+    """How many times longer than its CPU time a CPU-bound piece of work takes here, now (>= 1).
+
+    Runs a busy loop for ``cpu_s`` seconds of this thread's CPU time and divides the wall time
+    it took by that: ~1 on a quiet machine, ~15 on 2 cores at a load of 30. A bound that is a
+    product property measured in wall time (a drain timeout plus slack) is multiplied by it.
+    """
+    wall0, cpu0 = time.monotonic(), time.thread_time()
+    while time.thread_time() - cpu0 < cpu_s:
+        sum(range(1000))
+    return max(1.0, (time.monotonic() - wall0) / (time.thread_time() - cpu0))
