@@ -29,6 +29,8 @@ def read_junit(path: Path) -> list[dict]:
     for case in ET.parse(path).getroot().iter("testcase"):
         module = case.get("classname", "")
         name = case.get("name", "")
+        if name.rfind("@") > name.rfind("]"):  # pytest-xdist's --dist loadgroup suffix "@group"
+            name = name[: name.rfind("@")]
         parts = module.split(".")
         # classname is "tests.pkg.test_mod" or "tests.pkg.test_mod.TestClass"
         cut = next((i for i in range(len(parts), 0, -1) if parts[i - 1].startswith("test")), len(parts))
