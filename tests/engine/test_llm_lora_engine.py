@@ -40,6 +40,19 @@ def omni(tiny_llm_assets):
 
 
 @pytest.fixture(scope="module")
+def async_omni(tiny_llm_assets):
+    """One ``AsyncOmni`` for the module's async tests (it takes the running loop per call, so each
+    test's ``asyncio.run`` may use it); built once instead of once per test."""
+    from vllm_omni import AsyncOmni
+
+    engine = AsyncOmni(
+        str(tiny_llm_assets.model_dir), enable_lora=True, max_lora_rank=16, max_loras=2, **ENGINE_OPTS
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
 def adapters(tiny_llm_assets):
     return {
         "a": LoRARequest("a", 1, str(tiny_llm_assets.adapter_a)),
@@ -179,12 +192,8 @@ def test_runtime_lora_management(omni, adapters, tiny_llm_assets):
     assert 7 not in omni.list_loras()
 
 
-def test_async_omni_concurrent_adapters(tiny_llm_assets, adapters):
-    from vllm_omni import AsyncOmni
-
-    engine = AsyncOmni(
-        str(tiny_llm_assets.model_dir), enable_lora=True, max_lora_rank=16, max_loras=2, **ENGINE_OPTS
-    )
+def test_async_omni_concurrent_adapters(tiny_llm_assets, adapters, async_omni):
+    engine = async_omni
 
     async def one(prompt, lora):
         outs = [o async for o in engine.generate(prompt, greedy(), lora_request=lora)]
@@ -201,11 +210,9 @@ def test_async_omni_concurrent_adapters(tiny_llm_assets, adapters):
         with pytest.raises(InvalidAdapterError):
             await one("hi", LoRARequest("bad", 10, str(tiny_llm_assets.adapter_rank64)))
         assert await one("hello world", None) == _ref(tiny_llm_assets, "hello world", None)
+        assert await engine.remove_lora(9)  # the shared engine as the other tests expect it
 
-    try:
-        asyncio.run(main())
-    finally:
-        engine.shutdown()
+    asyncio.run(main())
 
 
 def test_cancelled_request_is_aborted_and_engine_keeps_serving(omni, adapters, tiny_llm_assets):
@@ -282,11 +289,9 @@ def test_a_bad_adapter_in_a_prompt_list_fails_before_any_request_is_queued(omni,
         del runtime.submit
 
 
-def test_async_generate_cancelled_by_its_caller_aborts_the_stage_request(tiny_llm_assets):
+def test_async_generate_cancelled_by_its_caller_aborts_the_stage_request(tiny_llm_assets, async_omni):
     """A client that goes away (its task is cancelled) must not leave its request running in the engine."""
-    from vllm_omni import AsyncOmni
-
-    engine = AsyncOmni(str(tiny_llm_assets.model_dir), **ENGINE_OPTS)
+    engine = async_omni
     runtime = engine._orchestrator.runtimes[0]
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     stage_futures = []
@@ -320,19 +325,15 @@ def test_async_generate_cancelled_by_its_caller_aborts_the_stage_request(tiny_ll
     try:
         asyncio.run(main())
     finally:
-        engine.shutdown()
+        del runtime.submit  # the shared engine's own method again
 
 
-def test_async_generate_streams_delta_pieces_that_add_up_to_the_final_output(tiny_llm_assets, adapters):
+def test_async_generate_streams_delta_pieces_that_add_up_to_the_final_output(adapters, async_omni):
     """DELTA params: one output per engine step (as vLLM's AsyncLLM); the pieces of each completion
     add up to what the same request returns in one final output (n=2, with an adapter)."""
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_omni import AsyncOmni
-
-    engine = AsyncOmni(
-        str(tiny_llm_assets.model_dir), enable_lora=True, max_lora_rank=16, max_loras=2, **ENGINE_OPTS
-    )
+    engine = async_omni
     kw = dict(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
 
     async def main():
@@ -345,10 +346,7 @@ def test_async_generate_streams_delta_pieces_that_add_up_to_the_final_output(tin
         ]
         return final, pieces
 
-    try:
-        final, pieces = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    final, pieces = asyncio.run(main())
     [complete] = [o.request_output for o in final]
     assert len(pieces) >= 12 and pieces[-1].finished and not any(p.finished for p in pieces[:-1])
     for c in complete.outputs:

@@ -89,10 +89,10 @@ class LiveServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=300)  # a graceful stop takes minutes at a load of 30
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=60)
 
 
 def start_server(
