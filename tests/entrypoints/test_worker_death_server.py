@@ -78,9 +78,8 @@ def test_killed_worker_is_reported_then_restarted_with_its_adapters(server, tiny
     worker = _stage_worker(server)
     os.kill(worker.pid, signal.SIGKILL)
     seen: list[tuple[int, dict]] = []
-    deadline = (
-        time.monotonic() + 900
-    )  # a cap on a restart that never comes (a start takes minutes at load 30)
+    # a cap on a restart that never comes (a start takes minutes at a load of 30)
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         reply = httpx.get(server.url("/health"), timeout=120)
         seen.append((reply.status_code, reply.json()))
