@@ -121,13 +121,14 @@ def markdown(tests: list[dict], note: str, top: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("junit", type=Path, help="pytest --junitxml report")
+    ap.add_argument("junit", type=Path, nargs="+", help="pytest --junitxml report(s); later ones win")
     ap.add_argument("--note", default="", help="how it was measured: machine, load (uptime), command")
     ap.add_argument("--json", type=Path, help="write every test's numbers here")
     ap.add_argument("--markdown", type=Path, help="write the per-file summary here")
     ap.add_argument("--top", type=int, default=40, help="how many slowest tests the summary lists")
     args = ap.parse_args(argv)
-    tests = read_junit(args.junit)
+    by_id = {t["nodeid"]: t for path in args.junit for t in read_junit(path)}
+    tests = list(by_id.values())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"note": args.note, "summary": summary(tests), "files": per_file(tests), "tests": tests}
