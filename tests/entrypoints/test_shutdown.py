@@ -81,13 +81,16 @@ def _stop_and_count(server, sig: int, exit_bound_s: float | None = None) -> None
     """
     children = _descendants(server.proc.pid)
     assert children, "the server should have child processes (engine core / TP ranks)"
+    stretch = load_stretch()
     if exit_bound_s is None:
-        exit_bound_s = (DRAIN_S + EXIT_SLACK_S) * load_stretch()
+        exit_bound_s = (DRAIN_S + EXIT_SLACK_S) * stretch
+    # at a load of ~65 the last descendant went 129 s after SIGKILL (vLLM's worker cleanup, starved)
+    orphans_cap = ORPHANS_CAP_S * max(1.0, stretch / 10)
     t0 = time.monotonic()
     server.proc.send_signal(sig)
     # SIGKILL: no code of ours runs (the kernel tears the process down), so only a cap on a wait
     # that never ends
-    limit = ORPHANS_CAP_S if sig == signal.SIGKILL else exit_bound_s
+    limit = orphans_cap if sig == signal.SIGKILL else exit_bound_s
     try:
         server.proc.wait(timeout=limit)
     except Exception:
@@ -99,7 +102,7 @@ def _stop_and_count(server, sig: int, exit_bound_s: float | None = None) -> None
     elapsed = time.monotonic() - t0
     print(f"{signal.Signals(sig).name}: server exited in {elapsed:.1f}s (bound {limit:.0f}s)")
     try:
-        wait_gone(children, f"the server's descendants to exit after it did ({elapsed:.1f}s)", ORPHANS_CAP_S)
+        wait_gone(children, f"the server's descendants to exit after it did ({elapsed:.1f}s)", orphans_cap)
         print(f"descendants gone {time.monotonic() - t0:.1f}s after the signal")
     finally:
         for p in children:  # never leave them behind, whatever the outcome
