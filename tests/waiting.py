@@ -77,7 +77,7 @@ def alive(procs: list[psutil.Process]) -> list[str]:
     return left
 
 
-def wait_gone(procs: list[psutil.Process], what: str, cap_s: float = 120.0) -> None:
+def wait_gone(procs: list[psutil.Process], what: str, cap_s: float = 600.0) -> None:
     """Wait until none of ``procs`` runs; on the cap, fail listing those that still do."""
     wait_until(lambda: not alive(procs), what, cap_s=cap_s, interval_s=0.2, describe=lambda: alive(procs))
 
