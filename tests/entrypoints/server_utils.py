@@ -92,7 +92,7 @@ class LiveServer:
                 self.proc.wait(timeout=300)  # a graceful stop takes minutes at a load of 30
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=600)
 
 
 def start_server(

@@ -95,7 +95,7 @@ def _stop_and_count(server, sig: int, exit_bound_s: float | None = None) -> None
         server.proc.wait(timeout=limit)
     except Exception:
         server.proc.kill()
-        server.proc.wait(timeout=60)
+        server.proc.wait(timeout=600)
         pytest.fail(
             f"server did not exit within {limit:.0f}s of {signal.Signals(sig).name}:\n{server.log_tail()}"
         )
