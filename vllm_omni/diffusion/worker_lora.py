@@ -18,24 +18,17 @@ Every rank runs the same calls with the same arguments, so the caches of all ran
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import LoRARequest, RequestAdapter, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, startup_lora_request
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 #: One request's adapters, each with its scale (``None``: the default applies).
 LoRASet = tuple[RequestAdapter, ...]
-
-
-def startup_lora_request(path: str) -> LoRARequest:
-    """The ``LoRARequest`` under which a ``lora_path`` adapter is pre-loaded (id from the path)."""
-    name = os.path.basename(os.path.normpath(path)) or "startup"
-    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(path), lora_path=path)
 
 
 class WorkerLoRA:

@@ -85,6 +85,8 @@ class Omni(OmniBase):
             scale_needs_adapter=one_adapter,
             adapters=adapters,
         )
+        versioned = [self._versioned(kw, later) for kw, later in zip(per_prompt_kwargs, stage_loras)]
+        per_prompt_kwargs, stage_loras = [kw for kw, _ in versioned], [later for _, later in versioned]
         entry = self._orchestrator.runtimes[0]
         for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras):  # all checked first
             entry.validate_request(p, params[0], **kw, **entry_kwargs)
@@ -102,28 +104,51 @@ class Omni(OmniBase):
             results.extend(fut.result())
         return results
 
-    def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
-        """Register an adapter on every stage that has LoRA enabled (validated first).
+    def add_lora(
+        self,
+        lora_request: LoRARequest,
+        stage_id: int | list[int] | None = None,
+        *,
+        reload: bool = False,
+        denoiser: str | None = None,
+    ) -> bool:
+        """Register an adapter in the engine's adapter registry and load it on the stages it targets
+        (validated first; all-or-nothing over those stages and their replicas).
 
-        LLM stages need ``enable_lora``; diffusion stages always take adapters (loaded into
-        every tensor-parallel worker's host cache). ``stage_id`` limits the call to one stage
-        (needed when a pipeline mixes LLM and diffusion stages: an adapter fits one model).
+        Args:
+            lora_request: ``LoRARequest(name, int_id, path)``; ``path`` is a PEFT folder (LLM stages) or
+                a PEFT folder / ``.safetensors`` file (diffusion stages).
+            stage_id: the target stage(s); default: where ``name`` is registered already, else the entry
+                stage (an adapter fits one model). LLM stages need ``enable_lora``.
+            reload: re-read the files even if their size and mtime did not change.
+            denoiser: the denoiser it targets on a two-denoiser diffusion stage.
+
+        Returns:
+            ``True`` if anything changed (a new adapter, a new version of its content, a new target, or a
+            stage loaded it again after evicting it); ``False`` for the same content already loaded.
+            The same name with other content (new files at the same path, another path) is a new version:
+            no stage serves the old weights afterwards (see ``docs/user_guide/adapter_registry.md``).
+
+        Raises:
+            InvalidAdapterError (a ValueError): a stage refuses it (nothing stays loaded on any stage),
+                or its id names another adapter; FileNotFoundError: no such path;
+            LoRANotEnabledError: a target stage without LoRA.
         """
-        return self._add_lora(lora_request, stage_id)
+        return self._add_lora(lora_request, stage_id, reload, denoiser)
 
     def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        """Remove an adapter from every LoRA stage; True if any stage held it.
+        """Remove an adapter (every version of it) from every stage, or from ``stage_id``; True if a stage held it.
 
         On a diffusion stage this waits for a running batch that uses the adapter.
         """
         return self._remove_lora(lora_int_id, stage_id)
 
     def list_loras(self, stage_id: int | None = None) -> set[int]:
-        """Ids of the adapters registered on any LoRA stage (or on ``stage_id``)."""
+        """Ids of the adapters loaded on any LoRA stage (or on ``stage_id``), as the caller gave them."""
         return self._list_loras(stage_id)
 
     def pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        """Pin an adapter (never evicted) on every LoRA stage (or on ``stage_id``)."""
+        """Pin an adapter (never evicted) on the stages it is registered on (or on ``stage_id``)."""
         return self._pin_lora(lora_int_id, stage_id)
 
     def __enter__(self) -> Omni:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from functools import cached_property
@@ -19,7 +20,13 @@ from vllm_omni.config.pipeline_registry import (
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
-from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
+from vllm_omni.lora.registry import AdapterRegistry
+from vllm_omni.lora.request import (
+    RequestAdapter,
+    gather_request_adapters,
+    startup_lora_request,
+    validate_request_adapters,
+)
 from vllm_omni.models.stage_runtimes import stage_params_type
 
 
@@ -99,6 +106,17 @@ class OmniBase:
     def _start(self, config: VllmOmniConfig) -> None:
         self.config = config
         self._orchestrator = Orchestrator(config)
+        #: every adapter of this engine and its state per stage (:mod:`vllm_omni.lora.registry`)
+        self.adapter_registry = AdapterRegistry(
+            self._orchestrator.lora_call,
+            config.entry_stage.stage_id,
+            {stage.stage_id: stage.label for stage in config.stages},
+        )
+        for stage in config.stages:  # the adapters diffusion stages pre-loaded (lora_path, peft backend)
+            dcfg = getattr(stage, "diffusion_config", None) if not stage.is_llm else None
+            if dcfg is not None and dcfg.lora_backend == "peft":
+                for path in dcfg.startup_lora_paths:
+                    self.adapter_registry.adopt(startup_lora_request(path), stage.stage_id)
 
     @property
     def stage_configs(self):
@@ -331,21 +349,35 @@ class OmniBase:
             later[a.stage_id] = a.lora
         return tuple(entry), later
 
+    def _versioned(
+        self, kwargs: dict[str, Any], stage_loras: dict[int, Any]
+    ) -> tuple[dict[str, Any], dict[int, Any]]:
+        """A request's entry-stage adapter arguments and later-stage adapters in the per-version form the
+        stages get (:meth:`AdapterRegistry.resolve <vllm_omni.lora.registry.AdapterRegistry.resolve>`).
+
+        Raises:
+            InvalidAdapterError: an id that names another adapter, or a changed adapter a stage refuses.
+        """
+        resolve = self.adapter_registry.resolve
+        out = dict(kwargs)
+        if out.get("lora_request") is not None:
+            out["lora_request"] = resolve(out["lora_request"])
+        if out.get("adapters"):
+            out["adapters"] = tuple(dataclasses.replace(a, lora=resolve(a.lora)) for a in out["adapters"])
+        return out, {stage_id: resolve(lora) for stage_id, lora in stage_loras.items()}
+
     # ---------------------------------------------------------------- LoRA management
-    def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:
-        return all(self._orchestrator.lora_call("add_lora", lora_request, stage_id=stage_id).values())
+    def _add_lora(self, lora_request, stage_id=None, reload: bool = False, denoiser: str | None = None) -> bool:
+        return self.adapter_registry.add(lora_request, stage_id, reload=reload, denoiser=denoiser)
 
     def _remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        return any(self._orchestrator.lora_call("remove_lora", lora_int_id, stage_id=stage_id).values())
+        return self.adapter_registry.remove(lora_int_id, stage_id)
 
     def _list_loras(self, stage_id: int | None = None) -> set[int]:
-        out: set[int] = set()
-        for ids in self._orchestrator.lora_call("list_loras", stage_id=stage_id).values():
-            out |= set(ids)
-        return out
+        return self.adapter_registry.list_ids(stage_id)
 
     def _pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        return all(self._orchestrator.lora_call("pin_lora", lora_int_id, stage_id=stage_id).values())
+        return self.adapter_registry.pin(lora_int_id, stage_id)
 
     def stage_health(self) -> dict[int, str]:
         """``{stage_id: "ready" | "restarting" | "dead"}``: whether each stage serves now
