@@ -104,7 +104,9 @@ def test_an_id_never_switches_weights_until_removed(tmp_path):
 
 
 def test_a_refusal_by_one_stage_rolls_back_the_others(tmp_path):
-    refuse = lambda stage, lora: "rank 16 > max_lora_rank 8" if stage == 1 and "new" in lora.lora_path else None  # noqa: E731
+    def refuse(stage, lora):
+        return "rank 16 > max_lora_rank 8" if stage == 1 and "new" in lora.lora_path else None
+
     stages = FakeStages(2, refuse=refuse)
     reg = _registry(stages)
     old = _adapter(tmp_path / "old", b"old")

@@ -93,13 +93,16 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
-        lora_request, stage_loras = self._split_stage_loras(lora_request)
-        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
-        [lora_kwargs] = self._entry_lora_kwargs(
-            [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
+        [(lora_kwargs, stage_loras)] = self._request_loras(
+            1,
+            params[0],
+            lora_request=lora_request,
+            lora_scale=lora_scale,
+            lora_requests=lora_requests,
+            lora_scales=lora_scales,
+            adapters=adapters,
         )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
-        stage_loras = {**stage_loras, **adapter_stage_loras}
         streamed = self._streamed_stages(params)
 
         def put(out: OmniRequestOutput) -> None:
@@ -138,7 +141,9 @@ class AsyncOmni(OmniBase):
             if s.is_llm and s.final_output and getattr(p, "output_kind", None) == RequestOutputKind.DELTA
         }
 
-    def _submit_versioned(self, prompt: Any, params: Any, *, stage_loras: dict[int, Any], **kwargs: Any) -> Future:
+    def _submit_versioned(
+        self, prompt: Any, params: Any, *, stage_loras: dict[int, Any], **kwargs: Any
+    ) -> Future:
         """The request's adapters in their per-version form (files are checked), then ``Orchestrator.submit``."""
         kwargs, stage_loras = self._versioned(kwargs, stage_loras)
         return self._orchestrator.submit(prompt, params, stage_loras=stage_loras, **kwargs)

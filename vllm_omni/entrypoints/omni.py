@@ -72,20 +72,14 @@ class Omni(OmniBase):
         """
         prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
-        loras, adapters, stage_loras = self._per_prompt_loras(lora_request, len(prompt_list), adapters)
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
-        one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one
-        per_prompt_kwargs = self._entry_lora_kwargs(
-            loras,
-            params[0],
-            lora_scale,
-            lora_requests,
-            lora_scales,
-            scale_needs_adapter=one_adapter,
-            adapters=adapters,
-        )
-        versioned = [self._versioned(kw, later) for kw, later in zip(per_prompt_kwargs, stage_loras)]
+        forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
+        forms.update(lora_scales=lora_scales, adapters=adapters)
+        versioned = [
+            self._versioned(kw, later)
+            for kw, later in self._request_loras(len(prompt_list), params[0], **forms)
+        ]
         per_prompt_kwargs, stage_loras = [kw for kw, _ in versioned], [later for _, later in versioned]
         entry = self._orchestrator.runtimes[0]
         for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras):  # all checked first

@@ -157,7 +157,9 @@ class AdapterRegistry:
         stage_labels: ``{stage_id: label}`` for messages.
     """
 
-    def __init__(self, call: StageCall, entry_stage_id: int = 0, stage_labels: Mapping[int, str] | None = None):
+    def __init__(
+        self, call: StageCall, entry_stage_id: int = 0, stage_labels: Mapping[int, str] | None = None
+    ):
         self._call = call
         self.entry_stage_id = entry_stage_id
         self._labels = dict(stage_labels or {})
@@ -204,7 +206,9 @@ class AdapterRegistry:
         out = []
         for record in self.records():
             if stage_id in record.targets:
-                out.append((record.engine, record.stages.get(stage_id, StageState("loaded")).state == "pinned"))
+                out.append(
+                    (record.engine, record.stages.get(stage_id, StageState("loaded")).state == "pinned")
+                )
         return out
 
     def mark_failed(self, int_id: int, stage_id: int, error: str) -> None:
@@ -291,8 +295,8 @@ class AdapterRegistry:
             try:
                 if file_signature(record.files) == record.signature:
                     return record.engine
-            except OSError:
-                return record.engine  # files gone: the loaded version still serves (the stage may refuse a reload)
+            except OSError:  # files gone: the loaded version still serves (a stage may refuse a reload)
+                return record.engine
             return self._refresh(record)
         try:
             identity = self._identity(lora)
@@ -339,7 +343,9 @@ class AdapterRegistry:
             return (stage_id,)
         ids = tuple(dict.fromkeys(stage_id))
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InvalidAdapterError(f"stage_id must be a stage id or a non-empty list of them, got {stage_id!r}")
+            raise InvalidAdapterError(
+                f"stage_id must be a stage id or a non-empty list of them, got {stage_id!r}"
+            )
         return ids
 
     def add(
@@ -383,7 +389,9 @@ class AdapterRegistry:
             with self._lock:
                 why = self._id_conflict(lora, identity[0], old)
                 if why is not None:
-                    raise InvalidAdapterError(f"{_describe(lora)}: {why}; choose another id, or remove it first")
+                    raise InvalidAdapterError(
+                        f"{_describe(lora)}: {why}; choose another id, or remove it first"
+                    )
                 self._claims[lora.lora_int_id] = lora.lora_name
             try:
                 return self._register(lora, identity, targets, old if same else None, old, denoiser)
@@ -410,7 +418,12 @@ class AdapterRegistry:
         pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned"}
         states, changed = self._load_on(record, targets, pinned, repin=same is None)
         new_targets = tuple(dict.fromkeys(record.targets + targets))
-        changed = changed or same is None or new_targets != record.targets or denoiser not in (None, record.denoiser)
+        changed = (
+            changed
+            or same is None
+            or new_targets != record.targets
+            or denoiser not in (None, record.denoiser)
+        )
         record = replace(
             record,
             targets=new_targets,
@@ -476,7 +489,9 @@ class AdapterRegistry:
                     raise
         return removed
 
-    def adopt(self, lora: LoRARequest, stage_id: int, *, pinned: bool = True, source: str = "lora_path") -> None:
+    def adopt(
+        self, lora: LoRARequest, stage_id: int, *, pinned: bool = True, source: str = "lora_path"
+    ) -> None:
         """Register an adapter a stage loaded by itself at start-up under ``lora`` (its id and name as the
         stage uses them). A name taken already keeps its adapter (the new one is known by id only).
 
@@ -573,7 +588,12 @@ def _checked(lora: Any) -> LoRARequest:
         InvalidAdapterError: naming what is wrong.
     """
     lora_id = getattr(lora, "lora_int_id", None)
-    if not isinstance(lora, LoRARequest) or isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+    if (
+        not isinstance(lora, LoRARequest)
+        or isinstance(lora_id, bool)
+        or not isinstance(lora_id, int)
+        or lora_id < 1
+    ):
         raise InvalidAdapterError(
             f"an adapter must be a LoRARequest(lora_name, lora_int_id, lora_path) with a positive lora_int_id, "
             f"got {lora!r:.200}"

@@ -159,7 +159,9 @@ class ServerAdapters:
         base_names: names of the base model (``model`` values that select no adapter).
     """
 
-    def __init__(self, registry: AdapterRegistry, lora_dirs: list[str], allow_remote: bool, base_names: list[str]):
+    def __init__(
+        self, registry: AdapterRegistry, lora_dirs: list[str], allow_remote: bool, base_names: list[str]
+    ):
         self.core = registry
         self.roots = [os.path.realpath(d) for d in lora_dirs]
         self.allow_remote = allow_remote

@@ -83,7 +83,9 @@ async def register_startup_adapters(state: ServerState) -> None:
         reg.register_startup_path(path)
     for record in reg.core.records():  # pre-loaded and pinned by their stage under this name and id
         if record.source == "lora_path" and record.name in reg.base_names:
-            raise ConfigError(f"--lora-path {record.location}: adapter name {record.name!r}: {reg.name_clash(record.name)}")
+            raise ConfigError(
+                f"--lora-path {record.location}: adapter name {record.name!r}: {reg.name_clash(record.name)}"
+            )
     for name, path in state.settings.lora_modules:
         location = reg.register_startup_path(path)
         lora = LoRARequest(name, stable_lora_int_id(location), location)
