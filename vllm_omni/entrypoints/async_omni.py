@@ -93,15 +93,9 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
-        [(lora_kwargs, stage_loras)] = self._request_loras(
-            1,
-            params[0],
-            lora_request=lora_request,
-            lora_scale=lora_scale,
-            lora_requests=lora_requests,
-            lora_scales=lora_scales,
-            adapters=adapters,
-        )
+        forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
+        forms.update(lora_scales=lora_scales, adapters=adapters)
+        [(lora_kwargs, stage_loras)] = self._request_loras(1, params[0], **forms)
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
         streamed = self._streamed_stages(params)
 
@@ -164,9 +158,10 @@ class AsyncOmni(OmniBase):
         *,
         reload: bool = False,
         denoiser: str | None = None,
+        replace: bool = True,
     ) -> bool:
         """Register an adapter (on a worker thread); see ``Omni.add_lora``."""
-        return await asyncio.to_thread(self._add_lora, lora_request, stage_id, reload, denoiser)
+        return await asyncio.to_thread(self._add_lora, lora_request, stage_id, reload, denoiser, replace)
 
     async def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         """Remove an adapter; see ``Omni.remove_lora``."""

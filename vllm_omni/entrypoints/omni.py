@@ -105,6 +105,7 @@ class Omni(OmniBase):
         *,
         reload: bool = False,
         denoiser: str | None = None,
+        replace: bool = True,
     ) -> bool:
         """Register an adapter in the engine's adapter registry and load it on the stages it targets
         (validated first; all-or-nothing over those stages and their replicas).
@@ -116,6 +117,7 @@ class Omni(OmniBase):
                 stage (an adapter fits one model). LLM stages need ``enable_lora``.
             reload: re-read the files even if their size and mtime did not change.
             denoiser: the denoiser it targets on a two-denoiser diffusion stage.
+            replace: ``False`` refuses a name that is registered already (``InvalidAdapterError``).
 
         Returns:
             ``True`` if anything changed (a new adapter, a new version of its content, a new target, or a
@@ -128,7 +130,7 @@ class Omni(OmniBase):
                 or its id names another adapter; FileNotFoundError: no such path;
             LoRANotEnabledError: a target stage without LoRA.
         """
-        return self._add_lora(lora_request, stage_id, reload, denoiser)
+        return self._add_lora(lora_request, stage_id, reload, denoiser, replace)
 
     def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         """Remove an adapter (every version of it) from every stage, or from ``stage_id``; True if a stage held it.

@@ -196,9 +196,16 @@ class OmniBase:
 
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(
-        self, lora_request, stage_id=None, reload: bool = False, denoiser: str | None = None
+        self,
+        lora_request,
+        stage_id=None,
+        reload: bool = False,
+        denoiser: str | None = None,
+        replace: bool = True,
     ) -> bool:
-        return self.adapter_registry.add(lora_request, stage_id, reload=reload, denoiser=denoiser)
+        return self.adapter_registry.add(
+            lora_request, stage_id, reload=reload, denoiser=denoiser, replace=replace
+        )
 
     def _remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         return self.adapter_registry.remove(lora_int_id, stage_id)

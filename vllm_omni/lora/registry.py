@@ -355,6 +355,7 @@ class AdapterRegistry:
         *,
         denoiser: str | None = None,
         reload: bool = False,
+        replace: bool = True,
     ) -> bool:
         """Register ``lora`` on its target stages (all-or-nothing); see the module docstring.
 
@@ -363,13 +364,16 @@ class AdapterRegistry:
             stage_id: target stage(s); ``None``: where the name is registered already, else the entry stage.
             denoiser: the denoiser of a two-denoiser stage it targets.
             reload: re-read the files even when their ``(inode, size, mtime)`` did not change.
+            replace: ``False`` refuses a name that is registered already (checked under the name's lock,
+                so of concurrent calls exactly one registers it).
 
         Returns:
             ``True`` when something changed (a new adapter, version or target), ``False`` for the same
             name, id, files and content already registered there (a no-op).
 
         Raises:
-            InvalidAdapterError: a reserved name, an id that names another adapter, files a stage refuses
+            InvalidAdapterError: a reserved name, a registered name with ``replace=False``, an id that
+                names another adapter, files a stage refuses
                 (message prefixed with the adapter and the stage; nothing stays loaded anywhere).
             FileNotFoundError: no such file or folder.
             LoRANotEnabledError / ConfigError: a target stage without LoRA / no such stage.
@@ -379,6 +383,8 @@ class AdapterRegistry:
             raise InvalidAdapterError(f"adapter name {lora.lora_name!r}: {self._reserved[lora.lora_name]}")
         with self._name_lock(lora.lora_name):
             old = self.get(lora.lora_name)
+            if old is not None and not replace:
+                raise InvalidAdapterError(f"The lora adapter '{lora.lora_name}' has already been loaded.")
             identity = self._identity(lora, fresh=reload)
             targets = self._targets(stage_id, old)
             same = old is not None and (old.int_id, old.location, old.fingerprint) == (

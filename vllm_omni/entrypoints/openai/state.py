@@ -93,6 +93,6 @@ async def register_startup_adapters(state: ServerState) -> None:
         if clash is not None:
             raise ConfigError(f"--lora-modules {name}={path}: adapter name {name!r}: {clash}")
         try:
-            await state.omni.add_lora(lora)
+            await state.omni.add_lora(lora, replace=False)
         except Exception as exc:
             raise ConfigError(f"--lora-modules {name}={path}: {exc}") from exc

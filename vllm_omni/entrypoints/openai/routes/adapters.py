@@ -44,7 +44,7 @@ async def load_lora_adapter(request: Request) -> Response:
     location = reg.resolve_path(req.lora_path)
     lora = LoRARequest(req.lora_name, stable_lora_int_id(location), location)
     with engine_errors("lora_path", "lora_path"):
-        await state.omni.add_lora(lora, reload=req.load_inplace)
+        await state.omni.add_lora(lora, reload=req.load_inplace, replace=req.load_inplace)
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
 
