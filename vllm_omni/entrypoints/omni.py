@@ -120,8 +120,9 @@ class Omni(OmniBase):
             replace: ``False`` refuses a name that is registered already (``InvalidAdapterError``).
 
         Returns:
-            ``True`` if anything changed (a new adapter, a new version of its content, a new target, or a
-            stage loaded it again after evicting it); ``False`` for the same content already loaded.
+            ``True`` if the registry changed (a new adapter, a new version of its content, a new target);
+            ``False`` for the same name, id and content registered there already (a stage that evicted
+            it loads it again).
             The same name with other content (new files at the same path, another path) is a new version:
             no stage serves the old weights afterwards (see ``docs/user_guide/adapter_registry.md``).
 

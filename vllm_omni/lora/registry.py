@@ -416,20 +416,16 @@ class AdapterRegistry:
     ) -> bool:
         """Load the version on ``targets`` (pinned where ``old`` was), then swap it in and drop ``old``'s
         version from its stages. ``same``: ``old`` when the content is unchanged (its stages are asked
-        again, which reloads only what they evicted). Returns whether anything changed."""
+        again, which reloads only what they evicted). Returns whether the registry changed (a new
+        adapter, version, target or denoiser)."""
         if same is not None:
             record = same
         else:
             record = self._new_record(lora, identity, denoiser=denoiser, source="add_lora")
         pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned"}
-        states, changed = self._load_on(record, targets, pinned, repin=same is None)
+        states = self._load_on(record, targets, pinned, repin=same is None)
         new_targets = tuple(dict.fromkeys(record.targets + targets))
-        changed = (
-            changed
-            or same is None
-            or new_targets != record.targets
-            or denoiser not in (None, record.denoiser)
-        )
+        changed = same is None or new_targets != record.targets or denoiser not in (None, record.denoiser)
         record = replace(
             record,
             targets=new_targets,
@@ -450,11 +446,11 @@ class AdapterRegistry:
 
     def _load_on(
         self, record: AdapterRecord, targets: tuple[int, ...], pinned: set[int], repin: bool
-    ) -> tuple[dict[int, StageState], bool]:
+    ) -> dict[int, StageState]:
         """``add_lora`` of ``record.engine`` on every target, in order, and ``pin_lora`` on the ``pinned``
         ones (where it was loaded anew, or everywhere with ``repin``); on a refusal the stages already done
         drop what this call loaded, and the error is raised prefixed with the adapter and the stage.
-        Returns the stage states and whether some stage loaded it anew."""
+        Returns the stage states."""
         done: list[tuple[int, bool]] = []
         states: dict[int, StageState] = {}
         engine = record.engine
@@ -472,7 +468,7 @@ class AdapterRegistry:
                     raise restate(exc, where) from exc
                 exc.add_note(where)
                 raise
-        return states, any(new for _, new in done)
+        return states
 
     def _roll_back(self, engine: LoRARequest, done: list[tuple[int, bool]]) -> None:
         for stage, new in reversed(done):
