@@ -223,9 +223,9 @@ class LLMAdapterValidator:
 
     def _check(self, path: str, name: str) -> None:
         files = locate_adapter(path, shown=name, directory_only=True)
-        read_adapter_config(files.config, source=name)
-        try:
-            helper = PEFTHelper.from_local_dir(path, max_position_embeddings=None)
+        _, raw = read_adapter_config(files.config, source=name)
+        try:  # vLLM's helper from the JSON read above (from_local_dir would read the file again)
+            helper = PEFTHelper.from_dict({**raw, "vllm_max_position_embeddings": None})
             helper.validate_legal(self.lora_config)
         except ValueError as exc:
             raise InvalidAdapterError(f"{name} cannot be served by {self.stage_label}: {exc}") from exc
