@@ -128,7 +128,7 @@ class Omni(OmniBase):
 
         Raises:
             InvalidAdapterError (a ValueError): a stage refuses it (nothing stays loaded on any stage),
-                or its id names another adapter; FileNotFoundError: no such path;
+                or its id names another adapter; AdapterNotFoundError (also a FileNotFoundError): no such path;
             LoRANotEnabledError: a target stage without LoRA.
         """
         return self._add_lora(lora_request, stage_id, reload, denoiser, replace)

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from vllm_omni.errors import InvalidAdapterError, OmniError, restate
+from vllm_omni.errors import AdapterNotFoundError, InvalidAdapterError, OmniError, restate
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
 from vllm_omni.lora.request import LoRARequest, engine_adapter_name
 
@@ -231,14 +231,15 @@ class AdapterRegistry:
         """``(location, files, fingerprint, signature)`` of ``lora``'s files (hashed once per signature).
 
         Raises:
-            InvalidAdapterError / FileNotFoundError: the files cannot be found (naming the adapter).
+            AdapterNotFoundError (an ``InvalidAdapterError`` and a ``FileNotFoundError``) / InvalidAdapterError:
+                the files cannot be found or read (naming the adapter).
         """
         location = _location(str(lora.lora_path))
         try:
             files = locate_adapter(location, shown=_describe(lora))
             signature = file_signature(files)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{_describe(lora)}: no such adapter file or folder") from None
+            raise AdapterNotFoundError(f"{_describe(lora)}: no such adapter file or folder") from None
         except OSError as exc:
             raise InvalidAdapterError(f"{_describe(lora)}: cannot read its files: {exc}") from exc
         digest = None if fresh else self._fingerprints.get(signature)
@@ -375,7 +376,7 @@ class AdapterRegistry:
             InvalidAdapterError: a reserved name, a registered name with ``replace=False``, an id that
                 names another adapter, files a stage refuses
                 (message prefixed with the adapter and the stage; nothing stays loaded anywhere).
-            FileNotFoundError: no such file or folder.
+            AdapterNotFoundError: no such file or folder (also a ``FileNotFoundError``).
             LoRANotEnabledError / ConfigError: a target stage without LoRA / no such stage.
         """
         lora = _checked(lora)
