@@ -106,6 +106,7 @@ class OmniBase:
             self._orchestrator.lora_call,
             config.entry_stage.stage_id,
             {stage.stage_id: stage.label for stage in config.stages},
+            check=self._check_stage_adapter,
         )
         for stage in config.stages:  # the adapters diffusion stages pre-loaded (lora_path, peft backend)
             dcfg = getattr(stage, "diffusion_config", None) if not stage.is_llm else None
@@ -176,6 +177,19 @@ class OmniBase:
         """Per prompt: (entry-stage adapter arguments, ``{later stage id: LoRARequest}``) from every public
         adapter form (:func:`~vllm_omni.entrypoints.request_adapters.request_loras`)."""
         return request_loras(self.config, n, entry_params, **forms)
+
+    def _check_stage_adapter(self, stage_id: int, lora: Any) -> None:
+        """What stage ``stage_id`` would refuse of ``lora``, loading nothing: no LoRA there (or no such
+        stage), or, on a vLLM stage, the adapter gate (files, rank, modules; cached per adapter).
+
+        Raises:
+            LoRANotEnabledError / ConfigError / InvalidAdapterError: naming the stage.
+        """
+        self._orchestrator.lora_call("list_loras", stage_id=stage_id)
+        stage = self.config.stage_by_id(stage_id)
+        if stage.is_llm and stage_params_type(stage) is None:  # a vLLM stage taking SamplingParams
+            index = [s.stage_id for s in self.config.stages].index(stage_id)
+            self._orchestrator.runtimes[index].validate_request(None, SamplingParams(), lora)
 
     def _versioned(
         self, kwargs: dict[str, Any], stage_loras: dict[int, Any]

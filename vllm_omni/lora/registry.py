@@ -155,12 +155,20 @@ class AdapterRegistry:
         call: runs a LoRA method on the stages (:data:`StageCall`).
         entry_stage_id: the default target.
         stage_labels: ``{stage_id: label}`` for messages.
+        check: ``check(stage_id, engine_request)`` raises what a stage would refuse, loading nothing
+            (run on every target before any loads, so that a refusal does not even evict another
+            adapter from a cache); ``None``: refusals are only rolled back.
     """
 
     def __init__(
-        self, call: StageCall, entry_stage_id: int = 0, stage_labels: Mapping[int, str] | None = None
+        self,
+        call: StageCall,
+        entry_stage_id: int = 0,
+        stage_labels: Mapping[int, str] | None = None,
+        check: Callable[[int, LoRARequest], None] | None = None,
     ):
         self._call = call
+        self._check = check
         self.entry_stage_id = entry_stage_id
         self._labels = dict(stage_labels or {})
         self._lock = threading.RLock()  # the tables below; never held across a stage call
@@ -448,13 +456,18 @@ class AdapterRegistry:
     def _load_on(
         self, record: AdapterRecord, targets: tuple[int, ...], pinned: set[int], repin: bool
     ) -> dict[int, StageState]:
-        """``add_lora`` of ``record.engine`` on every target, in order, and ``pin_lora`` on the ``pinned``
+        """``check`` on every target, then ``add_lora`` of ``record.engine`` on each, in order, and ``pin_lora`` on the ``pinned``
         ones (where it was loaded anew, or everywhere with ``repin``); on a refusal the stages already done
         drop what this call loaded, and the error is raised prefixed with the adapter and the stage.
         Returns the stage states."""
         done: list[tuple[int, bool]] = []
         states: dict[int, StageState] = {}
         engine = record.engine
+        for stage in targets if self._check is not None else ():
+            try:
+                self._check(stage, engine)
+            except OmniError as exc:
+                raise restate(exc, self._where(record, stage)) from exc
         for stage in targets:
             try:
                 new = bool(self._call("add_lora", engine, stage_id=stage).get(stage, False))
@@ -464,12 +477,14 @@ class AdapterRegistry:
                 states[stage] = StageState("pinned" if stage in pinned else "loaded")
             except Exception as exc:
                 self._roll_back(engine, done)
-                where = f"adapter {record.name!r} ({record.location}) on {self._labels.get(stage, f'stage {stage}')}"
                 if isinstance(exc, OmniError):
-                    raise restate(exc, where) from exc
-                exc.add_note(where)
+                    raise restate(exc, self._where(record, stage)) from exc
+                exc.add_note(self._where(record, stage))
                 raise
         return states
+
+    def _where(self, record: AdapterRecord, stage: int) -> str:
+        return f"adapter {record.name!r} ({record.location}) on {self._labels.get(stage, f'stage {stage}')}"
 
     def _roll_back(self, engine: LoRARequest, done: list[tuple[int, bool]]) -> None:
         for stage, new in reversed(done):
