@@ -277,7 +277,8 @@ class ServerAdapters:
     def to_request(self, spec: LoRASpec) -> LoRARequest:
         """Turn one parsed entry into a ``LoRARequest`` (public form; the engine's registry versions it).
 
-        A path without a name is named after the adapter registered at that path, else the path as given.
+        A path without a name is named after the adapter registered at that path (whose id it then takes),
+        else the path as given; the name is what the reply's ``model`` field says.
 
         Raises:
             OpenAIError: 404 for an unknown bare name; 400 for a refused/invalid path, or an ``int_id``
@@ -293,7 +294,10 @@ class ServerAdapters:
         location = self.resolve_path(spec.path)
         if spec.name is not None:
             self._check_request_name(spec.name, location)
-        int_id = spec.int_id if spec.int_id is not None else stable_lora_int_id(location)
+        registered = None
+        if spec.int_id is None:  # the path of a registered adapter selects that adapter
+            registered = next((r for r in self.core.records() if r.location == location), None)
+        int_id = spec.int_id or (registered.int_id if registered else stable_lora_int_id(location))
         record = self.core.by_id(int_id)
         if record is not None and record.location != location:
             raise bad_request(
@@ -301,15 +305,8 @@ class ServerAdapters:
                 f"omit int_id to get the path's own id",
                 "lora",
             )
-        name = spec.name or (record.name if record is not None and record.registered else spec.path)
-        return LoRARequest(name, int_id, location)
-
-    def served_name(self, lora: LoRARequest) -> str:
-        """The name a response's ``model`` field gives ``lora``: its registered name, else its own."""
-        record = self.core.by_id(lora.lora_int_id)
-        if record is not None and record.registered and record.location == lora.lora_path:
-            return record.name
-        return lora.lora_name
+        named = registered or (record if record is not None and record.registered else None)
+        return LoRARequest(spec.name or (named.name if named else spec.path), int_id, location)
 
     def _check_request_name(self, name: str, location: str) -> None:
         """A request's ``name`` beside a ``path`` must not take a served name or another adapter's."""

@@ -138,12 +138,12 @@ def resolve_adapters(
 
 
 def served_model(state: ServerState, model: str | None, adapters: Adapters) -> str:
-    """The ``model`` field of a reply: the entry stage's adapter(s) that served it, by their registered
-    name however they were chosen (``model``, ``lora.name``, ``lora.path``; several joined by ``+``),
-    else the requested served name, else the first served name."""
+    """The ``model`` field of a reply: the entry stage's adapter(s) that served it, however they were
+    chosen (``model``: the registered name; ``lora.name``; ``lora.path``: the name registered at that
+    path, else the path; several joined by ``+``), else the requested served name, else the first one."""
     entry = [a for a in adapters if a.stage_id in (None, 0)]
     if entry:
-        return "+".join(state.registry.served_name(a.lora) for a in entry)
+        return "+".join(a.lora.lora_name for a in entry)
     return model or state.base_name
 
 
