@@ -136,8 +136,7 @@ def fingerprint_vs_parse(mib: int = 64) -> dict[str, float]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from vllm_omni.lora.adapter_files import AdapterFiles
-    from vllm_omni.lora.registry import fingerprint_files
+    from vllm_omni.lora.adapter_files import AdapterFiles, fingerprint_files
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "adapter_model.safetensors")

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from vllm_omni.errors import AdapterNotFoundError, InvalidAdapterError, OmniError, restate
-from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
+from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
 from vllm_omni.lora.request import LoRARequest, engine_adapter_name
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 StageCall = Callable[..., dict[int, Any]]
 
 _INT_ID_MAX = 2**31 - 1
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -109,34 +108,6 @@ class AdapterRecord:
 
 def _location(path: str) -> str:
     return os.path.realpath(path) if "://" not in path else path
-
-
-def file_signature(files: AdapterFiles) -> tuple:
-    """``((path, inode, size, mtime_ns), ...)`` of the config (when present) and weights files.
-
-    Raises:
-        OSError: a file is gone.
-    """
-    out = []
-    for path in (files.config, files.weights):
-        if path is not None:
-            st = os.stat(path)
-            out.append((path, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
-
-
-def fingerprint_files(files: AdapterFiles) -> str:
-    """SHA-256 (hex) of ``b"config\\0" + config bytes`` (empty without a config) ``+ b"weights\\0" +
-    weights bytes``, read in 1 MiB chunks (the bytes are hashed, not parsed)."""
-    digest = hashlib.sha256()
-    for label, path in (("config", files.config), ("weights", files.weights)):
-        digest.update(label.encode() + b"\0")
-        if path is None:
-            continue
-        with open(path, "rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _derived_id(int_id: int, key: tuple[str, str]) -> int:
