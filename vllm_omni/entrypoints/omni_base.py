@@ -17,12 +17,13 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
+from vllm_omni.engine.stage_registry import stage_params_type
 from vllm_omni.entrypoints.request_adapters import request_loras
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import startup_lora_request
-from vllm_omni.models.stage_runtimes import stage_params_type
+from vllm_omni.stages import register_stage_runtimes
 
 
 def build_omni_config(
@@ -100,6 +101,7 @@ class OmniBase:
 
     def _start(self, config: VllmOmniConfig) -> None:
         self.config = config
+        register_stage_runtimes()  # the runtimes of vllm_omni.stages, before the engine looks them up
         self._orchestrator = Orchestrator(config)
         #: every adapter of this engine and its state per stage (:mod:`vllm_omni.lora.registry`)
         self.adapter_registry = AdapterRegistry(
