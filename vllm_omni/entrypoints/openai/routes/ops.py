@@ -16,7 +16,9 @@ Any query parameter these routes do not take is refused with 400 naming it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from importlib import resources
+from typing import Any
 
 import vllm
 from fastapi import APIRouter, Request
@@ -51,10 +53,23 @@ async def metrics(request: Request) -> Response:
     if names:
         if any(not n.strip() for n in names):
             raise bad_request("/metrics: name[] must name a metric family, got an empty value", "name[]")
-        registry = registry.restricted_registry(names)
+        registry = _Only(registry, set(names))
     encoder, content_type = choose_encoder(request.headers.get("accept", ""))
     body = await asyncio.to_thread(encoder, registry)
     return Response(body, media_type=content_type)
+
+
+class _Only:
+    """The families of ``registry`` named in ``names`` (a family's name or one of its samples')."""
+
+    def __init__(self, registry: Any, names: set[str]) -> None:
+        self.registry = registry
+        self.names = names
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.registry.collect():
+            if family.name in self.names or any(s.name in self.names for s in family.samples):
+                yield family
 
 
 @router.get("/version")
