@@ -22,9 +22,38 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 #: Bucket bounds (seconds) of request latency and queue time histograms.
-LATENCY_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 #: Bucket bounds (seconds) of per-step and adapter-load histograms.
-FAST_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FAST_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 @dataclass
@@ -195,8 +224,14 @@ class StatsRecorder:
         return found
 
     def request_done(
-        self, adapters: Iterable[str], seconds: float, ok: bool, *, queued: float | None = None,
-        images: int = 0, videos: int = 0,
+        self,
+        adapters: Iterable[str],
+        seconds: float,
+        ok: bool,
+        *,
+        queued: float | None = None,
+        images: int = 0,
+        videos: int = 0,
     ) -> None:
         """One request left the stage after ``seconds`` (``queued`` of them before its batch)."""
         with self._lock:

@@ -24,7 +24,10 @@ class FakeOmni:
     def __init__(self, stats, health):
         self.stats, self.health = stats, health
         self.config = SimpleNamespace(
-            stages=[SimpleNamespace(stage_id=0, stage_type="llm_ar"), SimpleNamespace(stage_id=1, stage_type="diffusion")]
+            stages=[
+                SimpleNamespace(stage_id=0, stage_type="llm_ar"),
+                SimpleNamespace(stage_id=1, stage_type="diffusion"),
+            ]
         )
 
     def stage_stats(self, timeout):
@@ -48,7 +51,10 @@ def test_snapshots_become_series():
     llm.count("a", "cache_hits")
     llm_snap = llm.snapshot()
     vllm_family = MetricFamily(
-        "vllm:num_requests_running", "gauge", "Running.", [("vllm:num_requests_running", {"engine": "0"}, 2.0)]
+        "vllm:num_requests_running",
+        "gauge",
+        "Running.",
+        [("vllm:num_requests_running", {"engine": "0"}, 2.0)],
     )
     llm_snap.vllm = [vllm_family]
     img = StatsRecorder(1, "diffusion")
@@ -82,7 +88,9 @@ def test_snapshots_become_series():
     assert v("vllm_omni:lora_loaded", stage="1", adapter="stripes") == 0
     assert v("vllm_omni:lora_slot_misses_total", stage="1", adapter="warm") == 1
     assert v("vllm_omni:lora_registration_failures_total", stage="server", adapter="bad") == 1
-    assert not any(name.startswith("vllm_omni:diffusion") and dict(labels).get("stage") == "0" for name, labels in got)
+    assert not any(
+        name.startswith("vllm_omni:diffusion") and dict(labels).get("stage") == "0" for name, labels in got
+    )
 
 
 def test_a_stage_that_does_not_answer_is_left_out():

@@ -83,7 +83,9 @@ def _image(client: openai.OpenAI, adapter: str | None, seed: int = 0) -> None:
     extra = {"num_inference_steps": 3, "seed": seed}
     if adapter:
         extra["lora"] = {"name": adapter}
-    out = client.images.generate(model="demo", prompt="a circle", size="32x32", response_format="b64_json", extra_body=extra)
+    out = client.images.generate(
+        model="demo", prompt="a circle", size="32x32", response_format="b64_json", extra_body=extra
+    )
     assert out.data[0].b64_json
 
 
@@ -107,11 +109,23 @@ def test_diffusion_and_adapter_series_follow_the_traffic(image_server):
     assert moved("vllm_omni:lora_requests_total", **stripes) == 1
     assert moved("vllm_omni:lora_request_latency_seconds_count", **warm) == 3
     # one device slot: warm misses, hits, stripes takes the slot, warm misses again
-    assert (moved("vllm_omni:lora_slot_hits_total", **warm), moved("vllm_omni:lora_slot_misses_total", **warm)) == (1, 2)
-    assert (moved("vllm_omni:lora_slot_hits_total", **stripes), moved("vllm_omni:lora_slot_misses_total", **stripes)) == (0, 1)
+    assert (
+        moved("vllm_omni:lora_slot_hits_total", **warm),
+        moved("vllm_omni:lora_slot_misses_total", **warm),
+    ) == (1, 2)
+    assert (
+        moved("vllm_omni:lora_slot_hits_total", **stripes),
+        moved("vllm_omni:lora_slot_misses_total", **stripes),
+    ) == (0, 1)
     # one host-cache entry: the same sequence in the host cache, each miss a load and an eviction
-    assert (moved("vllm_omni:lora_cache_hits_total", **warm), moved("vllm_omni:lora_cache_misses_total", **warm)) == (1, 2)
-    assert (moved("vllm_omni:lora_cache_hits_total", **stripes), moved("vllm_omni:lora_cache_misses_total", **stripes)) == (0, 1)
+    assert (
+        moved("vllm_omni:lora_cache_hits_total", **warm),
+        moved("vllm_omni:lora_cache_misses_total", **warm),
+    ) == (1, 2)
+    assert (
+        moved("vllm_omni:lora_cache_hits_total", **stripes),
+        moved("vllm_omni:lora_cache_misses_total", **stripes),
+    ) == (0, 1)
     assert moved("vllm_omni:lora_load_seconds_count", **warm) == 2
     assert value(after, "vllm_omni:lora_load_seconds_sum", **warm) > 0
     assert moved("vllm_omni:lora_evictions_total", **warm) == 1
@@ -130,11 +144,14 @@ def test_diffusion_and_adapter_series_follow_the_traffic(image_server):
 
 def test_refused_registrations_are_counted(image_server):
     before = scrape(image_server)
+    assert not [k for k in before if dict(k[1]).get("stage") == "server"]
     url = image_server.url("/v1/load_lora_adapter")
-    clash = httpx.post(url, json={"lora_name": "demo", "lora_path": str(DEMO / "adapters" / "warm")}, timeout=60)
+    clash = httpx.post(
+        url, json={"lora_name": "demo", "lora_path": str(DEMO / "adapters" / "warm")}, timeout=60
+    )
     assert_openai_error(clash)
     bad = httpx.post(url, json={"lora_name": "broken", "lora_path": str(DEMO / "transformer")}, timeout=120)
-    assert_openai_error(bad)  # a folder of the allow-list? no: outside --lora-dirs, refused by the server
+    assert_openai_error(bad)  # outside --lora-dirs: refused by the server before any stage
     after = scrape(image_server)
     assert value(after, "vllm_omni:lora_registration_failures_total", stage="server", adapter="demo") == 1
     assert value(after, "vllm_omni:lora_registration_failures_total", stage="server", adapter="broken") == 1

@@ -89,7 +89,11 @@ def wait(driver, what: str, condition):
 
 def open_page(driver, server) -> None:
     driver.get(server.url("/ui"))
-    wait(driver, "the page to read the server", lambda d: d.execute_script("return document.body.dataset.ready"))
+    wait(
+        driver,
+        "the page to read the server",
+        lambda d: d.execute_script("return document.body.dataset.ready"),
+    )
 
 
 def set_value(driver, selector: str, value) -> None:
@@ -214,11 +218,15 @@ def test_the_chat_box_answers_with_the_chosen_adapter(browser, llm_server):
     box = browser.find_element(By.ID, "chat-input")
     box.send_keys("hello there")
     browser.find_element(By.ID, "chat-send").click()
-    reply = wait(browser, "the answer", lambda d: d.find_elements(By.CSS_SELECTOR, "#chat-log .msg.assistant"))
+    reply = wait(
+        browser, "the answer", lambda d: d.find_elements(By.CSS_SELECTOR, "#chat-log .msg.assistant")
+    )
     body = {
         "model": "a", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0,
     }  # fmt: skip
     api = httpx.post(llm_server.url("/v1/chat/completions"), json=body, timeout=300).json()
     assert reply[0].text.removeprefix("model: ") == api["choices"][0]["message"]["content"]
-    base = httpx.post(llm_server.url("/v1/chat/completions"), json={**body, "model": "tiny"}, timeout=300).json()
+    base = httpx.post(
+        llm_server.url("/v1/chat/completions"), json={**body, "model": "tiny"}, timeout=300
+    ).json()
     assert base["choices"][0]["message"]["content"] != api["choices"][0]["message"]["content"]

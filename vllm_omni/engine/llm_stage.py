@@ -439,7 +439,9 @@ class LLMStageEngine(StageDriver):
                     if loaded is None:
                         loaded = self._loaded_ids()
                     hit = item.lora_request.lora_int_id in loaded
-                    self.recorder.count(self._lora_name(item.lora_request), "cache_hits" if hit else "cache_misses")
+                    self.recorder.count(
+                        self._lora_name(item.lora_request), "cache_hits" if hit else "cache_misses"
+                    )
                     if not hit:
                         self._load_adapter(item.lora_request, loaded)
                 # outputs carry this external id (add_request returns an internal one)

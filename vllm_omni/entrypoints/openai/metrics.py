@@ -29,7 +29,9 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "vllm_omni:stage_ready": ("gauge", ("stage", "stage_type"), "1 while the stage serves, else 0"),
     "vllm_omni:stage_requests_total": ("counter", ("stage", "stage_type", "status"), "requests"),
     "vllm_omni:stage_request_latency_seconds": (
-        "histogram", ("stage", "stage_type"), "seconds from submission to the stage's output",
+        "histogram",
+        ("stage", "stage_type"),
+        "seconds from submission to the stage's output",
     ),
     "vllm_omni:diffusion_queue_time_seconds": ("histogram", ("stage",), "seconds before the batch started"),
     "vllm_omni:diffusion_step_seconds": ("histogram", ("stage",), "seconds per denoising step of a batch"),
@@ -37,7 +39,9 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "vllm_omni:diffusion_videos_total": ("counter", ("stage",), "videos"),
     "vllm_omni:lora_requests_total": ("counter", ("stage", "adapter"), "requests"),
     "vllm_omni:lora_request_latency_seconds": (
-        "histogram", ("stage", "adapter"), "seconds from submission to the stage's output",
+        "histogram",
+        ("stage", "adapter"),
+        "seconds from submission to the stage's output",
     ),
     "vllm_omni:lora_cache_hits_total": ("counter", ("stage", "adapter"), "requests"),
     "vllm_omni:lora_cache_misses_total": ("counter", ("stage", "adapter"), "requests"),
@@ -104,7 +108,9 @@ class RegistrationFailures:
 
 def _family(name: str) -> Any:
     kind, labels, _ = SERIES[name]
-    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[kind]
+    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[
+        kind
+    ]
     return cls(name.removesuffix("_total") if kind == "counter" else name, _HELP[name], labels=list(labels))
 
 
