@@ -194,7 +194,10 @@ def test_llm_stage_series_in_a_worker_process(llm_server):
     def moved(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    engine = {"stage": "0", "engine": "0", "model_name": "tiny"}
+    [model_name] = {
+        dict(labels)["model_name"] for name, labels in after if name == "vllm:num_requests_running"
+    }
+    engine = {"stage": "0", "engine": "0", "model_name": model_name}
     assert moved("vllm:generation_tokens_total", **engine) == 20
     assert moved("vllm:request_success_total", finished_reason="length", **engine) == 4
     assert moved("vllm:e2e_request_latency_seconds_count", **engine) == 4
