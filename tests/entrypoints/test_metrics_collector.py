@@ -54,7 +54,7 @@ def test_snapshots_become_series():
         "vllm:num_requests_running",
         "gauge",
         "Running.",
-        [("vllm:num_requests_running", {"engine": "0"}, 2.0)],
+        [("vllm:num_requests_running", {"engine": "0", "model_name": "/models/x"}, 2.0)],
     )
     llm_snap.vllm = [vllm_family]
     img = StatsRecorder(1, "diffusion")
@@ -65,12 +65,12 @@ def test_snapshots_become_series():
     failures = RegistrationFailures()
     failures.note("bad")
     omni = FakeOmni({0: llm_snap, 1: img.snapshot()}, {0: "ready", 1: "restarting"})
-    got = samples(generate_latest(metrics_registry(omni, failures)).decode())
+    got = samples(generate_latest(metrics_registry(omni, failures, "served")).decode())
 
     def v(name, **labels):
         return got[(name, tuple(sorted(labels.items())))]
 
-    assert v("vllm:num_requests_running", engine="0", stage="0") == 2
+    assert v("vllm:num_requests_running", engine="0", stage="0", model_name="served") == 2
     assert v("vllm_omni:stage_ready", stage="0", stage_type="llm_ar") == 1
     assert v("vllm_omni:stage_ready", stage="1", stage_type="diffusion") == 0
     assert v("vllm_omni:lora_requests_total", stage="0", adapter="a") == 1

@@ -57,7 +57,9 @@ def image_server(tmp_path_factory):
         str(DEMO), port, "--served-model-name", "demo", "--max-loras", "2",
         "--lora-modules", f"warm={adapters / 'warm'}", f"stripes={adapters / 'stripes'}",
     )  # fmt: skip
-    srv = start_server(cmd, port, tmp_path_factory.mktemp("ui_img") / "server.log", server_env())
+    srv = start_server(
+        cmd, port, tmp_path_factory.mktemp("ui_img") / "server.log", server_env(), timeout=WAIT_S
+    )
     yield srv
     srv.stop()
 
@@ -70,7 +72,9 @@ def llm_server(tiny_llm_assets, tmp_path_factory):
         "--enable-lora", "--max-lora-rank", "16", "--max-model-len", "256", "--dtype", "float32",
         "--lora-modules", f"a={tiny_llm_assets.adapter_a}", f"b={tiny_llm_assets.adapter_b}",
     )  # fmt: skip
-    srv = start_server(cmd, port, tmp_path_factory.mktemp("ui_llm") / "server.log", server_env())
+    srv = start_server(
+        cmd, port, tmp_path_factory.mktemp("ui_llm") / "server.log", server_env(), timeout=WAIT_S
+    )
     yield srv
     srv.stop()
 

@@ -63,7 +63,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="vllm-omni", version="0.1")
     app.state.omni_state = state
     app.state.registration_failures = RegistrationFailures()
-    app.state.omni_metrics = metrics_registry(state.omni, app.state.registration_failures)
+    app.state.omni_metrics = metrics_registry(state.omni, app.state.registration_failures, state.base_name)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes())
     if state.settings.api_keys:

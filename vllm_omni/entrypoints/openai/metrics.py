@@ -124,12 +124,17 @@ class OmniCollector:
     Args:
         omni: the running ``AsyncOmni`` (``stage_stats``, ``stage_health``, ``config``).
         failures: the server's own registration refusals.
+        served_name: the served model name: vLLM's ``model_name`` label takes it (as with
+            ``vllm serve``) instead of the stage's model path.
         timeout: seconds a stage may take to answer a scrape (``None`` for that stage after it).
     """
 
-    def __init__(self, omni: Any, failures: RegistrationFailures, timeout: float = 5.0) -> None:
+    def __init__(
+        self, omni: Any, failures: RegistrationFailures, served_name: str | None = None, timeout: float = 5.0
+    ) -> None:
         self.omni = omni
         self.failures = failures
+        self.served_name = served_name
         self.timeout = timeout
 
     def collect(self) -> Iterator[Metric]:
@@ -147,7 +152,7 @@ class OmniCollector:
         for adapter, n in self.failures.counts().items():
             families["vllm_omni:lora_registration_failures_total"].add_metric(["server", adapter], n)
         yield from families.values()
-        yield from _vllm_families([snap for snap in stats.values() if snap is not None])
+        yield from _vllm_families([snap for snap in stats.values() if snap is not None], self.served_name)
 
     @staticmethod
     def _stage(families: dict[str, Any], stage: str, snap: StageStats) -> None:
@@ -173,8 +178,9 @@ def _adapter(families: dict[str, Any], labels: list[str], a: AdapterStats) -> No
     families["vllm_omni:lora_pinned"].add_metric(labels, float(a.pinned))
 
 
-def _vllm_families(snaps: list[StageStats]) -> Iterator[Metric]:
-    """The stages' vLLM families, one per name, with label ``stage`` added to every sample."""
+def _vllm_families(snaps: list[StageStats], served_name: str | None) -> Iterator[Metric]:
+    """The stages' vLLM families, one per name, with label ``stage`` added to every sample (and
+    ``model_name``, where present, set to ``served_name``)."""
     merged: dict[str, Metric] = {}
     for snap in snaps:
         for fam in snap.vllm:
@@ -182,15 +188,20 @@ def _vllm_families(snaps: list[StageStats]) -> Iterator[Metric]:
             if metric is None:
                 metric = merged[fam.name] = Metric(fam.name, fam.help, fam.kind)
             for sample, labels, value in fam.samples:
-                metric.add_sample(sample, {**labels, "stage": str(snap.stage_id)}, value)
+                labels = {**labels, "stage": str(snap.stage_id)}
+                if served_name is not None and "model_name" in labels:
+                    labels["model_name"] = served_name
+                metric.add_sample(sample, labels, value)
     yield from merged.values()
 
 
-def metrics_registry(omni: Any, failures: RegistrationFailures) -> CollectorRegistry:
+def metrics_registry(
+    omni: Any, failures: RegistrationFailures, served_name: str | None = None
+) -> CollectorRegistry:
     """The registry ``/metrics`` renders: :class:`OmniCollector` plus the process, platform and
     garbage-collector series ``vllm serve`` also exports (``process_*``, ``python_*``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(OmniCollector(omni, failures))
+    registry.register(OmniCollector(omni, failures, served_name))
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(collector)
     return registry
