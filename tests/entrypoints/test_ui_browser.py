@@ -112,7 +112,7 @@ def set_value(driver, selector: str, value) -> None:
 
 def api_image(server, size: int, steps: int, seed: int, lora: list) -> str:
     body = {
-        "model": "demo", "prompt": "a red circle on a blue background", "size": f"{size}x{size}",
+        "model": "demo", "prompt": "a blue circle", "size": f"{size}x{size}",
         "response_format": "b64_json", "num_inference_steps": steps, "guidance_scale": 0, "seed": seed,
     }  # fmt: skip
     if lora:
