@@ -25,10 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 
-import vllm_omni
 from vllm_omni.entrypoints.openai.errors import bad_request, not_found
 from vllm_omni.entrypoints.openai.routes.models import health
 from vllm_omni.entrypoints.openai.state import get_state
+from vllm_omni.version import __version__ as omni_version
 
 router = APIRouter()
 
@@ -75,7 +75,7 @@ class _Only:
 @router.get("/version")
 async def version(request: Request) -> JSONResponse:
     check_query(request)
-    return JSONResponse({"version": vllm.__version__, "vllm_omni_version": vllm_omni.__version__})
+    return JSONResponse({"version": vllm.__version__, "vllm_omni_version": omni_version})
 
 
 @router.api_route("/ping", methods=["GET", "POST"])
