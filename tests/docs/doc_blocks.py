@@ -19,7 +19,9 @@ Conventions (also described in ``docs/contributing_docs.md``):
   ``<!-- docs-test: serve -->`` (a bash block with one serve command: also start that server,
   as its own process, for the rest of the page; one server per page at a time),
   ``<!-- docs-test: expect-error -->`` (the block's curl replies must be OpenAI error
-  objects; by default they must not be).
+  objects; by default they must not be), ``<!-- docs-test: continues -->`` (a Python block
+  that continues the script of the Python block before it, as the page's text must say: the
+  chain runs as one script, each block at its own line numbers).
 * **Waiting.** Nothing runs against a wall-clock budget: a block's script, a server's start
   and its stop are waited on while they make progress (new output, or CPU time used by the
   process tree) and fail after :data:`STALL_S` seconds without any, showing the last output.
@@ -47,8 +49,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_DIR = REPO_ROOT / "docs"
 #: Seconds a block, a server start or a server stop may go without output or CPU time.
 STALL_S = float(os.environ.get("VLLM_OMNI_DOCS_STALL_S", "300"))
-#: Engine constructors: a block that calls one needs the ``__main__`` guard (vLLM spawns processes).
-_ENGINE_CALL = re.compile(r"\b(Omni|AsyncOmni)\(")
+#: An engine built on an LLM checkpoint: the script needs the ``__main__`` guard (vLLM spawns processes).
+_ENGINE_LLM = re.compile(r"\b(Omni|AsyncOmni)\(\s*\"/path/to/(model|qwen2_5_omni)\"")
 _MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
@@ -56,7 +58,7 @@ _MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<body>.*?)\s*-->")
 _PLACEHOLDER = re.compile(r"/path/to/([A-Za-z0-9_.\-/]+)")
 RUN_LANGS = {"python", "bash", "sh", "shell", "yaml", "yml", "json"}
 NEVER_RUN_LANGS = {"text"}
-KNOWN_MARKERS = {"skip", "file", "serve", "expect-error"}
+KNOWN_MARKERS = {"skip", "file", "serve", "expect-error", "continues"}
 
 #: placeholder name -> (asset key, copy?). Adapters are copied so that a ``--lora-dirs``
 #: allow-list on their parent folder holds them after ``realpath``; models are symlinked.
@@ -391,11 +393,13 @@ class PageRunner:
         self.ran: list[str] = []
         self.skipped: list[str] = []
         self.seconds: dict[str, float] = {}  # where -> wall seconds (scripts, server starts)
+        self.script: list[tuple[Block, str]] = []  # the Python chain not run yet (``continues``)
 
     def run(self, blocks: list[Block]) -> None:
         try:
             for block in blocks:
                 self.run_block(block)
+            self.flush()
         finally:
             self.close()
 
@@ -417,8 +421,14 @@ class PageRunner:
         if "file" in block.markers:
             (self.workdir / block.markers["file"]).write_text(code)
         if block.lang == "python":
-            self.run_python(block, code)
-        elif block.lang in ("yaml", "yml"):
+            if "continues" not in block.markers:
+                self.flush()
+            elif not self.script:
+                raise AssertionError(f"{block.where}: `docs-test: continues` but no Python block before it")
+            self.script.append((block, code))
+            return
+        self.flush()
+        if block.lang in ("yaml", "yml"):
             import yaml
 
             yaml.safe_load(code)
@@ -428,16 +438,28 @@ class PageRunner:
             self.run_bash(block, code)
         self.ran.append(block.where)
 
-    def run_python(self, block: Block, code: str) -> None:
-        """``python block_<line>.py`` in the page folder, a new process, as a reader would run it."""
-        if _ENGINE_CALL.search(code) and not _MAIN_GUARD.search(code):
+    def flush(self) -> None:
+        """Run the pending Python chain (a block and its ``continues`` blocks) as one script."""
+        chain, self.script = self.script, []
+        if not chain:
+            return
+        block = chain[0][0]
+        written = "".join(b.code for b, _ in chain)  # as on the page, before placeholders
+        if _ENGINE_LLM.search(re.sub(r"#.*", "", written)) and not _MAIN_GUARD.search(written):
             raise AssertionError(
-                f"{block.where}: a block that builds an engine needs `if __name__ == \"__main__\":` "
-                f"(vLLM starts processes that import the script again)"
+                f"{block.where}: a block that builds an LLM engine needs `if __name__ == \"__main__\":` "
+                f"(vLLM's CPU engine starts its processes with spawn, which imports the script again)"
             )
+        lines = [f"# {block.where}"]
+        for part, text in chain:  # each block at its page line numbers, so tracebacks name them
+            lines += [""] * (part.line - len(lines))
+            lines += text.splitlines()
+        self.run_python(block, "\n".join(lines) + "\n", len(chain))
+
+    def run_python(self, block: Block, source: str, blocks: int = 1) -> None:
+        """``python block_<line>.py`` in the page folder, a new process, as a reader would run it."""
         script = self.workdir / f"block_{block.line}.py"
-        # padded so that tracebacks name the page's own line numbers
-        script.write_text(f"# {block.where}" + "\n" * block.line + code)
+        script.write_text(source)
         log = self.workdir / f"block_{block.line}.log"
         started = time.monotonic()
         with open(log, "w") as out:
@@ -446,7 +468,7 @@ class PageRunner:
             )  # fmt: skip
         status = wait_on_progress(proc, log, f"{block.where}: python {script.name}")
         self.seconds[block.where] = time.monotonic() - started
-        print(f"{block.where}: python block, {self.seconds[block.where]:.1f} s")
+        print(f"{block.where}: python script ({blocks} block(s)), {self.seconds[block.where]:.1f} s")
         if status != 0:
             raise AssertionError(
                 f"{block.where}: `python {script.name}` exited with {status}; its output ends:\n{tail(log, 60)}"

@@ -56,13 +56,25 @@ def test_python_blocks_run_as_scripts_and_wait_on_progress(tmp_path, monkeypatch
     from doc_blocks import Block
 
     runner = PageRunner("probe.md", tmp_path, tmp_path)
+
+    def run(*blocks):
+        for block in blocks:
+            runner.run_block(block)
+        runner.flush()
+
     with pytest.raises(AssertionError, match="needs `if __name__"):
-        runner.run_block(Block("probe.md", 3, "python", "from vllm_omni import Omni\nomni = Omni('m')\n"))
+        run(Block("probe.md", 3, "python", 'from vllm_omni import Omni\nomni = Omni("/path/to/model")\n'))
     with pytest.raises(AssertionError, match=r"(?s)probe.md:4: .*exited with 1.*block_4.py\", line 5.*NameError: name 'omni'"):
-        runner.run_block(Block("probe.md", 4, "python", "print(omni)\n"))
+        run(Block("probe.md", 4, "python", "print(omni)\n"))
+    # a `continues` block is the same script, at its own page lines
+    run(Block("probe.md", 2, "python", "x = 1\n"), Block("probe.md", 6, "python", "assert x == 1\n", {"continues": ""}))
+    with pytest.raises(AssertionError, match=r"(?s)block_2.py\", line 7.*ZeroDivisionError"):
+        run(Block("probe.md", 2, "python", "x = 0\n"), Block("probe.md", 6, "python", "1 / x\n", {"continues": ""}))
+    with pytest.raises(AssertionError, match="no Python block before it"):
+        run(Block("probe.md", 6, "python", "pass\n", {"continues": ""}))
     monkeypatch.setattr(doc_blocks, "STALL_S", 1.5)
     ticking = "import time\nfor i in range(8):\n    print(i, flush=True)\n    time.sleep(0.5)\n"
-    runner.run_block(Block("probe.md", 1, "python", ticking))  # 4 s > STALL_S, never silent for long
+    run(Block("probe.md", 1, "python", ticking))  # 4 s > STALL_S, never silent for long
     assert runner.seconds["probe.md:1"] > 1.5
     with pytest.raises(AssertionError, match=r"(?s)no output and no CPU time for 2 s.*started"):
-        runner.run_block(Block("probe.md", 9, "python", "import time\nprint('started')\ntime.sleep(60)\n"))
+        run(Block("probe.md", 9, "python", "import time\nprint('started')\ntime.sleep(60)\n"))
