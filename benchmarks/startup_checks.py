@@ -35,7 +35,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    cli = [str(BIN / "vllm-omni")] if (BIN / "vllm-omni").exists() else [sys.executable, "-m", "vllm_omni.entrypoints.cli.main"]
+    cli = (
+        [str(BIN / "vllm-omni")]
+        if (BIN / "vllm-omni").exists()
+        else [sys.executable, "-m", "vllm_omni.entrypoints.cli.main"]
+    )
     tmp = Path(tempfile.mkdtemp(prefix="startup_checks_"))
     (tmp / "bad.yaml").write_text("stages: [\n")
     held = socket.socket()

@@ -79,12 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     source_version = needed()
     if source_version is None:
-        print(f"[vllm alias] not needed: distribution 'vllm' is {md.version(ALIAS_NAME)!r}"
-              if _has(ALIAS_NAME) else f"[vllm alias] not needed: no {SOURCE_NAME} installed")
+        print(
+            f"[vllm alias] not needed: distribution 'vllm' is {md.version(ALIAS_NAME)!r}"
+            if _has(ALIAS_NAME)
+            else f"[vllm alias] not needed: no {SOURCE_NAME} installed"
+        )
         return 0
     if args.check:
-        print(f"[vllm alias] needed: {SOURCE_NAME} {source_version} is installed without 'vllm' metadata; "
-              f"run: {sys.executable} -m tools.vllm_dist_alias", file=sys.stderr)
+        print(
+            f"[vllm alias] needed: {SOURCE_NAME} {source_version} is installed without 'vllm' metadata; "
+            f"run: {sys.executable} -m tools.vllm_dist_alias",
+            file=sys.stderr,
+        )
         return 1
     path = write_alias(Path(args.site_dir), source_version)
     print(f"[vllm alias] wrote {path} (the `vllm` command needs version('vllm'))")

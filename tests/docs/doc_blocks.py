@@ -447,7 +447,7 @@ class PageRunner:
         written = "".join(b.code for b, _ in chain)  # as on the page, before placeholders
         if _ENGINE_LLM.search(re.sub(r"#.*", "", written)) and not _MAIN_GUARD.search(written):
             raise AssertionError(
-                f"{block.where}: a block that builds an LLM engine needs `if __name__ == \"__main__\":` "
+                f'{block.where}: a block that builds an LLM engine needs `if __name__ == "__main__":` '
                 f"(vLLM's CPU engine starts its processes with spawn, which imports the script again)"
             )
         lines = [f"# {block.where}"]

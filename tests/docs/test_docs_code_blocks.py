@@ -64,12 +64,20 @@ def test_python_blocks_run_as_scripts_and_wait_on_progress(tmp_path, monkeypatch
 
     with pytest.raises(AssertionError, match="needs `if __name__"):
         run(Block("probe.md", 3, "python", 'from vllm_omni import Omni\nomni = Omni("/path/to/model")\n'))
-    with pytest.raises(AssertionError, match=r"(?s)probe.md:4: .*exited with 1.*block_4.py\", line 5.*NameError: name 'omni'"):
+    with pytest.raises(
+        AssertionError, match=r"(?s)probe.md:4: .*exited with 1.*block_4.py\", line 5.*NameError: name 'omni'"
+    ):
         run(Block("probe.md", 4, "python", "print(omni)\n"))
     # a `continues` block is the same script, at its own page lines
-    run(Block("probe.md", 2, "python", "x = 1\n"), Block("probe.md", 6, "python", "assert x == 1\n", {"continues": ""}))
+    run(
+        Block("probe.md", 2, "python", "x = 1\n"),
+        Block("probe.md", 6, "python", "assert x == 1\n", {"continues": ""}),
+    )
     with pytest.raises(AssertionError, match=r"(?s)block_2.py\", line 7.*ZeroDivisionError"):
-        run(Block("probe.md", 2, "python", "x = 0\n"), Block("probe.md", 6, "python", "1 / x\n", {"continues": ""}))
+        run(
+            Block("probe.md", 2, "python", "x = 0\n"),
+            Block("probe.md", 6, "python", "1 / x\n", {"continues": ""}),
+        )
     with pytest.raises(AssertionError, match="no Python block before it"):
         run(Block("probe.md", 6, "python", "pass\n", {"continues": ""}))
     monkeypatch.setattr(doc_blocks, "STALL_S", 1.5)

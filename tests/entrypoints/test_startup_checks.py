@@ -51,7 +51,7 @@ def bad_inputs(tmp_path, tiny_llm_assets):
     cases = [
         (["--lora-modules", f"a={missing}"], f"--lora-modules a={missing}: no such file or directory"),
         (["--lora-modules", f"a={adapter}", f"b={missing}", "--dry-run"], f"--lora-modules b={missing}: no such"),
-        (["--lora-modules", '{"name": "c", "path": "%s"}' % missing], "no such file or directory"),
+        (["--lora-modules", json.dumps({"name": "c", "path": str(missing)})], "no such file or directory"),
         (["--lora-path", "rel/nope.safetensors"], "--lora-path rel/nope.safetensors: no such file or directory"),
         (["--lora-dirs", str(tmp_path / "file.txt")], f"--lora-dirs {tmp_path / 'file.txt'}: not a directory"),
         (["--deploy-config", str(tmp_path / "bad.yaml")], f"--deploy-config {tmp_path / 'bad.yaml'}: not valid YAML"),
@@ -95,7 +95,9 @@ def test_full_parser_gives_the_same_errors_and_resolves_paths(tiny_llm_assets, t
     with pytest.raises(ConfigError, match=r"--lora-modules a=nowhere: no such file or directory"):
         parse_serve_argv([model, "--lora-modules", "a=nowhere"])
     (tmp_path / "not_an_adapter").mkdir()
-    with pytest.raises(ConfigError, match=r"--lora-modules b=.*not_an_adapter: missing adapter_model.safetensors"):
+    with pytest.raises(
+        ConfigError, match=r"--lora-modules b=.*not_an_adapter: missing adapter_model.safetensors"
+    ):
         parse_serve_argv([model, "--lora-modules", f"b={tmp_path / 'not_an_adapter'}"])
     link = tmp_path / "adapters"
     link.symlink_to(tiny_llm_assets.adapter_a.parent, target_is_directory=True)

@@ -74,7 +74,9 @@ def parse_lora_module(value: str) -> tuple[str, str]:
             data = json.loads(value)
             return str(data["name"]), str(data["path"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"--lora-modules {value}: expected 'name=path' or JSON with name and path") from exc
+            raise ConfigError(
+                f"--lora-modules {value}: expected 'name=path' or JSON with name and path"
+            ) from exc
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
         raise ConfigError(f"--lora-modules {value}: expected 'name=path' or JSON with name and path")

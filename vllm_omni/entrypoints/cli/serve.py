@@ -216,7 +216,8 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         raise ServeArgsError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     lora_dirs = [preflight.resolve_local("--lora-dirs", r, r, directory=True) for r in args.lora_dirs or []]
     lora_modules = [
-        (m.name, _startup_adapter("--lora-modules", f"{m.name}={m.path}", m.path)) for m in args.lora_modules or []
+        (m.name, _startup_adapter("--lora-modules", f"{m.name}={m.path}", m.path))
+        for m in args.lora_modules or []
     ]
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("VLLM_API_KEY"):
