@@ -346,11 +346,15 @@ class LiveServer:
 
 
 def run_curl(command: str, cwd: Path, expect_error: bool, where: str) -> list[Any]:
-    """Run one curl command; every JSON document it prints is checked (error object or not)."""
+    """Run one curl command; every JSON document it prints is checked (error object or not).
+
+    The 900 s bound only ends a curl that hangs: the server behind it is the page's live one, whose
+    start was waited on progress; a request on the tiny models takes seconds.
+    """
     if shutil.which("curl") is None:
         raise AssertionError(f"{where}: curl is not installed (apt-get install curl)")
     proc = subprocess.run(
-        ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=900, check=False
     )
     if proc.returncode != 0:
         raise AssertionError(f"{where}: `{command}` failed ({proc.returncode}): {proc.stderr}")
