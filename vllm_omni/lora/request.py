@@ -57,9 +57,15 @@ def stable_lora_int_id(path: str) -> int:
 
 def startup_lora_request(path: str) -> LoRARequest:
     """The ``LoRARequest`` under which a diffusion stage pre-loads a ``lora_path`` adapter: named after
-    the file or folder, id :func:`stable_lora_int_id` of the path."""
+    the file or folder, id :func:`stable_lora_int_id` of the path.
+
+    A local path is held as its real path, the spelling the id is derived from and the one an HTTP
+    request naming the same adapter resolves to: a relative ``lora_path`` and a request's absolute path
+    then name one cache entry, not two that clash on one id.
+    """
     name = os.path.basename(os.path.normpath(path)) or "startup"
-    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(path), lora_path=path)
+    location = path if "://" in path else os.path.realpath(path)
+    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(location), lora_path=location)
 
 
 #: ``<name>@<12 hex digits>.<engine id>``: the per-version name stages get (see :mod:`vllm_omni.lora.registry`).
