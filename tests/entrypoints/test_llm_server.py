@@ -597,3 +597,49 @@ def test_the_server_shows_vllm_omni_info_logs(server):
     """`vllm serve --omni` shows our INFO records (e.g. the stage start-up, the CPU KV budget) as vLLM shows its own."""
     log = server.log_path.read_text(errors="replace")
     assert "[vllm_omni.engine.orchestrator] starting Stage 0 (llm_ar)" in log, server.log_tail()
+
+
+def test_the_model_field_names_the_adapter_that_served(server, client, paths):
+    """Issue 21, rule 5: ``model`` (and every stream chunk's) names the adapter however it was chosen."""
+    assert chat(client).model == "tiny" and chat(client, model="a").model == "a"
+    assert chat(client, lora={"name": "a"}).model == "a"
+    by_path = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"lora": {"path": str(paths["b"])}}
+    )
+    assert by_path.model == str(paths["b"])  # a path without a registered name is named by the path
+    named = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=2,
+        extra_body={"lora": {"name": "bee", "path": str(paths["b"])}},
+    )
+    assert named.model == "bee"
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=3,
+        stream=True,
+        extra_body={"lora": {"name": "a"}},
+    )
+    assert {chunk.model for chunk in stream} == {"a"}
+    stream = client.completions.create(model="a", prompt=PROMPT, max_tokens=3, stream=True)
+    assert {chunk.model for chunk in stream} == {"a"}
+
+
+def test_load_inplace_serves_the_new_weights_never_the_cached_prefix(server, client, paths):
+    """Issue 21, rule 1 over HTTP: ``load_inplace`` of rewritten files; vLLM's prefix cache keys blocks by
+    lora name and path, so a long prompt would reuse the old adapter's KV under an unversioned name."""
+    folder = paths["root"] / "inplace"
+    copy_adapter(paths["a"], folder)
+    prompt = [10 + (i * 37) % 480 for i in range(240)]
+    load = lambda body: httpx.post(server.url("/v1/load_lora_adapter"), json=body, timeout=120)  # noqa: E731
+    assert load({"lora_name": "ip", "lora_path": str(folder)}).status_code == 200
+    try:
+        assert completion_tokens(server, model="ip", prompt=prompt) == ref(paths, prompt, "a")
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(paths["b"] / name, folder / name)
+        assert load({"lora_name": "ip", "lora_path": str(folder), "load_inplace": True}).status_code == 200
+        assert completion_tokens(server, model="ip", prompt=prompt) == ref(paths, prompt, "b")
+        assert [m.id for m in client.models.list().data].count("ip") == 1
+    finally:
+        httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "ip"}, timeout=60)

@@ -100,6 +100,10 @@ def test_errors_keep_their_class_across_the_process(omni, tiny_llm_assets):
         omni.add_lora(LoRARequest("big", 9, str(tiny_llm_assets.adapter_rank64)), stage_id=0)
     with pytest.raises(LoRANotEnabledError, match=r"Stage 1"):
         omni.add_lora(LoRARequest("a", 1, str(tiny_llm_assets.adapter_a)), stage_id=1)
+    # refused by stage 1: rolled back in stage 0's worker process (issue 21, rule 2)
+    with pytest.raises(LoRANotEnabledError, match=r"adapter 'both' .*Stage 1"):
+        omni.add_lora(LoRARequest("both", 5, str(tiny_llm_assets.adapter_b)), stage_id=[0, 1])
+    assert 5 not in omni.list_loras(stage_id=0) and omni.adapter_registry.get("both") is None
     bad_seed = SamplingParams(max_tokens=2, seed=2**70)
     with pytest.raises(InvalidRequestError, match="int64"):
         omni.generate("hi", [bad_seed, GREEDY], use_tqdm=False)
