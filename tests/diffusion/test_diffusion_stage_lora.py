@@ -252,7 +252,7 @@ def test_remove_during_request_waits_for_it(tiny_z_image_dir, reqs, tiny_z_image
         t = threading.Thread(target=lambda: removed.append(omni.remove_lora(a.lora_int_id)))
         t.start()
         out = fut.result()
-        t.join(timeout=60)
+        t.join(timeout=600)
         # every step of the request ran with the adapter, then it was removed
         assert torch.equal(out.latents, full)
         assert removed == [True] and omni.list_loras() == set()
