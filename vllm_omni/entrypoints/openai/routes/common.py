@@ -27,6 +27,7 @@ from vllm_omni.entrypoints.openai.errors import (
 )
 from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
+from vllm_omni.entrypoints.stage_info import seeded_stage_default
 from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
 
 #: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
@@ -149,11 +150,7 @@ def stage_params(
         if audio_params is not None and info.stage_is_audio[i]:
             out.append(audio_params)
         elif default is not None and i > 0:
-            seed = getattr(llm_params, "seed", None)
-            if seed is not None and hasattr(default, "clone"):
-                default = default.clone()
-                default.seed = seed
-            out.append(default)
+            out.append(seeded_stage_default(default, llm_params))
         else:
             out.append(llm_params if is_llm else diffusion_params)
     return out
