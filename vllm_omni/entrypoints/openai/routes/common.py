@@ -126,11 +126,13 @@ def resolve_adapters(
         chosen.append(RequestAdapter(state.registry.named[model]))
     # entries with a later "stage" (one each) come on top of the entry stage's limit
     specs = parse_lora_field(lora, max_items=limit + len(info.stage_is_llm) - 1)
-    chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage) for s in specs)
+    chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser) for s in specs)
     entry = [a for a in chosen if a.stage_id in (None, 0)]
-    if info.is_llm and (len(entry) > 1 or any(a.scale not in (None, 1.0) for a in entry)):
+    if info.is_llm and (len(entry) > 1 or any(a.scale not in (None, 1.0) or a.denoiser for a in entry)):
         raise bad_request(
-            f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0", "lora"
+            f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0, with no "
+            "denoiser",
+            "lora",
         )
     with engine_errors("lora"):
         validate_request_adapters(entry, limit, field="lora", num_steps=num_steps)
