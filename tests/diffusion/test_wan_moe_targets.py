@@ -54,9 +54,17 @@ def loras(wan_moe_dir, tmp_path_factory) -> dict[str, LoRARequest]:
     }
 
 
-def _diffusers(model_dir: Path, on_1: list[str], on_2: list[str], output_type: str = "latent"):
+def _diffusers(
+    model_dir: Path,
+    on_1: list[str],
+    on_2: list[str],
+    output_type: str = "latent",
+    weights: list[float] | None = None,
+    **call,
+):
     """diffusers' WanPipeline with the files in ``on_1`` loaded into ``transformer`` and those in
-    ``on_2`` into ``transformer_2`` (``load_into_transformer_2=True``)."""
+    ``on_2`` into ``transformer_2`` (``load_into_transformer_2=True``), adapter ``weights`` (default 1.0)
+    and extra call arguments ``call``."""
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(str(model_dir))
@@ -69,13 +77,14 @@ def _diffusers(model_dir: Path, on_1: list[str], on_2: list[str], output_type: s
         pipe.load_lora_weights(path, adapter_name=f"t2_{i}", load_into_transformer_2=True)
         names.append(f"t2_{i}")
     if names:
-        pipe.set_adapters(names, [1.0] * len(names))
+        pipe.set_adapters(names, weights or [1.0] * len(names))
     out = pipe(
         prompt=[PROMPT],
         num_frames=NUM_FRAMES,
         output_type=output_type,
         generator=[torch.Generator().manual_seed(SEED)],
         **GEN,
+        **call,
     )
     if output_type == "latent":
         return out.frames.float()
@@ -92,16 +101,16 @@ def reference(wan_moe_dir, loras) -> dict[str, torch.Tensor]:
     }
 
 
-def _sp():
+def _sp(**extra):
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     return OmniDiffusionSamplingParams(
-        seed=SEED, output_type="latent", extra_args={"num_frames": NUM_FRAMES}, **GEN
+        seed=SEED, output_type="latent", extra_args={"num_frames": NUM_FRAMES, **extra}, **GEN
     )
 
 
-def _latents(omni, **adapters) -> torch.Tensor:
-    [out] = omni.generate([PROMPT], _sp(), use_tqdm=False, **adapters)
+def _latents(omni, sp=None, **adapters) -> torch.Tensor:
+    [out] = omni.generate([PROMPT], sp or _sp(), use_tqdm=False, **adapters)
     return torch.as_tensor(out.latents).float()
 
 
@@ -170,6 +179,28 @@ def test_ambiguous_targets_are_refused_and_change_nothing(omni, loras, adapters,
 def test_unknown_denoiser_is_refused_naming_the_adapter(omni, loras):
     with pytest.raises(InvalidRequestError, match=r"LoRA 1, 'high'.*unknown denoiser 'middle'"):
         omni.generate([PROMPT], _sp(), adapters=[RequestAdapter(loras["high"], denoiser="middle")])
+
+
+def test_attention_kwargs_scale_acts_as_in_diffusers(omni, wan_moe_dir, loras, reference):
+    """Issue 21 rule 6: ``attention_kwargs={"scale": s}`` in ``extra_args`` (where diffusers users give
+    the LoRA scale of a Wan call) multiplies every adapter's scale, as diffusers' ``scale_lora_layers``
+    does; the request's own scales still apply. Before, the fallback passed it to diffusers, whose
+    ``scale_lora_layers`` finds no peft layer here, so the control was dropped silently."""
+    high, low = loras["high"], loras["low"]
+    want = _diffusers(
+        wan_moe_dir, [high.lora_path], [low.lora_path], weights=[1.0, 0.6], attention_kwargs={"scale": 0.5}
+    )
+    got = _latents(
+        omni, _sp(attention_kwargs={"scale": 0.5}), lora_requests=[high, low], lora_scales=[1.0, 0.6]
+    )
+    assert _err(got, want) <= TOL
+    assert _err(want, reference["pair"]) > 1e-2  # the control matters
+    # without adapters diffusers' scale changes nothing, and neither does ours
+    assert _err(_latents(omni, _sp(attention_kwargs={"scale": 0.5})), reference["base"]) <= TOL
+    with pytest.raises(
+        InvalidRequestError, match=r"extra_args\['attention_kwargs'\]\['scale'\].*finite number"
+    ):
+        _latents(omni, _sp(attention_kwargs={"scale": "half"}), lora_requests=[high])
 
 
 def test_rule_on_one_denoiser():

@@ -245,21 +245,26 @@ class WorkerLoRA:
             )
         used = [name for name in self.denoisers if any(p[name][0] for p in per_prompt)]
 
-        def make(sample_prompts: list[int] | None) -> AbstractContextManager:
+        def make(sample_prompts: list[int] | None, lora_scale: float = 1.0) -> AbstractContextManager:
             if not used:
                 return contextlib.nullcontext()
+            table = per_prompt
+            if lora_scale != 1.0:  # a call-wide LoRA scale multiplies every adapter's
+                table = [
+                    {n: (reqs, [_times(v, lora_scale) for v in scales]) for n, (reqs, scales) in p.items()}
+                    for p in per_prompt
+                ]
             if sample_prompts is None:
                 keys = {
                     tuple((n, tuple(r.lora_int_id for r in p[n][0]), tuple(p[n][1])) for n in used)
-                    for p in per_prompt
+                    for p in table
                 }
                 if len(keys) != 1:
                     raise ValueError(
                         "this pipeline runs one LoRA set per call; got prompts with different sets"
                     )
-            if sample_prompts is None:
-                return _activate_all([(self.managers[n], *per_prompt[0][n]) for n in used])
-            chosen = {n: [per_prompt[i][n] for i in sample_prompts] for n in used}
+                return _activate_all([(self.managers[n], *table[0][n]) for n in used])
+            chosen = {n: [table[i][n] for i in sample_prompts] for n in used}
             return _activate_all(
                 [(self.managers[n], [c[0] for c in chosen[n]], [c[1] for c in chosen[n]]) for n in used]
             )
@@ -275,3 +280,11 @@ def _activate_all(parts: Sequence[tuple[Any, Any, Any]]) -> Iterator[None]:
         for manager, requests, scales in parts:
             stack.enter_context(manager.activate(requests, scales))
         yield
+
+
+def _times(value: float | LoRAScaleSchedule, factor: float) -> float | LoRAScaleSchedule:
+    """``value * factor`` for a scale; a schedule's step scales are multiplied (its block multipliers
+    stay), as diffusers' ``scale_lora_layers`` multiplies whatever scale each adapter has."""
+    if not isinstance(value, LoRAScaleSchedule):
+        return value * factor
+    return value.times(factor)
