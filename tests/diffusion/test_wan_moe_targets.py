@@ -254,7 +254,7 @@ def server(wan_moe_dir, loras, tmp_path_factory):
         "--disable-uvicorn-access-log",
     ]
     log = tmp_path_factory.mktemp("serve_wan_moe_log") / "server.log"
-    srv = start_server(cmd, port, log, server_env())
+    srv = start_server(cmd, port, log, server_env(), timeout=900)  # progress-bound: /health, the process
     yield srv
     srv.stop()
 
