@@ -88,7 +88,7 @@ def test_one_params_object_is_the_requests_and_stages_with_defaults_keep_theirs(
     from vllm import SamplingParams
 
     from vllm_omni.inputs.audio import AudioParams
-    from vllm_omni.models.qwen2_5_omni.stages import TALKER_DEFAULTS
+    from vllm_omni.stages.qwen2_5_omni.pipeline import TALKER_DEFAULTS
 
     omni = AsyncOmni.__new__(AsyncOmni)
     omni.config = build_omni_config(str(tiny_omni_assets.model_dir), "qwen2_5_omni")

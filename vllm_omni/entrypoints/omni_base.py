@@ -17,10 +17,11 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
+from vllm_omni.engine.stage_registry import stage_params_type
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage, seeded_stage_default
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
-from vllm_omni.models.stage_runtimes import stage_params_type
+from vllm_omni.stages import register_stage_runtimes
 
 
 def build_omni_config(
@@ -98,6 +99,7 @@ class OmniBase:
 
     def _start(self, config: VllmOmniConfig) -> None:
         self.config = config
+        register_stage_runtimes()  # the runtimes of vllm_omni.stages, before the engine looks them up
         self._orchestrator = Orchestrator(config)
 
     @property
@@ -127,6 +129,7 @@ class OmniBase:
             InvalidRequestError: a per-stage list of the wrong length, or an entry of the wrong type.
         """
         stages = self.config.stages
+        defaults = self.entry_stage_info.stage_defaults  # (its first use registers the stage runtimes)
         per_stage = isinstance(sampling_params, list | tuple)
         if per_stage and len(sampling_params) != len(stages):
             raise InvalidRequestError(
@@ -146,7 +149,6 @@ class OmniBase:
                     f"sampling_params must be {names} (or one per stage) for pipeline "
                     f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
                 )
-        defaults = self.entry_stage_info.stage_defaults
         out = []
         for i, stage in enumerate(stages):
             params = sampling_params[i] if per_stage else sampling_params
