@@ -203,6 +203,37 @@ def test_attention_kwargs_scale_acts_as_in_diffusers(omni, wan_moe_dir, loras, r
         _latents(omni, _sp(attention_kwargs={"scale": "half"}), lora_requests=[high])
 
 
+def test_add_and_remove_act_on_both_denoisers_all_or_nothing(omni, loras, tmp_path):
+    """``add_lora`` on a two-denoiser stage loads the adapter for both denoisers; a file that fits
+    neither leaves nothing behind; ``remove_lora`` drops it from both."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_omni.errors import LoRAFormatError
+
+    before = omni.list_loras()
+    assert omni.add_lora(loras["extra"]) and omni.list_loras() == before | {3}
+    tensors = {
+        k.replace("blocks.", "single_blocks."): v for k, v in load_file(loras["extra"].lora_path).items()
+    }
+    bad = tmp_path / "foreign.safetensors"
+    save_file(tensors, str(bad))
+    with pytest.raises(LoRAFormatError, match="foreign.safetensors"):
+        omni.add_lora(LoRARequest("foreign", 9, str(bad)))
+    assert omni.list_loras() == before | {3}
+    assert omni.remove_lora(3) and omni.list_loras() == before
+
+
+def test_peft_lora_path_longer_than_the_denoisers_is_a_config_error(wan_moe_dir, loras):
+    from vllm_omni import Omni
+    from vllm_omni.errors import ConfigError
+
+    paths = [loras[k].lora_path for k in ("high", "low", "extra")]
+    with pytest.raises(
+        ConfigError, match=r"3 lora_path files for the denoisers \['transformer', 'transformer_2'\]"
+    ):
+        Omni(str(wan_moe_dir), lora_path=paths, max_loras=2)
+
+
 def test_rule_on_one_denoiser():
     lora = LoRARequest("a", 1, "/a")
     assert assign_denoisers([RequestAdapter(lora), RequestAdapter(lora, 0.5)], ["transformer"], "S") == [
