@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -34,9 +35,15 @@ LoRASet = tuple[RequestAdapter, ...]
 
 
 def startup_lora_request(path: str) -> LoRARequest:
-    """The ``LoRARequest`` under which a ``lora_path`` adapter is pre-loaded (id from the path)."""
+    """The ``LoRARequest`` under which a ``lora_path`` adapter is pre-loaded (id from the path).
+
+    A local path is held as its real path, the spelling the id is derived from and the one an
+    HTTP request naming the same adapter resolves to: a relative ``lora_path`` and a request's
+    absolute path then name one cache entry, not two that clash on one id.
+    """
     name = os.path.basename(os.path.normpath(path)) or "startup"
-    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(path), lora_path=path)
+    location = path if "://" in path else os.path.realpath(path)
+    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(location), lora_path=location)
 
 
 class WorkerLoRA:
@@ -97,6 +104,9 @@ class WorkerLoRA:
         self.manager = self.managers[self.denoisers[0]]
         self.default_scales: dict[int, float] = {}
         self.startup_requests: list[LoRARequest] = []
+        #: statistics not yet taken by :meth:`drain_events`: ``(event, adapter name, value)``
+        self._events: list[tuple[str, str, float]] = []
+        self._names: dict[int, str] = {}
         if od_config.lora_backend == "peft":
             self._load_startup(paths, scale)
 
@@ -112,8 +122,10 @@ class WorkerLoRA:
         for i, path in enumerate(paths):
             request = startup_lora_request(path)
             manager = self.managers[self.denoisers[i if len(self.denoisers) > 1 else 0]]
-            manager.add_lora(request)
+            self._name(request)
+            self._loading([request], lambda m=manager, r=request: m.add_lora(r), False)
             manager.pin_lora(request.lora_int_id)
+            self._events.append(("pinned", self._names[request.lora_int_id], 1))
             self.default_scales[request.lora_int_id] = scale
             self.startup_requests.append(request)
 
@@ -121,6 +133,14 @@ class WorkerLoRA:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load into the host cache of every denoiser (all or nothing); ``True`` if it was loaded now
         anywhere, ``False`` if every denoiser had it cached."""
+        name = self._name(lora_request)
+        try:
+            return bool(self._loading([lora_request], lambda: self._add_everywhere(lora_request), False))
+        except Exception:
+            self._events.append(("registration_failures", name, 1))
+            raise
+
+    def _add_everywhere(self, lora_request: LoRARequest) -> bool:
         loaded: list[Any] = []
         try:
             for manager in self.managers.values():
@@ -143,6 +163,8 @@ class WorkerLoRA:
         for manager in holders:
             manager.remove_lora(lora_int_id)
         self.default_scales.pop(lora_int_id, None)
+        if holders:
+            self._events.append(("unloaded", self._names.get(lora_int_id, str(lora_int_id)), 0))
         return bool(holders)
 
     def list_loras(self) -> list[int]:
@@ -154,7 +176,51 @@ class WorkerLoRA:
         holders = [m for m in self.managers.values() if m.cache_entry(lora_int_id) is not None]
         if not holders:
             return self.manager.pin_lora(lora_int_id)  # raises: not cached
-        return all(m.pin_lora(lora_int_id) for m in holders)
+        pinned = all(m.pin_lora(lora_int_id) for m in holders)
+        self._events.append(("pinned", self._names.get(lora_int_id, str(lora_int_id)), 1))
+        return pinned
+
+    # ------------------------------------------------------------------ statistics
+    def _name(self, lora: LoRARequest) -> str:
+        name = self._names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
+        return name
+
+    def _loading(self, requests: Sequence[LoRARequest], load: Callable[[], Any], for_request: bool) -> Any:
+        """Run ``load`` (which may read ``requests`` into the host caches) and note what it did: cache
+        hits and misses (``for_request``: a request needs them), load seconds (a call that loaded several
+        adapters splits its time evenly) and the adapters it evicted (from every denoiser)."""
+        before = set(self.list_loras())
+        start = time.perf_counter()
+        result = load()
+        seconds = time.perf_counter() - start
+        after = set(self.list_loras())
+        missed = {r.lora_int_id: self._name(r) for r in requests if r.lora_int_id not in before}
+        for lora in requests:
+            hit = lora.lora_int_id not in missed
+            if for_request:
+                self._events.append(("cache_hits" if hit else "cache_misses", self._name(lora), 1))
+        for name in missed.values():
+            self._events.append(("loaded", name, seconds / len(missed)))
+        for lora_int_id in before - after:
+            self._events.append(("evicted", self._names.get(lora_int_id, str(lora_int_id)), 1))
+        return result
+
+    def note_batch(self, sets: Sequence[LoRASet]) -> None:
+        """Count a denoiser batch's device-slot hits and misses (once per distinct adapter; resident on
+        any denoiser counts as a hit)."""
+        resident = {i for m in self.managers.values() for i in m.slot_assignment()}
+        for lora in {a.lora.lora_int_id: a.lora for s in sets for a in s}.values():
+            hit = lora.lora_int_id in resident
+            self._events.append(("slot_hits" if hit else "slot_misses", self._name(lora), 1))
+
+    def note_steps(self, seconds: Sequence[float]) -> None:
+        """Record the seconds of each denoising step of a batch (event ``step``)."""
+        self._events.extend(("step", "", float(t)) for t in seconds)
+
+    def drain_events(self) -> list[tuple[str, str, float]]:
+        """The statistics events since the last call, oldest first (see ``StatsRecorder.apply``)."""
+        events, self._events = self._events, []
+        return events
 
     # ------------------------------------------------------------------ requests
     def targets(self, adapters: LoRASet) -> list[str]:
@@ -203,10 +269,14 @@ class WorkerLoRA:
         targets = self.targets(adapters)
         self.check_schedules(adapters, targets)
         held: list[tuple[str, list[int]]] = []
-        try:
+
+        def load() -> None:
             for name in dict.fromkeys(targets):
                 loras = [a.lora for a, t in zip(adapters, targets, strict=True) if t == name]
                 held.append((name, self.managers[name].acquire_loras(loras)))
+
+        try:
+            self._loading([a.lora for a in adapters], load, True)
         except BaseException:
             self.release(held)
             raise
