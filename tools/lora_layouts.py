@@ -11,7 +11,7 @@ PEFT original exactly:
   ``lora_down``/``lora_up`` and a per-module ``.alpha`` (ComfyUI / musubi-tuner style), optionally with
   the original Z-Image name ``attention.out`` for ``attention.to_out.0``;
 * :func:`write_kohya`: kohya-ss / A1111 ``lora_unet_<module with . -> _>.lora_down.weight`` /
-  ``.lora_up.weight`` / ``.alpha``;
+  ``.lora_up.weight`` / ``.alpha`` (or LyCORIS' ``lycoris_`` prefix);
 * :func:`write_alpha_file`: any prefix with ``lora_A``/``lora_B`` and ``.alpha`` keys, no configuration;
 * :func:`write_lycoris`: a peft LoHa / LoKr directory as a LyCORIS / kohya file (``hada_*`` / ``lokr_*``).
 
@@ -118,16 +118,17 @@ def z_image_original_name(module: str) -> str:
     return re.sub(r"\.attention\.to_out\.0$", ".attention.out", module)
 
 
-def write_kohya(directory: str, path: str, *, with_alpha: bool = True) -> str:
+def write_kohya(directory: str, path: str, *, with_alpha: bool = True, prefix: str = "lora_unet_") -> str:
     """kohya-ss / A1111: ``lora_unet_<module, dots as underscores>.lora_down/lora_up.weight`` + ``.alpha``.
 
     Without ``.alpha`` kohya's convention is ``alpha = r`` (``s = 1``), so the scaling is folded into
-    ``lora_up`` instead.
+    ``lora_up`` instead. ``prefix="lycoris_"`` gives LyCORIS' own naming of a wrapped generic module
+    (its ``algo="lora"`` network: the same flattened paths and ``lora_down`` / ``lora_up`` / ``.alpha``).
     """
     pairs, config = read_peft(directory)
     tensors = {}
     for module, (a, b) in pairs.items():
-        flat = "lora_unet_" + module.replace(".", "_")
+        flat = prefix + module.replace(".", "_")
         alpha = module_alpha(config, module, a.shape[0])
         tensors[f"{flat}.lora_down.weight"] = a
         if with_alpha:

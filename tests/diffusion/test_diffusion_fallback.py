@@ -95,3 +95,28 @@ def test_forced_diffusers_backend_on_z_image(tiny_z_image_dir, diffusers_z_image
         assert (out.latents - expected).abs().max().item() <= 1e-6
     finally:
         engine.shutdown()
+
+
+def test_lora_scale_controls_of_every_diffusers_spelling():
+    """Issue 21 rule 6: the ``"scale"`` of ``joint_attention_kwargs`` (SD3, Flux), ``cross_attention_kwargs``
+    (UNet pipelines) and ``attention_kwargs`` (Wan) is taken as the call's LoRA scale (the Wan case is checked
+    against diffusers in ``tests/diffusion/test_wan_moe_targets.py``); the rest reaches diffusers and the
+    request's own dict is not changed."""
+    from vllm_omni.diffusion.pipelines.diffusers_fallback import LORA_SCALE_KWARGS, pop_lora_scale
+    from vllm_omni.errors import InvalidRequestError
+
+    for key in LORA_SCALE_KWARGS:
+        given = {"scale": 0.25, "other": 1}
+        kwargs = {key: given, "height": 32}
+        assert pop_lora_scale(kwargs) == 0.25
+        assert kwargs == {key: {"other": 1}, "height": 32} and given == {"scale": 0.25, "other": 1}
+        kwargs = {key: {"scale": 2}}
+        assert pop_lora_scale(kwargs) == 2.0 and kwargs == {}
+        for bad in ("half", float("nan"), True):
+            with pytest.raises(
+                InvalidRequestError, match=rf"extra_args\['{key}'\]\['scale'\].*finite number"
+            ):
+                pop_lora_scale({key: {"scale": bad}})
+        with pytest.raises(InvalidRequestError, match="must be a dict"):
+            pop_lora_scale({key: 0.5})
+    assert pop_lora_scale({"height": 32}) == 1.0

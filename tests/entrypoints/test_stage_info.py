@@ -77,3 +77,38 @@ def test_video_pipeline_outputs_video():
 
     info = describe_entry_stage(build_omni_config(str(ensure_tiny_wan(test_assets_root()))))
     assert info.output_kinds == {"video"} and not info.is_llm
+
+
+def test_one_params_object_is_the_requests_and_stages_with_defaults_keep_theirs(
+    tiny_omni_assets, tiny_llm_assets
+):
+    """Issue 21 rule 8, the rule itself (no engines): one ``SamplingParams`` on ``qwen2_5_omni`` is the
+    thinker's; the talker keeps its defaults with the object's seed, code2wav ``AudioParams`` with it;
+    a per-stage list sets any stage; on ``llm_chain`` one object reaches both LLM stages."""
+    from vllm import SamplingParams
+
+    from vllm_omni.inputs.audio import AudioParams
+    from vllm_omni.stages.qwen2_5_omni.pipeline import TALKER_DEFAULTS
+
+    omni = AsyncOmni.__new__(AsyncOmni)
+    omni.config = build_omni_config(str(tiny_omni_assets.model_dir), "qwen2_5_omni")
+    one = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, seed=3)
+    thinker, talker, audio = omni._stage_params(one)
+    assert thinker is one
+    assert (talker.max_tokens, talker.min_tokens, talker.temperature, talker.seed) == (
+        TALKER_DEFAULTS["max_tokens"],
+        0,
+        TALKER_DEFAULTS["temperature"],
+        3,
+    )
+    assert audio == AudioParams(seed=3)
+    assert omni.entry_stage_info.stage_defaults[1].seed is None  # the shared default is not changed
+    unseeded = omni._stage_params(SamplingParams(max_tokens=4))
+    assert unseeded[1].seed is None and unseeded[2] == AudioParams()
+    own = SamplingParams(temperature=0, max_tokens=7, min_tokens=2)
+    assert omni._stage_params([one, own, None])[1:] == [own, AudioParams()]
+    only_audio = AudioParams(voice="Ethan")
+    assert omni._stage_params(only_audio)[2] is only_audio
+    chain = AsyncOmni.__new__(AsyncOmni)
+    chain.config = build_omni_config(str(tiny_llm_assets.model_dir), "llm_chain")
+    assert chain._stage_params(one) == [one, one]

@@ -192,3 +192,88 @@ def test_last_stage_returns_text_without_running_the_audio_stages(omni, monkeypa
     monkeypatch.setattr(talker, "submit", lambda *a, **k: pytest.fail("the talker ran"))
     outs = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(), last_stage=0)
     assert [o.final_output_type for o in outs] == ["text"] and outs[0].token_ids
+
+
+def _hf_codes(model_dir: str, prompt, **talker_kwargs) -> list[int]:
+    """transformers' talker codes (before the stop token) with extra ``talker_*`` arguments."""
+    model = _hf_model(model_dir, None, None)
+    captured = {}
+    talker_generate = model.talker.generate
+
+    def capture(*args, **kwargs):
+        out = talker_generate(*args, **kwargs)
+        captured["codes"] = out[0, kwargs["input_ids"].shape[1] :].tolist()
+        return out
+
+    model.talker.generate = capture
+    try:
+        model.generate(
+            input_ids=torch.tensor([prompt]),
+            speaker=SPEAKER,
+            return_audio=True,
+            thinker_max_new_tokens=THINK,
+            thinker_do_sample=False,
+            talker_max_new_tokens=TALK,
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+            talker_eos_token_id=list(TALKER_EOS_TOKEN_IDS),
+            token2wav_num_steps=1,
+            **talker_kwargs,
+        )
+    finally:
+        del model.talker.generate
+    codes = captured["codes"]
+    return codes[: next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))]
+
+
+def test_one_sampling_params_is_the_thinkers_and_never_reaches_talker_steps(omni, tiny_omni_assets):
+    """Issue 21 rule 8: one ``SamplingParams`` on the three-stage pipeline describes the thinker's
+    text; the talker keeps its own defaults (with the request's seed), so ``min_tokens=12`` no longer
+    reaches the talker's one-token steps (it died there with vLLM's ``min_tokens must be less than or
+    equal to max_tokens=1``). The result equals the explicit per-stage list that rule spells out, and
+    the thinker's tokens equal transformers' greedy thinker with ``min_new_tokens=12``."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from vllm_omni.stages.qwen2_5_omni.pipeline import default_talker_params
+
+    prompt = {"prompt_token_ids": list(PROMPTS[1])}
+    one = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, seed=SEED)
+    text, audio = omni.generate(prompt, one)
+    assert len(text.token_ids) == 12
+    talker = default_talker_params().clone()
+    talker.seed = SEED
+    text2, audio2 = omni.generate(prompt, [one, talker, AudioParams(seed=SEED)])
+    assert text.token_ids == text2.token_ids
+    assert audio.stage_outputs[1].codes.tolist() == audio2.stage_outputs[1].codes.tolist()
+    np.testing.assert_array_equal(audio.audio, audio2.audio)
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(
+        str(tiny_omni_assets.model_dir), dtype=torch.float32
+    ).eval()
+    ids = torch.tensor([PROMPTS[1]])
+    ref = model.thinker.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert text.token_ids == ref[0, ids.shape[1] :].tolist()
+
+
+def test_talker_min_tokens_holds_back_its_stop_tokens_like_transformers(omni, tiny_omni_assets):
+    """A talker entry of a per-stage list acts on the codec sequence: ``min_tokens`` = transformers'
+    ``talker_min_new_tokens`` (no stop token before that many codes), never on one step."""
+    model_dir = str(tiny_omni_assets.model_dir)
+    prompt = (1, 2, 3)  # greedy codes stop after one code on the tiny checkpoint
+    base = _hf_codes(model_dir, prompt)
+    need = len(base) + 3
+    assert need <= TALK  # the reference stops early, so min_tokens changes the codes
+    want = _hf_codes(model_dir, prompt, talker_min_new_tokens=need)
+    params = _params()
+    params[1] = SamplingParams(temperature=0, max_tokens=TALK, min_tokens=need)
+    _, audio = omni.generate({"prompt_token_ids": list(prompt)}, params)
+    got = audio.stage_outputs[1].codes.tolist()
+    assert got == want and len(got) >= need and got[: len(base)] == base
+
+
+def test_talker_refuses_fields_it_cannot_apply(omni):
+    from vllm_omni.errors import InvalidRequestError
+
+    params = _params()
+    params[1] = SamplingParams(temperature=0, max_tokens=TALK, stop=["."])
+    with pytest.raises(InvalidRequestError, match=r"Stage 1 \(llm_ar\).*cannot apply \['stop'\]"):
+        omni.generate({"prompt_token_ids": list(PROMPTS[0])}, params)

@@ -187,7 +187,7 @@ class DiffusionWorker:
             "size_factor": int(self.pipeline.vae_scale_factor) * 2,
             "max_size": None if max_size is None else tuple(int(v) for v in max_size),
             "mixed_lora_batch": self.pipeline.mixed_lora_batch,
-            "lora_layers": len(self.lora.manager.wrappers),
+            "lora_layers": sum(len(m.wrappers) for m in self.lora.managers.values()),
             "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],
         }
 

@@ -6,11 +6,12 @@ loaded, in this order:
 1. ``lora_backend="distill"``: the ``lora_path`` file(s) are fused into the base weights once
    (``fuse_lora_files_into_pipeline``: the i-th file into the i-th denoiser, scaled by
    ``lora_scale``).
-2. A :class:`~vllm_omni.diffusion.lora.DiffusionLoRAManager` patches the denoiser(s) with
+2. A :class:`~vllm_omni.diffusion.lora.DiffusionLoRAManager` per denoiser patches it with
    ``max_loras`` device slots, ``max_lora_rank`` and a ``max_cpu_loras`` host cache. This
    happens for both backends, so request adapters add on top of a distilled model too.
 3. ``lora_backend="peft"``: every ``lora_path`` adapter is loaded and pinned, under the id
-   ``stable_lora_int_id(path)``; a request that names it without a scale gets ``lora_scale``.
+   ``stable_lora_int_id(path)`` (on a two-denoiser stage the i-th on the i-th denoiser, as the
+   distill backend fuses it); a request that names it without a scale gets ``lora_scale``.
 
 Every rank runs the same calls with the same arguments, so the caches of all ranks agree.
 """
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import LoRARequest, RequestAdapter, startup_lora_request
+from vllm_omni.errors import ConfigError, InvalidRequestError
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, assign_denoisers, startup_lora_request
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 #: One request's adapters, each with its scale (``None``: the default applies).
@@ -33,26 +34,40 @@ LoRASet = tuple[RequestAdapter, ...]
 
 
 class WorkerLoRA:
-    """Owns the manager of one worker and turns per-prompt adapter sets into activations.
+    """Owns the LoRA managers of one worker and turns per-prompt adapter sets into activations.
+
+    A stage with one denoiser has one :class:`DiffusionLoRAManager` over the pipeline. A stage with
+    several (a Wan2.2-style MoE: ``transformer`` high noise, ``transformer_2`` low noise) has one
+    manager per denoiser, each with ``max_loras`` slots and a ``max_cpu_loras`` host cache; every
+    request adapter acts on the denoiser :func:`~vllm_omni.lora.request.assign_denoisers` gives it
+    (its ``denoiser`` field, else ``[high_noise, low_noise]`` by position), the rule the distill
+    backend applies to ``lora_path`` too.
 
     Args:
         pipeline: the loaded pipeline (``transformer`` / ``transformer_2`` are patched).
         od_config: the engine config (LoRA fields).
 
     Attributes:
-        manager: the :class:`DiffusionLoRAManager`.
+        managers: denoiser attribute -> its :class:`DiffusionLoRAManager` (primary first).
+        manager: the primary denoiser's manager.
         fused: for the distill backend, denoiser attribute -> fused layer names.
         startup_requests: the pinned ``lora_path`` adapters (PEFT backend).
 
     Raises:
         LoRAFormatError / FileNotFoundError / ValueError: a start-up adapter cannot be read or
             fused (the worker fails to start, naming the file).
+        ConfigError: more ``lora_path`` files than denoisers on a stage with several.
     """
 
     def __init__(self, pipeline: Any, od_config: OmniDiffusionConfig):
-        from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_files_into_pipeline
+        from vllm_omni.diffusion.lora import (
+            DiffusionLoRAManager,
+            find_denoisers,
+            fuse_lora_files_into_pipeline,
+        )
 
         self.od_config = od_config
+        self.label = f"the diffusion stage ({type(pipeline).__name__})"
         self.reports_steps = bool(getattr(pipeline, "reports_denoising_step", False))
         self.pipeline_name = type(pipeline).__name__
         paths = od_config.startup_lora_paths
@@ -60,50 +75,95 @@ class WorkerLoRA:
         self.fused: dict[str, list[str]] = {}
         if od_config.lora_backend == "distill" and paths:
             self.fused = fuse_lora_files_into_pipeline(pipeline, paths, [scale] * len(paths))
-        self.manager = DiffusionLoRAManager(
-            pipeline,
-            max_loras=od_config.max_loras,
-            max_rank=od_config.max_lora_rank,
-            max_cpu_loras=od_config.max_cpu_loras,
-        )
+        denoisers = find_denoisers(pipeline)
+        sizes = {
+            "max_loras": od_config.max_loras,
+            "max_rank": od_config.max_lora_rank,
+            "max_cpu_loras": od_config.max_cpu_loras,
+        }
+        if len(denoisers) == 1:
+            self.managers = {next(iter(denoisers)) or "transformer": DiffusionLoRAManager(pipeline, **sizes)}
+        else:
+            self.managers = {
+                name: DiffusionLoRAManager(module, **sizes) for name, module in denoisers.items()
+            }
+        self.denoisers = list(self.managers)
+        self.manager = self.managers[self.denoisers[0]]
         self.default_scales: dict[int, float] = {}
         self.startup_requests: list[LoRARequest] = []
         #: statistics not yet taken by :meth:`drain_events`: ``(event, adapter name, value)``
         self._events: list[tuple[str, str, float]] = []
         self._names: dict[int, str] = {}
         if od_config.lora_backend == "peft":
-            for path in paths:
-                request = startup_lora_request(path)
-                self.add_lora(request)
-                self.pin_lora(request.lora_int_id)
-                self.default_scales[request.lora_int_id] = scale
-                self.startup_requests.append(request)
+            self._load_startup(paths, scale)
+
+    def _load_startup(self, paths: Sequence[str], scale: float) -> None:
+        """Pre-load and pin the ``lora_path`` adapters; on a stage with several denoisers the i-th on
+        the i-th denoiser (the distill backend's rule), on one denoiser all of them."""
+        if len(self.denoisers) > 1 and len(paths) > len(self.denoisers):
+            raise ConfigError(
+                f"{len(paths)} lora_path files for the denoisers {self.denoisers}: the i-th file acts on the "
+                "i-th denoiser ([high_noise, low_noise]); pre-load other adapters with add_lora and name "
+                "their denoiser per request"
+            )
+        for i, path in enumerate(paths):
+            request = startup_lora_request(path)
+            manager = self.managers[self.denoisers[i if len(self.denoisers) > 1 else 0]]
+            self._name(request)
+            self._loading([request], lambda m=manager, r=request: m.add_lora(r), False)
+            manager.pin_lora(request.lora_int_id)
+            self._events.append(("pinned", self._names[request.lora_int_id], 1))
+            self.default_scales[request.lora_int_id] = scale
+            self.startup_requests.append(request)
 
     # ------------------------------------------------------------------ management
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load into the host cache; ``True`` if it was loaded now, ``False`` if already cached."""
+        """Load into the host cache of every denoiser (all or nothing); ``True`` if it was loaded now
+        anywhere, ``False`` if every denoiser had it cached."""
         name = self._name(lora_request)
         try:
-            return bool(self._loading([lora_request], lambda: self.manager.add_lora(lora_request), False))
+            return bool(self._loading([lora_request], lambda: self._add_everywhere(lora_request), False))
         except Exception:
             self._events.append(("registration_failures", name, 1))
             raise
 
+    def _add_everywhere(self, lora_request: LoRARequest) -> bool:
+        loaded: list[Any] = []
+        try:
+            for manager in self.managers.values():
+                if manager.add_lora(lora_request):
+                    loaded.append(manager)
+        except BaseException:
+            for manager in loaded:
+                manager.remove_lora(lora_request.lora_int_id)
+            raise
+        return bool(loaded)
+
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop from cache and slot; ``False`` when not cached. ``LoRACacheError`` while in use."""
+        """Drop from every denoiser's cache and slots; ``False`` when none had it. ``LoRACacheError``
+        (nothing removed) while a request holds it on any denoiser."""
+        holders = [m for m in self.managers.values() if m.cache_entry(lora_int_id) is not None]
+        for manager in holders:
+            entry = manager.cache_entry(lora_int_id)
+            if entry.refcount > 0 or lora_int_id in manager.active_lora_ids:
+                manager.remove_lora(lora_int_id)  # raises the manager's LoRACacheError
+        for manager in holders:
+            manager.remove_lora(lora_int_id)
         self.default_scales.pop(lora_int_id, None)
-        removed = self.manager.remove_lora(lora_int_id)
-        if removed:
+        if holders:
             self._events.append(("unloaded", self._names.get(lora_int_id, str(lora_int_id)), 0))
-        return removed
+        return bool(holders)
 
     def list_loras(self) -> list[int]:
-        """Cached adapter ids, least recently used first."""
-        return self.manager.list_loras()
+        """Cached adapter ids (any denoiser), least recently used first on the primary denoiser."""
+        return list(dict.fromkeys(i for m in self.managers.values() for i in m.list_loras()))
 
     def pin_lora(self, lora_int_id: int) -> bool:
-        """Pin a cached adapter (``ValueError`` when it is not cached)."""
-        pinned = self.manager.pin_lora(lora_int_id)
+        """Pin a cached adapter on every denoiser that holds it (``InvalidRequestError`` when none does)."""
+        holders = [m for m in self.managers.values() if m.cache_entry(lora_int_id) is not None]
+        if not holders:
+            return self.manager.pin_lora(lora_int_id)  # raises: not cached
+        pinned = all(m.pin_lora(lora_int_id) for m in holders)
         self._events.append(("pinned", self._names.get(lora_int_id, str(lora_int_id)), 1))
         return pinned
 
@@ -113,14 +173,14 @@ class WorkerLoRA:
         return name
 
     def _loading(self, requests: Sequence[LoRARequest], load: Callable[[], Any], for_request: bool) -> Any:
-        """Run ``load`` (which may read ``requests`` into the host cache) and note what it did: cache
-        hits and misses (``for_request``: a request needs them), load seconds (a call that loaded several adapters splits its time evenly)
-        and the adapters it evicted."""
-        before = set(self.manager.list_loras())
+        """Run ``load`` (which may read ``requests`` into the host caches) and note what it did: cache
+        hits and misses (``for_request``: a request needs them), load seconds (a call that loaded several
+        adapters splits its time evenly) and the adapters it evicted (from every denoiser)."""
+        before = set(self.list_loras())
         start = time.perf_counter()
         result = load()
         seconds = time.perf_counter() - start
-        after = set(self.manager.list_loras())
+        after = set(self.list_loras())
         missed = {r.lora_int_id: self._name(r) for r in requests if r.lora_int_id not in before}
         for lora in requests:
             hit = lora.lora_int_id not in missed
@@ -133,8 +193,9 @@ class WorkerLoRA:
         return result
 
     def note_batch(self, sets: Sequence[LoRASet]) -> None:
-        """Count a denoiser batch's device-slot hits and misses (once per distinct adapter)."""
-        resident = self.manager.slot_assignment()
+        """Count a denoiser batch's device-slot hits and misses (once per distinct adapter; resident on
+        any denoiser counts as a hit)."""
+        resident = {i for m in self.managers.values() for i in m.slot_assignment()}
         for lora in {a.lora.lora_int_id: a.lora for s in sets for a in s}.values():
             hit = lora.lora_int_id in resident
             self._events.append(("slot_hits" if hit else "slot_misses", self._name(lora), 1))
@@ -149,6 +210,10 @@ class WorkerLoRA:
         return events
 
     # ------------------------------------------------------------------ requests
+    def targets(self, adapters: LoRASet) -> list[str]:
+        """The denoiser of each adapter (:func:`~vllm_omni.lora.request.assign_denoisers`)."""
+        return assign_denoisers(adapters, self.denoisers, self.label)
+
     def resolve_scales(self, adapters: LoRASet) -> list[float | LoRAScaleSchedule]:
         """Per adapter its scale, or the start-up ``lora_scale`` / ``1.0`` when it has none (a
         schedule without ``steps`` gets that default as its step scale)."""
@@ -161,14 +226,14 @@ class WorkerLoRA:
                 out.append(default if a.scale is None else float(a.scale))
         return out
 
-    def check_schedules(self, adapters: LoRASet) -> None:
+    def check_schedules(self, adapters: LoRASet, targets: Sequence[str]) -> None:
         """Refuse schedules this stage cannot run, before any adapter is loaded.
 
         Raises:
             InvalidRequestError: a per-step schedule on a pipeline that does not report its steps.
-            InvalidAdapterError: a block pattern or index that matches no LoRA layer.
+            InvalidAdapterError: a block pattern or index that matches no LoRA layer of its denoiser.
         """
-        for a in adapters:
+        for a, target in zip(adapters, targets, strict=True):
             if not isinstance(a.scale, LoRAScaleSchedule):
                 continue
             where = f"scale of LoRA {a.lora.lora_int_id} ({a.lora.lora_name!r})"
@@ -177,20 +242,37 @@ class WorkerLoRA:
                     f"{where}: per-step scales need a pipeline that reports its denoising steps "
                     f"(in-tree pipelines); {self.pipeline_name} does not"
                 )
-            self.manager.block_factors(a.scale, where)
+            self.managers[target].block_factors(a.scale, where)
 
-    def acquire(self, adapters: LoRASet) -> list[int]:
-        """Check a request's schedules, then load (if needed) and hold its adapters; nothing changes on
-        failure (see :meth:`check_schedules` for the schedule errors)."""
-        self.check_schedules(adapters)
+    def acquire(self, adapters: LoRASet) -> list[tuple[str, list[int]]]:
+        """Check a request's targets and schedules, then load (if needed) and hold its adapters on their
+        denoisers; nothing changes on failure (see :meth:`targets` and :meth:`check_schedules`).
+
+        Returns:
+            ``[(denoiser, held ids)]``, for :meth:`release`.
+        """
         if not adapters:
             return []
-        loras = [a.lora for a in adapters]
-        return self._loading(loras, lambda: self.manager.acquire_loras(loras), True)
+        targets = self.targets(adapters)
+        self.check_schedules(adapters, targets)
+        held: list[tuple[str, list[int]]] = []
 
-    def release(self, ids: Sequence[int]) -> None:
-        if ids:
-            self.manager.release_loras(ids)
+        def load() -> None:
+            for name in dict.fromkeys(targets):
+                loras = [a.lora for a, t in zip(adapters, targets, strict=True) if t == name]
+                held.append((name, self.managers[name].acquire_loras(loras)))
+
+        try:
+            self._loading([a.lora for a in adapters], load, True)
+        except BaseException:
+            self.release(held)
+            raise
+        return held
+
+    def release(self, held: Sequence[tuple[str, list[int]]]) -> None:
+        for name, ids in held:
+            if ids:
+                self.managers[name].release_loras(ids)
 
     def context_factory(
         self, sets: Sequence[LoRASet]
@@ -198,27 +280,68 @@ class WorkerLoRA:
         """The ``lora_context`` callback for a pipeline call whose i-th prompt uses ``sets[i]``.
 
         The callback receives the prompt index of every denoiser sample (CFG copies included)
-        and activates a per-sample scale matrix; with ``None`` (a pipeline that cannot report
-        its layout) every prompt must share one set, which is then applied to the whole batch.
+        and activates, on each denoiser, a per-sample scale matrix of the adapters that act on it;
+        with ``None`` (a pipeline that cannot report its layout) every prompt must share one set,
+        which is then applied to the whole batch.
 
         Raises (from the callback):
             ValueError: ``None`` layout but the prompts' sets differ.
         """
-        resolved = [([a.lora for a in adapters], self.resolve_scales(adapters)) for adapters in sets]
+        per_prompt = []
+        for adapters in sets:
+            targets = self.targets(adapters) if adapters else []
+            scales = self.resolve_scales(adapters)
+            per_prompt.append(
+                {
+                    name: (
+                        [a.lora for a, t in zip(adapters, targets, strict=True) if t == name],
+                        [s for s, t in zip(scales, targets, strict=True) if t == name],
+                    )
+                    for name in self.denoisers
+                }
+            )
+        used = [name for name in self.denoisers if any(p[name][0] for p in per_prompt)]
 
-        def make(sample_prompts: list[int] | None) -> AbstractContextManager:
-            if not any(reqs for reqs, _ in resolved):
+        def make(sample_prompts: list[int] | None, lora_scale: float = 1.0) -> AbstractContextManager:
+            if not used:
                 return contextlib.nullcontext()
+            table = per_prompt
+            if lora_scale != 1.0:  # a call-wide LoRA scale multiplies every adapter's
+                table = [
+                    {n: (reqs, [_times(v, lora_scale) for v in scales]) for n, (reqs, scales) in p.items()}
+                    for p in per_prompt
+                ]
             if sample_prompts is None:
-                keys = {(tuple(r.lora_int_id for r in reqs), tuple(s)) for reqs, s in resolved}
+                keys = {
+                    tuple((n, tuple(r.lora_int_id for r in p[n][0]), tuple(p[n][1])) for n in used)
+                    for p in table
+                }
                 if len(keys) != 1:
                     raise ValueError(
                         "this pipeline runs one LoRA set per call; got prompts with different sets"
                     )
-                reqs, scales = resolved[0]
-                return self.manager.activate(reqs, scales)
-            return self.manager.activate(
-                [resolved[i][0] for i in sample_prompts], [resolved[i][1] for i in sample_prompts]
+                return _activate_all([(self.managers[n], *table[0][n]) for n in used])
+            chosen = {n: [table[i][n] for i in sample_prompts] for n in used}
+            return _activate_all(
+                [(self.managers[n], [c[0] for c in chosen[n]], [c[1] for c in chosen[n]]) for n in used]
             )
 
         return make
+
+
+@contextlib.contextmanager
+def _activate_all(parts: Sequence[tuple[Any, Any, Any]]) -> Iterator[None]:
+    """Activate ``(manager, requests, scales)`` on each denoiser for the block; a failure on one
+    deactivates those already activated."""
+    with contextlib.ExitStack() as stack:
+        for manager, requests, scales in parts:
+            stack.enter_context(manager.activate(requests, scales))
+        yield
+
+
+def _times(value: float | LoRAScaleSchedule, factor: float) -> float | LoRAScaleSchedule:
+    """``value * factor`` for a scale; a schedule's step scales are multiplied (its block multipliers
+    stay), as diffusers' ``scale_lora_layers`` multiplies whatever scale each adapter has."""
+    if not isinstance(value, LoRAScaleSchedule):
+        return value * factor
+    return value.times(factor)

@@ -19,7 +19,7 @@ from vllm_omni.config.pipeline_registry import (
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.stage_registry import stage_params_type
 from vllm_omni.entrypoints.request_adapters import request_loras
-from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
+from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage, seeded_stage_default
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import startup_lora_request
@@ -130,15 +130,21 @@ class OmniBase:
     def _stage_params(self, sampling_params: Any) -> list[Any]:
         """One params object per stage.
 
-        ``sampling_params`` may be ``None`` (defaults everywhere), one object (applied to
-        every stage of its kind: ``SamplingParams`` for LLM stages,
-        ``OmniDiffusionSamplingParams`` for diffusion stages), or a list with one entry per
-        stage (``None`` entries take the default).
+        ``sampling_params`` may be ``None`` (defaults everywhere), one object, or a list with one
+        entry per stage (``None`` entries take the default). One object is the request's params:
+        it applies to every stage of its kind (``SamplingParams`` for LLM stages,
+        ``OmniDiffusionSamplingParams`` for diffusion stages) **except a later stage with its own
+        defaults** (``stage_defaults``: Qwen2.5-Omni's talker, whose tokens are codec tokens, and
+        code2wav), which keeps them with the object's seed
+        (:func:`~vllm_omni.entrypoints.stage_info.seeded_stage_default`, the HTTP routes' rule too);
+        an object of a type only such a stage takes (``AudioParams``) reaches it. A per-stage list
+        sets any stage's params.
 
         Raises:
             InvalidRequestError: a per-stage list of the wrong length, or an entry of the wrong type.
         """
         stages = self.config.stages
+        defaults = self.entry_stage_info.stage_defaults  # (its first use registers the stage runtimes)
         per_stage = isinstance(sampling_params, list | tuple)
         if per_stage and len(sampling_params) != len(stages):
             raise InvalidRequestError(
@@ -161,11 +167,13 @@ class OmniBase:
         out = []
         for i, stage in enumerate(stages):
             params = sampling_params[i] if per_stage else sampling_params
-            kind = stage_params_type(stage)
-            if kind is None:
-                kind = SamplingParams if stage.is_llm else OmniDiffusionSamplingParams
-            if isinstance(params, kind):
+            dedicated = stage_params_type(stage)
+            kind = dedicated or (SamplingParams if stage.is_llm else OmniDiffusionSamplingParams)
+            default = defaults[i] if 0 < i < len(defaults) else None
+            if isinstance(params, kind) and (per_stage or default is None or dedicated is not None):
                 out.append(params)
+            elif default is not None and (params is None or not per_stage):
+                out.append(seeded_stage_default(default, None if per_stage else params))
             elif params is None or not per_stage:
                 out.append(kind())
             else:

@@ -145,9 +145,10 @@ def _entry_adapter_kwargs(
     entry = config.entry_stage
     adapters = validate_request_adapters(tuple(adapters), field="adapters")
     if entry.is_llm:
-        if len(adapters) > 1 or any(a.scale not in (None, 1.0) for a in adapters):
+        if len(adapters) > 1 or any(a.scale not in (None, 1.0) or a.denoiser for a in adapters):
             raise InvalidRequestError(
-                f"{entry.label} is an LLM stage: one adapter per request, applied at scale 1.0 only"
+                f"{entry.label} is an LLM stage: one adapter per request, applied at scale 1.0 only, "
+                "with no denoiser (denoisers belong to diffusion stages)"
             )
         return {"lora_request": adapters[0].lora if adapters else None}
     if entry_params.lora_requests:
@@ -224,9 +225,10 @@ def _split_stage_adapters(
     for a in adapters:
         if a.stage_id in (None, entry_id):
             continue
-        if a.stage_id in later or a.scale not in (None, 1.0):
+        if a.stage_id in later or a.scale not in (None, 1.0) or a.denoiser is not None:
             raise InvalidRequestError(
-                f"stage {a.stage_id}: an LLM stage applies one adapter per request, at scale 1.0"
+                f"stage {a.stage_id}: an LLM stage applies one adapter per request, at scale 1.0, "
+                "with no denoiser"
             )
         later[a.stage_id] = a.lora
     return tuple(entry), later

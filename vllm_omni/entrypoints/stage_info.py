@@ -9,6 +9,7 @@ once and returns an :class:`EntryStageInfo`; ``Omni`` / ``AsyncOmni`` expose it 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -94,6 +95,25 @@ class EntryStageInfo:
         if any(r.lora_int_id == lora_int_id for r in self.startup_adapters):
             return self.startup_lora_scale
         return 1.0
+
+
+def seeded_stage_default(default: Any, request_params: Any) -> Any:
+    """A later stage's own defaults (``stage_defaults``) for a request that gave it no params of its
+    own: ``default`` itself, or a copy carrying ``request_params.seed`` when that is set.
+
+    This is the one rule both front ends apply (``Omni`` / ``AsyncOmni`` with one params object, the
+    HTTP routes): the request's params describe the entry stage's output (text tokens), and a stage
+    with its own defaults (Qwen2.5-Omni's talker samples codec tokens, code2wav takes
+    ``AudioParams``) keeps them; only the seed is shared, so a seeded request is reproducible.
+    """
+    seed = getattr(request_params, "seed", None)
+    if default is None or seed is None or not hasattr(default, "seed"):
+        return default
+    if hasattr(default, "clone"):  # vLLM SamplingParams
+        copy = default.clone()
+        copy.seed = seed
+        return copy
+    return dataclasses.replace(default, seed=seed)
 
 
 def _is_audio(stage) -> bool:

@@ -132,12 +132,8 @@ def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, di
         files = set(os.listdir(path))
     except OSError:
         raise LoRAFormatError(f"{shown}: the directory is not readable") from None
-    pickled = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
-    if ADAPTER_WEIGHTS_NAME not in files:
-        hint = f"; pickle files {pickled} are refused (convert them to safetensors)" if pickled else ""
-        raise LoRAFormatError(f"{shown}: missing {ADAPTER_WEIGHTS_NAME}{hint}")
-    if ADAPTER_CONFIG_NAME not in files:
-        raise LoRAFormatError(f"{shown}: missing {ADAPTER_CONFIG_NAME} (not a PEFT adapter directory)")
+    if ADAPTER_WEIGHTS_NAME not in files or ADAPTER_CONFIG_NAME not in files:
+        raise LoRAFormatError(_not_a_peft_folder(path, shown, files, directory_only))
     weights, config = os.path.join(path, ADAPTER_WEIGHTS_NAME), os.path.join(path, ADAPTER_CONFIG_NAME)
     for name, file in ((ADAPTER_WEIGHTS_NAME, weights), (ADAPTER_CONFIG_NAME, config)):
         # readers such as safetensors' safe_open hold the GIL while they open a file: a FIFO
@@ -175,6 +171,30 @@ def fingerprint_files(files: AdapterFiles) -> str:
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def _not_a_peft_folder(path: str, shown: str, files: set[str], directory_only: bool) -> str:
+    """The message for a directory that is not a PEFT adapter folder: what is missing, what such a
+    folder holds, and, when it holds single ``.safetensors`` files, how to pass one of them."""
+    missing = [n for n in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME) if n not in files]
+    message = (
+        f"{shown}: missing {' and '.join(missing)}; a PEFT adapter folder holds {ADAPTER_CONFIG_NAME} "
+        f"(peft's LoraConfig with r and lora_alpha) and {ADAPTER_WEIGHTS_NAME} (peft's save_pretrained)"
+    )
+    pickled = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+    if pickled:
+        message += f"; pickle files {pickled} are refused (convert them to safetensors)"
+    singles = sorted(f for f in files if f.endswith(SAFETENSORS_SUFFIX) and f != ADAPTER_WEIGHTS_NAME)
+    if not singles:
+        return message
+    named = ", ".join(repr(os.path.join(path, f)) for f in singles[:_SHOWN])
+    if directory_only:
+        return (
+            f"{message}; it holds the single-file adapter(s) {named}, which this stage (vLLM) cannot load: "
+            f"save the adapter with peft's save_pretrained, or write the {ADAPTER_CONFIG_NAME} it was "
+            f"trained with beside the file renamed to {ADAPTER_WEIGHTS_NAME}"
+        )
+    return f"{message}; it holds the single-file adapter(s) {named}: pass one by its own path instead"
 
 
 # ---------------------------------------------------------------------------- configuration

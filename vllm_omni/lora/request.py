@@ -11,6 +11,13 @@ path when the caller has none.
 fields of ``OmniDiffusionSamplingParams``) become a tuple of them once, at the entry point
 (:func:`gather_request_adapters`), and travel unchanged to the diffusion worker; the list rules
 live in :func:`validate_request_adapters` only.
+
+Denoiser targets (two-denoiser diffusion stages such as Wan2.2's MoE: ``transformer`` is the
+high-noise expert, ``transformer_2`` the low-noise one) follow one rule, :func:`assign_denoisers`,
+in every backend: an adapter's ``denoiser`` names its target (aliases ``high_noise`` /
+``low_noise``); a request whose adapters name none follows the ``[high_noise, low_noise]``
+convention of diffusers' ``load_into_transformer_2`` and of ``lora_path`` (the i-th adapter on the
+i-th denoiser); anything else ambiguous is refused with a message that says how to name the target.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from vllm_omni.errors import InvalidRequestError
 from vllm_omni.lora.schedule import MAX_ADAPTER_SCALE, LoRAScaleSchedule, coerce_scale
 
 __all__ = [
+    "DENOISER_ALIASES",
     "MAX_ADAPTER_SCALE",
     "LoRARequest",
     "LoRAScaleSchedule",
     "RequestAdapter",
+    "assign_denoisers",
+    "canonical_denoiser",
     "engine_adapter_name",
     "gather_request_adapters",
     "public_adapter_name",
@@ -40,6 +50,84 @@ __all__ = [
     "to_request_adapters",
     "validate_request_adapters",
 ]
+
+
+#: Names of the two denoisers of a Wan2.2-style MoE stage, and their aliases (diffusers' attributes:
+#: ``transformer`` runs the high-noise steps, ``transformer_2`` the low-noise ones).
+DENOISER_ALIASES: dict[str, str] = {
+    "transformer": "transformer",
+    "transformer_2": "transformer_2",
+    "high_noise": "transformer",
+    "low_noise": "transformer_2",
+}
+_HOW_TO_NAME = (
+    'name each adapter\'s denoiser: RequestAdapter(..., denoiser="transformer") or "high_noise" for the '
+    'high-noise expert, "transformer_2" or "low_noise" for the low-noise one (HTTP: "denoiser" in the lora '
+    "object); a request whose adapters name none means [high_noise, low_noise] by position"
+)
+
+
+def canonical_denoiser(value: Any, where: str) -> str | None:
+    """``value`` as a denoiser attribute (``"transformer"`` / ``"transformer_2"``), aliases resolved.
+
+    Raises:
+        InvalidRequestError: not ``None`` and not one of :data:`DENOISER_ALIASES` (``where`` names it).
+    """
+    if value is None:
+        return None
+    name = DENOISER_ALIASES.get(value) if isinstance(value, str) else None
+    if name is None:
+        raise InvalidRequestError(
+            f"{where}: unknown denoiser {value!r}; use one of {sorted(DENOISER_ALIASES)}"
+        )
+    return name
+
+
+def _adapter_label(adapter: RequestAdapter, i: int) -> str:
+    return f"adapter {i} (LoRA {adapter.lora.lora_int_id}, {adapter.lora.lora_name!r})"
+
+
+def assign_denoisers(adapters: Sequence[RequestAdapter], denoisers: Sequence[str], stage: str) -> list[str]:
+    """The denoiser each adapter of one request acts on (the module docstring's rule).
+
+    Args:
+        adapters: the request's adapters on this stage, in order (``denoiser`` already canonical).
+        denoisers: the stage's denoiser attributes, primary first (``["transformer"]``, or
+            ``["transformer", "transformer_2"]`` on a Wan2.2-style MoE stage).
+        stage: the stage's label, for messages.
+
+    Returns:
+        One denoiser attribute per adapter.
+
+    Raises:
+        InvalidRequestError: a named denoiser the stage lacks; on a stage with several denoisers,
+            named and unnamed adapters mixed in one request, or more unnamed adapters than
+            denoisers. Every message names the adapter and says how to name the target.
+    """
+    named = [a.denoiser for a in adapters]
+    for i, (adapter, name) in enumerate(zip(adapters, named, strict=True)):
+        if name is not None and name not in denoisers:
+            raise InvalidRequestError(
+                f"{stage}: {_adapter_label(adapter, i)} names denoiser {name!r}, but this stage's denoisers "
+                f"are {list(denoisers)}"
+            )
+    if len(denoisers) == 1:
+        return [denoisers[0]] * len(adapters)
+    if all(name is not None for name in named):
+        return list(named)
+    if any(name is not None for name in named):
+        unnamed = [_adapter_label(a, i) for i, a in enumerate(adapters) if a.denoiser is None]
+        raise InvalidRequestError(
+            f"{stage} has denoisers {list(denoisers)}; {', '.join(unnamed)} name none while others do, so "
+            f"the target is ambiguous: {_HOW_TO_NAME}"
+        )
+    if len(adapters) > len(denoisers):
+        raise InvalidRequestError(
+            f"{stage} has denoisers {list(denoisers)} but the request lists {len(adapters)} adapters without "
+            f"a denoiser; by position the first goes to {denoisers[0]!r}, the second to {denoisers[1]!r}, and "
+            f"{_adapter_label(adapters[len(denoisers)], len(denoisers))} has none: {_HOW_TO_NAME}"
+        )
+    return list(denoisers[: len(adapters)])
 
 
 def stable_lora_int_id(path: str) -> int:
@@ -99,11 +187,16 @@ class RequestAdapter:
         stage_id: the stage it applies to; ``None`` is the entry stage (the default meaning of
             a request's adapter). A later stage must be an LLM stage with LoRA enabled
             (per-stage request adapters, an opt-in extension).
+        denoiser: on a diffusion stage, the denoiser it acts on: ``"transformer"`` (alias
+            ``"high_noise"``) or ``"transformer_2"`` (alias ``"low_noise"``); ``None`` follows
+            :func:`assign_denoisers` (by position on a two-denoiser stage). Aliases become the
+            attribute name in :func:`validate_request_adapters`.
     """
 
     lora: LoRARequest
     scale: float | LoRAScaleSchedule | None = None
     stage_id: int | None = None
+    denoiser: str | None = None
 
 
 def validate_request_adapters(
@@ -129,7 +222,7 @@ def validate_request_adapters(
     Raises:
         InvalidRequestError: more than ``max_loras`` adapters, an entry that is not a
             ``LoRARequest`` with a positive ``lora_int_id`` and a ``lora_path``, the same
-            ``lora_int_id`` twice, a scale that is not a finite number in
+            ``lora_int_id`` twice for one stage and denoiser, an unknown ``denoiser``, a scale that is not a finite number in
             ``[-MAX_ADAPTER_SCALE, MAX_ADAPTER_SCALE]`` or a valid schedule (see
             :meth:`LoRAScaleSchedule.parse`), or a per-step list whose length is not ``num_steps``;
             the message names the field and position (``lora_requests[1]``, ``lora_scales[1]``),
@@ -140,7 +233,7 @@ def validate_request_adapters(
             f"{len(adapters)} adapters in one request exceed max_loras={max_loras} of the diffusion stage; "
             f"raise max_loras or compose fewer adapters"
         )
-    seen: set[tuple[int | None, int]] = set()  # an adapter may serve two stages, once each
+    seen: set[tuple[int | None, str | None, int]] = set()  # an adapter may serve two stages or denoisers
     out = []
     for i, adapter in enumerate(adapters):
         if not isinstance(adapter, RequestAdapter):
@@ -158,9 +251,14 @@ def validate_request_adapters(
             )
         if not lora.lora_path:
             raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path")
-        if (adapter.stage_id, lora_id) in seen:
-            raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} appears twice; list each adapter once")
-        seen.add((adapter.stage_id, lora_id))
+        denoiser = canonical_denoiser(
+            adapter.denoiser, f"{field}[{i}].denoiser (LoRA {lora_id}, {lora.lora_name!r})"
+        )
+        if (adapter.stage_id, denoiser, lora_id) in seen:
+            raise InvalidRequestError(
+                f"{field}[{i}]: LoRA {lora_id} appears twice for the same stage and denoiser; list each adapter once"
+            )
+        seen.add((adapter.stage_id, denoiser, lora_id))
         scale_name = f"lora_scales[{i}]" if field == "lora_requests" else f"{field}[{i}].scale"
         try:
             value = coerce_scale(scale, scale_name)
@@ -168,7 +266,8 @@ def validate_request_adapters(
                 value.check_steps(num_steps, scale_name)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{exc} (LoRA {lora_id}, {lora.lora_name!r})") from None
-        out.append(adapter if value is scale else RequestAdapter(lora, value, adapter.stage_id))
+        same = value is scale and denoiser == adapter.denoiser
+        out.append(adapter if same else RequestAdapter(lora, value, adapter.stage_id, denoiser))
     return tuple(out)
 
 

@@ -202,6 +202,21 @@ class LoRAScaleSchedule:
         """This schedule with ``steps=None`` replaced by the number ``default``."""
         return self if self.steps is not None else LoRAScaleSchedule(float(default), self.blocks)
 
+    def times(self, factor: float) -> LoRAScaleSchedule:
+        """This schedule with every step scale multiplied by ``factor`` (block multipliers unchanged);
+        resolve ``steps=None`` with :meth:`with_default` first (it is taken as ``1.0`` here)."""
+        steps = self.steps
+        if steps is None or isinstance(steps, int | float):
+            scaled: Any = (1.0 if steps is None else float(steps)) * factor
+        else:
+            scaled = tuple(
+                ScaleRange(r.start, r.end, r.scale * factor)
+                if isinstance(r, ScaleRange)
+                else float(r) * factor
+                for r in steps
+            )
+        return LoRAScaleSchedule(scaled, self.blocks)
+
     def block_factors(
         self, layer_names: Iterable[str], block_list: str | None, where: str = "scale"
     ) -> dict[str, float]:

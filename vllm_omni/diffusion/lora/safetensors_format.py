@@ -8,7 +8,7 @@ LoHa / LoKr modules (``hada_*`` / ``lokr_*`` keys, peft ``LoHaConfig`` / ``LoKrC
 are read by :mod:`.formats.lycoris` into their exact LoRA-equivalent factors.
 
 Key layouts: PEFT (``base_model.model.``), diffusers (``transformer.``), ComfyUI (``diffusion_model.``),
-kohya / A1111 (``lora_unet_`` + underscore-flattened module paths). ``lora_down`` / ``lora_up`` are read as
+kohya / A1111 (``lora_unet_`` + underscore-flattened module paths; LyCORIS' ``lycoris_`` read as ``lora_unet_``). ``lora_down`` / ``lora_up`` are read as
 ``lora_A`` / ``lora_B``. Module names are resolved against the model when the adapter is bound
 (:mod:`.formats.model_keys`: diffusers' converter for the model family, else generic un-flattening).
 
@@ -33,7 +33,12 @@ from collections.abc import Mapping
 import torch
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
-from vllm_omni.diffusion.lora.formats.layouts import detect_layout, normalize_lora_keys, screen_state_dict
+from vllm_omni.diffusion.lora.formats.layouts import (
+    canonical_flat_prefix,
+    detect_layout,
+    normalize_lora_keys,
+    screen_state_dict,
+)
 from vllm_omni.diffusion.lora.formats.lycoris import (
     lycoris_module_weights,
     read_lycoris_config,
@@ -110,6 +115,7 @@ def adapter_from_state_dict(
             unpaired or malformed tensors, a config without ``lora_alpha``, configs or ``.alpha`` values
             that disagree, or declared ranks that disagree with the tensors.
     """
+    state_dict = canonical_flat_prefix(state_dict, source)
     screen_state_dict(state_dict, source)
     lycoris, rest = split_lycoris(state_dict)
     if lycoris or type(config).__name__ in ("LoHaConfig", "LoKrConfig"):

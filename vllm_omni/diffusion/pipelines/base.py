@@ -39,8 +39,10 @@ def check_image_side(name: str, value: int | None, factor: int, limit: int | Non
 
 #: ``lora_context(rows)`` is entered around the denoiser call(s): ``rows`` maps each denoiser
 #: sample to its prompt index (CFG copies included), or ``None`` when every sample shares one
-#: adapter set (pipelines with ``mixed_lora_batch = False``).
-LoRAContextFactory = Callable[[list[int] | None], AbstractContextManager]
+#: adapter set (pipelines with ``mixed_lora_batch = False``). A pipeline that takes a call-wide LoRA
+#: scale (the diffusers fallback's ``joint_attention_kwargs={"scale": s}`` and its kin) passes it as
+#: ``lora_context(rows, lora_scale=s)``: every adapter's scale is multiplied by ``s``.
+LoRAContextFactory = Callable[..., AbstractContextManager]
 
 
 @runtime_checkable

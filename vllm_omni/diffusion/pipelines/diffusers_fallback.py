@@ -2,12 +2,18 @@
 
 No tensor parallelism; the denoiser is whatever diffusers loads (``transformer`` or
 ``unet``), exposed as :attr:`DiffusersFallbackPipeline.transformer` for patching.
+
+LoRA controls where diffusers users give them: the ``"scale"`` entry of ``joint_attention_kwargs``
+(SD3, Flux), ``cross_attention_kwargs`` (UNet pipelines) or ``attention_kwargs`` (Wan, ...) in a
+request's ``extra_args`` multiplies the scale of every adapter of the call, as diffusers'
+``scale_lora_layers`` does for the adapters it loaded; the rest of the dict reaches diffusers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -19,6 +25,39 @@ from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+#: diffusers call arguments whose ``"scale"`` entry is the LoRA scale of the whole call.
+LORA_SCALE_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
+
+
+def pop_lora_scale(kwargs: dict) -> float:
+    """Remove the ``"scale"`` entries of :data:`LORA_SCALE_KWARGS` from ``kwargs`` (in place; the
+    dicts are copied) and return their product (``1.0`` when none is given).
+
+    Raises:
+        InvalidRequestError: such an argument that is not a dict, or a scale that is not a finite number.
+    """
+    product = 1.0
+    for key in LORA_SCALE_KWARGS:
+        value = kwargs.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"extra_args[{key!r}] must be a dict, got {type(value).__name__}")
+        if "scale" not in value:
+            continue
+        scale = value["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise InvalidRequestError(
+                f"extra_args[{key!r}]['scale'] (the LoRA scale of the call) must be a finite number, got {scale!r:.80}"
+            )
+        product *= float(scale)
+        rest = {k: v for k, v in value.items() if k != "scale"}
+        if rest:
+            kwargs[key] = rest
+        else:
+            del kwargs[key]
+    return product
 
 
 class DiffusersFallbackPipeline:
@@ -101,7 +140,8 @@ class DiffusersFallbackPipeline:
         """Run the diffusers pipeline on all prompts in one call; one :class:`DiffusionOutput` per prompt.
 
         ``seeds`` (one per prompt) override ``sp.seed``; ``lora_context(None)`` is entered around
-        the whole diffusers call (all prompts share one adapter set here).
+        the whole diffusers call (all prompts share one adapter set here), with ``lora_scale`` when
+        ``extra_args`` carries a LoRA scale (module docstring).
 
         With ``seed`` set each prompt gets its own generator seeded identically (so a
         prompt's result does not depend on its batch). ``latents`` is filled only for
@@ -110,8 +150,8 @@ class DiffusersFallbackPipeline:
         video) for ``output_type="pil"`` and ``array`` (``(n, frames, ...)``) otherwise.
 
         Raises:
-            InvalidRequestError: height/width not multiples of ``vae_scale_factor * 2`` or an argument
-                the pipeline does not take.
+            InvalidRequestError: height/width not multiples of ``vae_scale_factor * 2``, an argument
+                the pipeline does not take, or a LoRA scale that is not a finite number.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -132,7 +172,11 @@ class DiffusersFallbackPipeline:
                     g = torch.Generator().manual_seed(seeds[i])
                 gens.extend([g] * n)
             kwargs["generator"] = gens
-        adapters = lora_context(None) if lora_context is not None else contextlib.nullcontext()
+        lora_scale = pop_lora_scale(kwargs)
+        if lora_context is None:
+            adapters = contextlib.nullcontext()
+        else:
+            adapters = lora_context(None, lora_scale=lora_scale) if lora_scale != 1.0 else lora_context(None)
         with adapters:
             out = self.pipe(prompt=list(prompts), **kwargs)
         is_video = getattr(out, "images", None) is None and getattr(out, "frames", None) is not None

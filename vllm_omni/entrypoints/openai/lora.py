@@ -16,6 +16,9 @@
 - ``stage``: optional stage id (per-stage request adapters, an opt-in extension); unset is the
   entry stage, as before. A later stage must be an LLM stage with LoRA enabled, and takes one
   adapter at scale 1.0; otherwise the request is refused before it starts.
+- ``denoiser``: on a two-denoiser diffusion stage (Wan2.2 MoE), the denoiser the adapter acts on:
+  ``"transformer"`` / ``"high_noise"`` or ``"transformer_2"`` / ``"low_noise"``; unset follows
+  :func:`~vllm_omni.lora.request.assign_denoisers` (``[high_noise, low_noise]`` by position).
 
 A bare ``{"name": ...}`` selects an adapter the engine's registry knows (``--lora-modules``,
 ``/v1/load_lora_adapter``, ``--lora-path`` or ``AsyncOmni.add_lora``).
@@ -37,10 +40,10 @@ from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_fo
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
 from vllm_omni.lora.registry import AdapterRegistry
-from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest, canonical_denoiser, stable_lora_int_id
 from vllm_omni.lora.schedule import LoRAScaleSchedule, coerce_scale
 
-ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id", "stage")
+ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id", "stage", "denoiser")
 MAX_STAGE_ID = 1023
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
@@ -57,6 +60,7 @@ class LoRASpec:
     scale: float | LoRAScaleSchedule | None = None  # None: the default (1.0, or the stage's lora_scale)
     int_id: int | None = None
     stage: int | None = None  # None: the entry stage
+    denoiser: str | None = None  # None: by the request's position rule (two-denoiser stages)
 
 
 def _one_of(entry: dict, keys: tuple[str, str], where: str) -> Any:
@@ -100,7 +104,11 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
         isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= MAX_STAGE_ID
     ):
         raise bad_request(f"{where}.stage must be a stage id (an integer in [0, {MAX_STAGE_ID}])", "lora")
-    return LoRASpec(name=name, path=path, scale=scale, int_id=int_id, stage=stage)
+    try:
+        denoiser = canonical_denoiser(entry.get("denoiser"), f"{where}.denoiser")
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "lora") from None
+    return LoRASpec(name=name, path=path, scale=scale, int_id=int_id, stage=stage, denoiser=denoiser)
 
 
 def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:

@@ -29,6 +29,13 @@ last partial block per step. Greedy or seeded sampling (seed ``s`` -> step ``k``
 talker's ``stop_token_ids`` (default: codec pad and codec end, transformers' default
 ``talker_eos_token_id``), at ``max_tokens``, or when the sequence fills the stage's
 ``max_model_len``. Penalties that look at earlier tokens are refused.
+
+The request's ``SamplingParams`` describe the whole codec sequence, never one step: each step's
+params are built anew (:meth:`_TalkerRun.step_params`) from the per-token fields of
+:data:`STEP_FIELDS`; ``max_tokens`` / ``min_tokens`` / ``stop_token_ids`` / ``allowed_token_ids``
+are applied by this stage over the sequence (``min_tokens``: no stop token is sampled before that
+many codes, transformers' ``min_new_tokens``), and fields that need text or the whole sequence
+(:data:`REFUSED_FIELDS`) are refused.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from typing import Any
 import torch
 from vllm import PoolingParams, SamplingParams
 from vllm.outputs import PoolingRequestOutput
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.llm_stage import LLMStageEngine
@@ -57,6 +65,11 @@ from vllm_omni.stages.qwen2_5_omni.checkpoint import (
 logger = logging.getLogger(__name__)
 
 _MM_PLACEHOLDERS = ("audio_token_index", "image_token_index", "video_token_index")
+#: ``SamplingParams`` fields that act per sampled token, carried into every one-token step.
+STEP_FIELDS = ("temperature", "top_p", "top_k", "min_p", "logit_bias")
+#: fields that need text, a whole sequence in one vLLM request or log-probabilities this stage does
+#: not return: refused (``InvalidRequestError``) rather than silently dropped.
+REFUSED_FIELDS = ("stop", "bad_words", "structured_outputs", "logprobs", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -190,6 +203,13 @@ class TalkerStageEngine(LLMStageEngine):
                 f"{self.stage.label}: the talker samples one completion without repetition, presence or "
                 "frequency penalties (n=1, repetition_penalty=1.0)"
             )
+        refused = [name for name in REFUSED_FIELDS if getattr(params, name, None)]
+        if refused:
+            raise InvalidRequestError(
+                f"{self.stage.label}: the talker samples codec tokens one vLLM step at a time and cannot apply "
+                f"{refused} (it applies {list(STEP_FIELDS)}, seed, max_tokens, min_tokens, stop_token_ids and "
+                "allowed_token_ids); leave them unset in the talker's SamplingParams"
+            )
         voice = None if prompt is None else prompt.meta.get("voice")
         if voice is not None and voice not in self.speakers:
             raise InvalidRequestError(
@@ -212,10 +232,10 @@ class TalkerStageEngine(LLMStageEngine):
         if thinker_lora is not None:
             self._refresh_pooling_adapter(thinker_lora)
         seq = torch.cat([ids[0], ids[1][:-1]]).tolist()
+        run = _TalkerRun(self, prompt, ids, params, lora_request, done)
         pooled = self.states.submit(
             {"prompt_token_ids": seq}, PoolingParams(task="token_embed"), thinker_lora
         )
-        run = _TalkerRun(self, prompt, ids, params, lora_request, done)
         run.current = pooled
         pooled.add_done_callback(run.on_hidden)
         return done
@@ -253,12 +273,22 @@ class _TalkerRun:
             params.stop_token_ids or [tid["tts_codec_pad_token_id"], tid["tts_codec_end_token_id"]]
         )
         self.max_tokens = params.max_tokens or 4096
+        self.min_tokens = int(params.min_tokens or 0)
         self.seed = params.seed
-        self.base = params.clone()
-        self.base.max_tokens, self.base.stop_token_ids, self.base.ignore_eos = 1, [], True
-        self.base.detokenize = False
+        self.step_fields = {name: getattr(params, name) for name in STEP_FIELDS}
         bos = tid["tts_codec_start_token_id"]
-        self.base.allowed_token_ids = [i for i in range(engine.tables.codec_embed.shape[0]) if i != bos]
+        wanted = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
+        self.allowed = [
+            i
+            for i in range(engine.tables.codec_embed.shape[0])
+            if i != bos and (wanted is None or i in wanted)
+        ]
+        if not self.allowed:
+            raise InvalidRequestError(
+                f"{engine.stage.label}: allowed_token_ids leaves no codec token to sample "
+                f"(codec ids 0..{engine.tables.codec_embed.shape[0] - 1}, the codec start token excluded)"
+            )
+        self.allowed_before_min = [i for i in self.allowed if i not in self.stops] or self.allowed
         self.codes: list[int] = []
         self.current: Future | None = None
         done.add_done_callback(self._on_done)
@@ -290,11 +320,22 @@ class _TalkerRun:
         except BaseException as exc:
             self._fail(exc)
 
+    def step_params(self) -> SamplingParams:
+        """The params of the next one-token step, built from the request's per-token fields only (the
+        request's ``max_tokens`` / ``min_tokens`` / stops describe the sequence, which this run tracks)."""
+        n = len(self.codes)
+        return SamplingParams(
+            **self.step_fields,
+            seed=None if self.seed is None else self.seed + n,
+            max_tokens=1,
+            ignore_eos=True,
+            detokenize=False,
+            allowed_token_ids=self.allowed if n >= self.min_tokens else self.allowed_before_min,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
     def _next(self) -> None:
-        params = self.base.clone()
-        if self.seed is not None:
-            params.seed = self.seed + len(self.codes)
-        self.current = fut = self.engine.step(self.embeds, params, self.lora)
+        self.current = fut = self.engine.step(self.embeds, self.step_params(), self.lora)
         if self.done.cancelled():
             fut.cancel()
         fut.add_done_callback(self.on_token)

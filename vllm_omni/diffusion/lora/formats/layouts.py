@@ -10,7 +10,10 @@ Layouts (the names used in :attr:`~..adapter.LoRAAdapterWeights.layout`), by whe
   ``diffusion_model.`` with either ``lora_A`` / ``lora_B`` or ``lora_down`` / ``lora_up`` and ``.alpha``;
 * ``"kohya"``: kohya-ss sd-scripts (and A1111, which reads them) flatten the module path with
   underscores under ``lora_unet_`` (``lora_unet_layers_0_attention_to_q.lora_down.weight``), store
-  ``lora_down`` (= A) / ``lora_up`` (= B) and a per-module scalar ``.alpha``.
+  ``lora_down`` (= A) / ``lora_up`` (= B) and a per-module scalar ``.alpha``. LyCORIS' own network
+  wrapper (``lycoris.create_lycoris`` on any ``nn.Module``) writes the same flattened paths under
+  ``lycoris_`` (``lycoris_layers_0_attention_to_q.hada_w1_a``); :func:`canonical_flat_prefix` reads
+  them as their ``lora_unet_`` form.
 
 :func:`screen_state_dict` refuses what this runtime cannot apply exactly, naming the file and the keys;
 :func:`normalize_lora_keys` renames ``lora_down`` / ``lora_up`` to ``lora_A`` / ``lora_B``.
@@ -28,6 +31,8 @@ from vllm_omni.lora.adapter_files import check_dtypes
 from vllm_omni.lora.adapter_files import listing as _listing
 
 KOHYA_UNET_PREFIX = "lora_unet_"
+#: LyCORIS' prefix for a wrapped generic module (``LycorisNetwork.LORA_PREFIX``), flattened like kohya's.
+LYCORIS_PREFIX = "lycoris_"
 COMFYUI_PREFIX = "diffusion_model."
 DIFFUSERS_PREFIX = "transformer."
 PEFT_PREFIX = "base_model.model."
@@ -135,3 +140,28 @@ def normalize_lora_keys(state_dict: Mapping[str, torch.Tensor], source: str) -> 
 def strip_kohya_prefix(module_key: str) -> str | None:
     """The flattened module path of a kohya key (``lora_unet_a_b`` -> ``a_b``), else ``None``."""
     return module_key[len(KOHYA_UNET_PREFIX) :] if module_key.startswith(KOHYA_UNET_PREFIX) else None
+
+
+def canonical_flat_prefix(state_dict: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """``state_dict`` with every ``lycoris_<flat>`` key renamed ``lora_unet_<flat>`` (same tensors).
+
+    LyCORIS flattens a module path exactly as kohya does, so after the rename both files take the one
+    kohya path (un-flattening against the model, ``.alpha`` scaling, LoHa / LoKr factors).
+
+    Raises:
+        LoRAFormatError: a module stored under both prefixes (names both keys).
+    """
+    if not any(k.startswith(LYCORIS_PREFIX) for k in state_dict):
+        return dict(state_dict)
+    out: dict[str, torch.Tensor] = {}
+    clashes: list[str] = []
+    for key, tensor in state_dict.items():
+        new = KOHYA_UNET_PREFIX + key[len(LYCORIS_PREFIX) :] if key.startswith(LYCORIS_PREFIX) else key
+        if new in out:
+            clashes.append(f"{key} / {new}")
+        out[new] = tensor
+    if clashes:
+        raise LoRAFormatError(
+            f"{source}: modules stored under both {LYCORIS_PREFIX!r} and {KOHYA_UNET_PREFIX!r}: {_listing(clashes)}"
+        )
+    return out

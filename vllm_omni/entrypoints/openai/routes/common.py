@@ -27,6 +27,7 @@ from vllm_omni.entrypoints.openai.errors import (
 )
 from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
+from vllm_omni.entrypoints.stage_info import seeded_stage_default
 from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
 
 #: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
@@ -126,11 +127,13 @@ def resolve_adapters(
         chosen.append(RequestAdapter(record.request))
     # entries with a later "stage" (one each) come on top of the entry stage's limit
     specs = parse_lora_field(lora, max_items=limit + len(info.stage_is_llm) - 1)
-    chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage) for s in specs)
+    chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser) for s in specs)
     entry = [a for a in chosen if a.stage_id in (None, 0)]
-    if info.is_llm and (len(entry) > 1 or any(a.scale not in (None, 1.0) for a in entry)):
+    if info.is_llm and (len(entry) > 1 or any(a.scale not in (None, 1.0) or a.denoiser for a in entry)):
         raise bad_request(
-            f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0", "lora"
+            f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0, with no "
+            "denoiser",
+            "lora",
         )
     with engine_errors("lora"):
         validate_request_adapters(entry, limit, field="lora", num_steps=num_steps)
@@ -160,11 +163,7 @@ def stage_params(
         if audio_params is not None and info.stage_is_audio[i]:
             out.append(audio_params)
         elif default is not None and i > 0:
-            seed = getattr(llm_params, "seed", None)
-            if seed is not None and hasattr(default, "clone"):
-                default = default.clone()
-                default.seed = seed
-            out.append(default)
+            out.append(seeded_stage_default(default, llm_params))
         else:
             out.append(llm_params if is_llm else diffusion_params)
     return out
