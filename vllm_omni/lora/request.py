@@ -84,7 +84,7 @@ def canonical_denoiser(value: Any, where: str) -> str | None:
 
 
 def _adapter_label(adapter: RequestAdapter, i: int) -> str:
-    return f"adapter {i} (LoRA {adapter.lora.lora_int_id}, {adapter.lora.lora_name!r})"
+    return f"adapter {i} (LoRA {adapter.lora.lora_int_id}, {public_adapter_name(adapter.lora.lora_name)!r})"
 
 
 def assign_denoisers(adapters: Sequence[RequestAdapter], denoisers: Sequence[str], stage: str) -> list[str]:
