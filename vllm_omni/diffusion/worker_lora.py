@@ -71,6 +71,7 @@ class WorkerLoRA:
             max_loras=od_config.max_loras,
             max_rank=od_config.max_lora_rank,
             max_cpu_loras=od_config.max_cpu_loras,
+            banks=od_config.compiles,  # a compiled denoiser reads fixed-shape banks (never recompiles)
         )
         self.default_scales: dict[int, float] = {}
         self.startup_requests: list[LoRARequest] = []
