@@ -101,7 +101,7 @@ class Bench:
         """(Re)build both managers with ``max_loras=k``, ``max_rank=r`` (unwrapping the previous ones)."""
         from vllm_omni.diffusion.lora import DiffusionLoRAManager
 
-        for side, manager in self.managers.items():
+        for manager in self.managers.values():
             for name, target in manager._index.targets.items():
                 setattr(target.parent, target.attr, manager.wrappers[name].base_layer)
         self.managers = {

@@ -99,7 +99,9 @@ def test_compiled_equals_eager_mixed_composed_cfg(engines, reqs):
     [
         LoRAScaleSchedule([1.5, -0.4]),
         LoRAScaleSchedule(0.9, {"layers.1": 0.25, "layers.0.feed_forward*": -1.0}),
-        LoRAScaleSchedule.parse([{"start": 0.0, "end": 0.5, "scale": 0.0}, {"start": 0.5, "end": 1.0, "scale": 1.3}]),
+        LoRAScaleSchedule.parse(
+            [{"start": 0.0, "end": 0.5, "scale": 0.0}, {"start": 0.5, "end": 1.0, "scale": 1.3}]
+        ),
     ],
     ids=["per-step", "per-block", "ranges"],
 )
@@ -116,7 +118,8 @@ def test_compiled_loha_lokr_equal_eager_and_peft(engines, reqs, tiny_z_image_dir
     got, want = _run(compiled, sets), _run(eager, sets)
     assert _err(got, want) <= TOL
     pipe = merged_reference_pipeline(
-        tiny_z_image_dir, [(reqs["loha"].lora_path, 0.8), (reqs["lokr"].lora_path, -0.5), (reqs["attn"].lora_path, 0.6)]
+        tiny_z_image_dir,
+        [(reqs["loha"].lora_path, 0.8), (reqs["lokr"].lora_path, -0.5), (reqs["attn"].lora_path, 0.6)],
     )
     ref = reference_latents(pipe, PROMPTS[0], seed=3, steps=2, guidance=3.0, height=32, width=32)
     print(f"compiled vs diffusers+peft: {_err(got, ref):.2e}", file=sys.stderr)
@@ -147,14 +150,18 @@ def test_no_recompile_after_warm_up(engines, reqs):
 def test_tp2_compiled_equals_eager(tiny_z_image_dir, engines, reqs, tmp_path):
     _, eager = engines
     tp2 = DiffusionEngine(
-        _config(tiny_z_image_dir, enforce_eager=False, tensor_parallel_size=2, compile_cache_dir=str(tmp_path))
+        _config(
+            tiny_z_image_dir, enforce_eager=False, tensor_parallel_size=2, compile_cache_dir=str(tmp_path)
+        )
     )
     try:
         sets = [[(reqs["attn"], 0.8), (reqs["ff"], -0.5)], []]
         lora_sets = [tuple(RequestAdapter(a, s) for a, s in entries) for entries in sets]
         outs = tp2.collective_rpc("generate_batch", PROMPTS[:2], params(), lora_sets)[0]
         got = torch.cat([o.latents for o in outs])
-        assert _err(got, _run(eager, sets)) <= TOL
+        want = _run(eager, sets)
+        assert _err(got, want) <= TOL
+        assert _err(want[0], _run(eager, [[], []])[0]) > 50 * TOL  # the adapter did change prompt 0
         assert all(n >= 1 for n in tp2.collective_rpc(_graphs_of_worker))
     finally:
         tp2.shutdown()
@@ -162,3 +169,26 @@ def test_tp2_compiled_equals_eager(tiny_z_image_dir, engines, reqs, tmp_path):
 
 def _graphs_of_worker(worker) -> int:
     return sum(c.stats.graphs for c in worker.compilers)
+
+
+def test_diffusers_fallback_compiled_with_lora_matches_peft(tiny_z_image_dir, reqs, tmp_path):
+    """The diffusers fallback compiles its transformer's blocks too; LoRA (banks on nn.Linear) keeps
+    parity with diffusers + peft."""
+    engine = DiffusionEngine(
+        _config(
+            tiny_z_image_dir,
+            enforce_eager=False,
+            pipeline_backend="diffusers",
+            compile_cache_dir=str(tmp_path),
+        )
+    )
+    try:
+        assert engine.worker.compilers, "the fallback transformer was not compiled"
+        got = _run(engine, [[(reqs["attn"], 0.8)]])
+        pipe = merged_reference_pipeline(tiny_z_image_dir, [(reqs["attn"].lora_path, 0.8)])
+        ref = reference_latents(pipe, PROMPTS[0], seed=3, steps=2, guidance=3.0, height=32, width=32)
+        print(f"fallback compiled vs diffusers+peft: {_err(got, ref):.2e}", file=sys.stderr)
+        assert _err(got, ref) <= TOL
+        assert _graphs(engine) >= 1
+    finally:
+        engine.shutdown()

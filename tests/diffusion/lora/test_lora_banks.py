@@ -37,7 +37,9 @@ def toys(toy_base, adapters, tmp_path_factory):
     eager = make_vllm_dit(toy_base.state_dict())
     compiled = make_vllm_dit(toy_base.state_dict())
     ref = DiffusionLoRAManager(eager, max_loras=3, max_rank=RANK, max_cpu_loras=6)
-    banked = DiffusionLoRAManager(compiled, max_loras=3, max_rank=RANK, max_cpu_loras=6, banks=True, bank_rows=8)
+    banked = DiffusionLoRAManager(
+        compiled, max_loras=3, max_rank=RANK, max_cpu_loras=6, banks=True, bank_rows=8
+    )
     backend = CountingBackend()
     compiler = RegionalCompiler(
         compiled,
@@ -46,7 +48,9 @@ def toys(toy_base, adapters, tmp_path_factory):
         before_call=banked.sync_step,
         check_rows=banked.banks.check_rows,
     )
-    reqs = {name: LoRARequest(name, i + 1, adapters[name][0]) for i, name in enumerate(["a", "b", "qv", "rs"])}
+    reqs = {
+        name: LoRARequest(name, i + 1, adapters[name][0]) for i, name in enumerate(["a", "b", "qv", "rs"])
+    }
     root = tmp_path_factory.mktemp("lycoris")
     loha = save_lycoris_adapter(toy_base, str(root / "loha"), "LoHaConfig", 31, r=2, alpha=3.0)
     lokr = save_lycoris_adapter(toy_base, str(root / "lokr"), "LoKrConfig", 32, r=2, alpha=3.0)
@@ -104,7 +108,9 @@ def test_no_recompile_across_switches_and_eager_parity(toys):
         for seq in (5, 9):  # sequence length is dynamic too
             want, got = _run(toys, sets, batch, seq=seq, step=step)
             worst = max(worst, (want - got).abs().max().item())
-    print(f"banked (traced) vs eager slots: max abs err {worst:.2e}; graphs {backend.graphs} (warm-up {warm})")
+    print(
+        f"banked (traced) vs eager slots: max abs err {worst:.2e}; graphs {backend.graphs} (warm-up {warm})"
+    )
     assert worst <= TOL
     assert backend.graphs == warm, "an adapter / scale / schedule / batch change recompiled"
     assert toys[5].stats.graphs == warm
@@ -140,7 +146,9 @@ def test_bank_refuses_lycoris_rank_above_bank(toy_base, tmp_path):
     eager = DiffusionLoRAManager(make_vllm_dit(toy_base.state_dict()), max_loras=1, max_rank=8)
     assert eager.add_lora(LoRARequest("loha", 1, path))
     banked = DiffusionLoRAManager(make_vllm_dit(toy_base.state_dict()), max_loras=1, max_rank=8, banks=True)
-    with pytest.raises(LoRAFormatError, match=r"loha.*layer 'blocks\.\d.*rank 16 exceeds the compiled bank's max rank 8"):
+    with pytest.raises(
+        LoRAFormatError, match=r"loha.*layer 'blocks\.\d.*rank 16 exceeds the compiled bank's max rank 8"
+    ):
         banked.add_lora(LoRARequest("loha", 1, path))
     assert banked.list_loras() == []
 
