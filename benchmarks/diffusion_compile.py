@@ -128,7 +128,11 @@ def restart_probe(args) -> None:
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     bench.step(bench.compiled, x)
-    print(json.dumps({"first_call_s": first, "second_call_s": time.perf_counter() - t0}))
+    import torch
+
+    inductor = torch._dynamo.utils.counters["inductor"]
+    hits = {k: inductor[k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+    print(json.dumps({"first_call_s": first, "second_call_s": time.perf_counter() - t0, **hits}))
 
 
 def _compile_times(bench, cache_dir: str, args) -> dict:
@@ -149,6 +153,7 @@ def _compile_times(bench, cache_dir: str, args) -> dict:
         "eager_step_s": eager_s,
         "first_compile_s": first - eager_s,
         "warm_restart_compile_s": probe["first_call_s"] - probe["second_call_s"],
+        "warm_restart_cache": {k: v for k, v in probe.items() if k.startswith("fxgraph")},
         "graphs": bench.compiler.stats.graphs,
     }
 

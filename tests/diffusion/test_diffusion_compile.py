@@ -38,7 +38,7 @@ def params(**overrides) -> OmniDiffusionSamplingParams:
 
 def _config(model, **kw) -> OmniDiffusionConfig:
     return OmniDiffusionConfig(
-        model=str(model), dtype="float32", device="cpu", enable_progress_bar=False, max_loras=3, **kw
+        model=str(model), dtype="float32", device="cpu", enable_progress_bar=False, max_loras=4, max_cpu_loras=8, **kw
     )
 
 
