@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vllm_omni.engine.inline_runtime import make_inline_runtime
 from vllm_omni.engine.workers import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,6 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None)
     from vllm_omni.process_guard import watch_parent
 
     watch_parent()
-    from vllm_omni.engine.orchestrator import make_inline_runtime
-
     try:
         runtime = make_inline_runtime(stage)
     except BaseException as exc:

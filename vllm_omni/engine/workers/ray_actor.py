@@ -19,6 +19,8 @@ import dataclasses
 import os
 from typing import Any
 
+from vllm_omni.engine.inline_runtime import make_inline_runtime
+
 
 @dataclasses.dataclass
 class TorchAsNumpy:
@@ -75,8 +77,6 @@ class StageActor:
     """
 
     def __init__(self, stage: Any, threads_from_driver: bool):
-        from vllm_omni.engine.orchestrator import make_inline_runtime
-
         if not threads_from_driver:
             # Ray sets OMP_NUM_THREADS to the actor's CPU resource (1) when the driver set none;
             # the stage gets the cores this process may use, as the inline runtime does
