@@ -20,6 +20,7 @@ from vllm_omni.engine.protocols import StageRuntime
 from vllm_omni.engine.replicas import ReplicatedStageRuntime
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRACacheError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.stats import MetricFamily, StatsRecorder
 
 
 class FakeRuntime:
@@ -85,6 +86,15 @@ class FakeRuntime:
     def health(self):
         return self.state
 
+    def stats(self):
+        if self.state != "ready":
+            raise StageEngineError(f"replica {self.index} is {self.state}")
+        recorder = StatsRecorder(self.stage.stage_id, self.stage.stage_type)
+        recorder.request_done(["a"], 0.1 * (self.index + 1), True)
+        snap = recorder.snapshot()
+        snap.vllm = [MetricFamily("vllm:x", "gauge", "x", [("vllm:x", {"engine": "0"}, float(self.index))])]
+        return snap
+
     def shutdown(self, timeout=None):
         self.stopped_with.append(timeout)
         time.sleep(self.stop_delay)
@@ -107,6 +117,18 @@ def _req(i):
 def test_fake_follows_the_protocol(stage, rep):
     assert isinstance(FakeRuntime(stage), StageRuntime)
     assert isinstance(rep, StageRuntime)
+
+
+def test_stats_sum_the_replicas_that_answer(rep):
+    rep.runtimes[1].state = "restarting"
+    snap = rep.stats()
+    assert (snap.replicas, snap.requests, snap.adapters["a"].requests) == (2, 2, 2)
+    assert snap.latency.total == pytest.approx(0.1 + 0.3)
+    assert [labels["engine"] for _, labels, _ in snap.vllm[0].samples] == ["0", "2"]  # replica indexes
+    for runtime in rep.runtimes:
+        runtime.state = "dead"
+    with pytest.raises(StageEngineError, match="replica 0 is dead"):
+        rep.stats()
 
 
 def test_least_loaded_dispatch_with_round_robin_ties(rep):
