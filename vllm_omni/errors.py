@@ -8,6 +8,7 @@ included) classify failures by type, never by message text::
     │   ├── ConfigError                    an option, override, deploy YAML entry or flag
     │   ├── InvalidRequestError            a request's prompt, sampling params or adapters
     │   ├── InvalidAdapterError            an adapter a stage cannot serve (file, module, rank)
+    │   │   ├── AdapterNotFoundError       its file or folder does not exist (also FileNotFoundError)
     │   │   └── LoRAFormatError            a malformed adapter file or an unsupported feature
     │   └── LoRANotEnabledError            a LoRA call on a stage without ``enable_lora``
     ├── LoRACacheError (also RuntimeError) a cache rule forbids the call (pinned, in use, full)
@@ -26,6 +27,7 @@ import difflib
 from collections.abc import Iterable
 
 __all__ = [
+    "AdapterNotFoundError",
     "ConfigError",
     "InvalidAdapterError",
     "InvalidRequestError",
@@ -66,6 +68,10 @@ class InvalidRequestError(OmniUserError):
 
 class InvalidAdapterError(OmniUserError):
     """An adapter that a stage cannot serve; the message names the adapter and the reason."""
+
+
+class AdapterNotFoundError(InvalidAdapterError, FileNotFoundError):
+    """An adapter's file or folder does not exist (also a ``FileNotFoundError``); the message names the adapter."""
 
 
 class LoRAFormatError(InvalidAdapterError):

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from concurrent.futures import Future
 
 import pytest
 
 from vllm_omni.config.stage_config import make_stage_config
-from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.engine.protocols import StageRuntime
 from vllm_omni.engine.replicas import ReplicatedStageRuntime
+from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRACacheError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stats import MetricFamily, StatsRecorder
@@ -32,7 +31,7 @@ class FakeRuntime:
         self.fail: dict[str, Exception] = {}
         self.holds = 0
         self.stopped_with: list = []
-        self.stop_delay = 0.0
+        self.stop_barrier: threading.Barrier | None = None
         self.refuse: Exception | None = None
         self.state = "ready"
 
@@ -97,7 +96,8 @@ class FakeRuntime:
 
     def shutdown(self, timeout=None):
         self.stopped_with.append(timeout)
-        time.sleep(self.stop_delay)
+        if self.stop_barrier is not None:  # passes only once every replica's shutdown has started
+            self.stop_barrier.wait()
 
 
 @pytest.fixture
@@ -273,12 +273,14 @@ def test_list_loras_common_set_and_disagreement(rep):
 
 
 def test_shutdown_runs_replicas_at_once_within_the_timeout(rep):
+    # each replica's shutdown blocks until all three have started: one at a time never gets there
+    # (a progress check, not a timing one: the barrier's cap only bounds a failing run)
+    barrier = threading.Barrier(len(rep.runtimes), timeout=120)
     for r in rep.runtimes:
-        r.stop_delay = 0.5
-    start = time.monotonic()
-    rep.shutdown(timeout=5.0)
-    assert time.monotonic() - start < 1.4  # in parallel, not 3 x 0.5 s
-    assert all(len(r.stopped_with) == 1 and 0 < r.stopped_with[0] <= 5.0 for r in rep.runtimes)
+        r.stop_barrier = barrier
+    rep.shutdown(timeout=300.0)
+    assert not barrier.broken, "the replicas were not shut down at once"
+    assert all(len(r.stopped_with) == 1 and 0 < r.stopped_with[0] <= 300.0 for r in rep.runtimes)
     with pytest.raises(StageEngineError, match="shut down"):
         rep.submit("p", None)
     rep.shutdown()  # idempotent at this level: each runtime's own shutdown is

@@ -255,7 +255,7 @@ def test_shutdown_timeout_is_a_server_setting(tiny_llm_assets, monkeypatch, caps
 def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
     """`vllm serve <model> --omni ...` runs our CLI (vLLM's own dispatch), errors included."""
     cmd = console_script("vllm") + ["serve", str(tiny_z_image_dir), "--omni", "--lora-backend", "distill"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=180)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=900)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vllm-omni serve: error:" in out.stderr and "--lora-path" in out.stderr
 
@@ -326,7 +326,7 @@ def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch
     env = server_env(VLLM_OMNI_CACHE_ROOT=str(tmp_path), COLUMNS=os.environ.get("COLUMNS", ""))
     import sys
 
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
     assert out.stdout == full_help
     assert "exit 0" in out.stderr and "exit 2" in out.stderr
     assert "unknown option '--enable-loar' (did you mean '--enable-lora'?)" in out.stderr

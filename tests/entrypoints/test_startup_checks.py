@@ -115,12 +115,14 @@ def test_full_parser_gives_the_same_errors_and_resolves_paths(tiny_llm_assets, t
 def test_relative_lora_path_is_the_adapter_requests_name(tiny_llm_assets, tmp_path, monkeypatch):
     """A relative ``--lora-path`` and a request naming the same adapter by its absolute path get one
     id and one location (they clashed on an ``int_id`` the client never sent)."""
-    from vllm_omni.diffusion.worker_lora import startup_lora_request
-    from vllm_omni.entrypoints.openai.lora import AdapterRegistry, LoRASpec
+    from tests.lora.fake_stages import FakeStages
+    from vllm_omni.entrypoints.openai.lora import LoRASpec, ServerAdapters
+    from vllm_omni.lora.registry import AdapterRegistry
+    from vllm_omni.lora.request import startup_lora_request
 
     monkeypatch.chdir(tiny_llm_assets.adapter_a.parent)
     startup = startup_lora_request(tiny_llm_assets.adapter_a.name)
-    registry = AdapterRegistry([], False, ["base"])
+    registry = ServerAdapters(AdapterRegistry(FakeStages().call), [], False, ["base"])
     registry.register_startup_path(tiny_llm_assets.adapter_a.name)
     from_request = registry.to_request(LoRASpec(name=None, path=str(tiny_llm_assets.adapter_a), int_id=None))
     assert (startup.lora_int_id, startup.lora_path) == (from_request.lora_int_id, from_request.lora_path)

@@ -18,7 +18,6 @@ Every rank runs the same calls with the same arguments, so the caches of all ran
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -26,23 +25,11 @@ from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import LoRARequest, RequestAdapter, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, startup_lora_request
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 #: One request's adapters, each with its scale (``None``: the default applies).
 LoRASet = tuple[RequestAdapter, ...]
-
-
-def startup_lora_request(path: str) -> LoRARequest:
-    """The ``LoRARequest`` under which a ``lora_path`` adapter is pre-loaded (id from the path).
-
-    A local path is held as its real path, the spelling the id is derived from and the one an
-    HTTP request naming the same adapter resolves to: a relative ``lora_path`` and a request's
-    absolute path then name one cache entry, not two that clash on one id.
-    """
-    name = os.path.basename(os.path.normpath(path)) or "startup"
-    location = path if "://" in path else os.path.realpath(path)
-    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(location), lora_path=location)
 
 
 class WorkerLoRA:
