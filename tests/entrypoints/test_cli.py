@@ -332,3 +332,22 @@ def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch
     assert "unknown option '--enable-loar' (did you mean '--enable-lora'?)" in out.stderr
     seconds, vllm_loaded, torch_loaded = out.stderr.split("seconds ")[1].split()
     assert (vllm_loaded, torch_loaded) == ("False", "False") and float(seconds) < 3
+
+
+def test_diffusion_enforce_eager_flags(tiny_z_image_dir):
+    """vLLM's ``--enforce-eager`` / ``--no-enforce-eager`` reach a diffusion stage; unset means by device."""
+    from vllm_omni.config.diffusion import OmniDiffusionConfig
+
+    model = str(tiny_z_image_dir)
+    for flag, value in (("--enforce-eager", True), ("--no-enforce-eager", False)):
+        launch, _ = parse_serve_argv([model, flag])
+        assert launch.options == {"enforce_eager": value}
+        cfg = launch.build_config()
+        assert_same_config(cfg, py_config(model, enforce_eager=value))
+        assert cfg.stage_by_id(0).options["enforce_eager"] is value
+    launch, _ = parse_serve_argv([model])
+    assert "enforce_eager" not in launch.options
+    assert OmniDiffusionConfig(device="cpu").compiles is False
+    assert OmniDiffusionConfig(device="cpu", enforce_eager=False).compiles is True
+    assert OmniDiffusionConfig(device="cuda", enforce_eager=True).compiles is False
+    assert OmniDiffusionConfig(device="cuda").compiles is True

@@ -50,7 +50,10 @@ _INTERNAL = {"option": False}
 
 # Options that must be integers >= 1.
 _POSITIVE_INTS = ("tensor_parallel_size", "max_batch_size", "max_loras", "max_lora_rank")
-_BOOLS = ("enable_progress_bar", "enforce_eager", "keep_base_weights")
+_BOOLS = ("enable_progress_bar", "keep_base_weights")
+#: Devices whose diffusion stages compile their denoiser when ``enforce_eager`` is unset (see
+#: ``OmniDiffusionConfig.compiles`` and docs/user_guide/diffusion_compile.md for the measurements).
+COMPILE_BY_DEFAULT_ON = ("cuda",)
 
 
 def _is_int(value: Any) -> bool:
@@ -88,7 +91,12 @@ class OmniDiffusionConfig:
             INFO log lines (``vllm_omni.diffusion.progress``).
         seed: default seed of requests that set none (``None``: a random one per request).
         max_batch_size: prompts per denoiser batch of the stage runtime (``>= 1``).
-        enforce_eager: accepted for symmetry with LLM stages; diffusion always runs eagerly.
+        enforce_eager: ``False`` compiles the denoiser's repeated blocks with ``torch.compile``
+            (:mod:`vllm_omni.diffusion.compile`; LoRA then runs from fixed-shape banks and never
+            recompiles), ``True`` runs eagerly, ``None`` (default) picks by device: compiled on CUDA,
+            eager on CPU (there the first compile costs minutes for a ~10-20 % faster step).
+        compile_cache_dir: inductor cache directory of a compiled stage (reused across restarts);
+            ``None``: ``~/.cache/vllm_omni/torch_compile/<stage key>``.
         keep_base_weights: (internal) keep dense base weights in ``layer.weight`` of vLLM
             linear layers on CPU instead of repacking (see ``finalize_linear_layers``).
         distributed_init_method: (internal) torch.distributed URL for TP workers; ``None``
@@ -118,7 +126,8 @@ class OmniDiffusionConfig:
     enable_progress_bar: bool = True
     seed: int | None = None
     max_batch_size: int = 8
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None
+    compile_cache_dir: str | None = None
     keep_base_weights: bool = field(default=True, metadata=_INTERNAL)
     distributed_init_method: str | None = field(default=None, metadata=_INTERNAL)
     lora_path: str | list[str] | None = field(default=None, metadata=_LORA)
@@ -156,6 +165,12 @@ class OmniDiffusionConfig:
         for key in _BOOLS:
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "true or false")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise _bad("enforce_eager", self.enforce_eager, "true or false (or unset: by device)")
+        if self.compile_cache_dir is not None and not (
+            isinstance(self.compile_cache_dir, str) and self.compile_cache_dir
+        ):
+            raise _bad("compile_cache_dir", self.compile_cache_dir, "a directory path (or unset)")
         if not isinstance(self.dtype, str | torch.dtype):
             raise _bad("dtype", self.dtype, "a string or a torch.dtype")
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:
@@ -287,6 +302,14 @@ class OmniDiffusionConfig:
     def resolved_device(self) -> str:
         """``device`` or, when ``None``, ``"cuda"`` if available else ``"cpu"``."""
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the stage compiles its denoiser: ``not enforce_eager``, or by device when unset
+        (``COMPILE_BY_DEFAULT_ON``)."""
+        if self.enforce_eager is not None:
+            return not self.enforce_eager
+        return self.resolved_device().split(":")[0] in COMPILE_BY_DEFAULT_ON
 
     def torch_dtype(self) -> torch.dtype:
         """The concrete torch dtype (``"auto"``: bfloat16 on CUDA, float32 on CPU)."""

@@ -16,6 +16,7 @@ carry their own adapter set in one denoiser batch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import traceback
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.diffusion.compile import RegionalCompiler, default_cache_dir, stage_cache_key
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.forward_context import time_denoising_steps
 from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
@@ -31,6 +33,8 @@ from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.platform import request_amx_permission
+
+logger = logging.getLogger(__name__)
 
 
 class DiffusionWorker:
@@ -75,6 +79,10 @@ class DiffusionWorker:
 
         self.pipeline: DiffusionPipeline = build_pipeline(od_config, device=self.device)
         self.lora = WorkerLoRA(self.pipeline, od_config)
+        #: one :class:`RegionalCompiler` per compiled denoiser (empty when the stage runs eagerly)
+        self.compilers = [
+            c for m in self.lora.managers.values() for c in compile_denoisers(m, od_config, rank, world_size)
+        ]
 
     def generate(
         self, prompts: list[str], sampling_params: OmniDiffusionSamplingParams
@@ -211,6 +219,38 @@ class DiffusionWorker:
                 f"neither DiffusionWorker nor {type(self.pipeline).__name__} has method {method!r}"
             )
         return target(*args, **kwargs)
+
+
+def compile_denoisers(manager, od_config: OmniDiffusionConfig, rank: int, world_size: int) -> list:
+    """Compile the repeated blocks of every denoiser ``manager`` patched, when ``od_config.compiles``.
+
+    The LoRA manager was built with banks (``WorkerLoRA``), so the compiled blocks read them; the
+    compile cache lives in ``od_config.compile_cache_dir`` or a directory keyed by model, dtype, TP
+    layout and torch version under the user cache. A denoiser without a repeated block list (some
+    diffusers models) stays eager, with a warning.
+    """
+    if not od_config.compiles:
+        return []
+    key = stage_cache_key(od_config.model, od_config.torch_dtype(), rank, world_size, torch.__version__)
+    cache_dir = od_config.compile_cache_dir or default_cache_dir(key)
+    banks = manager.banks
+    compilers = []
+    for name, denoiser in manager.denoisers.items():
+        label = f"diffusion {type(denoiser).__name__}{'.' + name if name else ''} (rank {rank})"
+        try:
+            compilers.append(
+                RegionalCompiler(
+                    denoiser,
+                    cache_dir=cache_dir,
+                    before_call=manager.sync_step,
+                    check_rows=None if banks is None else banks.check_rows,
+                    variant=lambda: "lora" if manager.lora_on else "base",
+                    label=label,
+                )
+            )
+        except ValueError as exc:
+            logger.warning("%s: runs eagerly: %s", label, exc)
+    return compilers
 
 
 def _picklable_error(exc: BaseException) -> BaseException:

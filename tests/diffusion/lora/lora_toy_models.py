@@ -208,3 +208,19 @@ def tp_worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
         out["batched"] = model(x, c)
     if rank == 0:
         torch.save(out, job["out"])
+
+
+def save_lycoris_adapter(base: nn.Module, path: str, cls_name: str, seed: int, **config_kwargs) -> str:
+    """Wrap a copy of ``base`` with peft's ``cls_name`` (``"LoHaConfig"`` / ``"LoKrConfig"``) on every
+    target, randomise its factors, save to ``path`` and return ``path``."""
+    import peft
+
+    config = getattr(peft, cls_name)(target_modules=PEFT_TARGETS, **config_kwargs)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "hada_" in name or "lokr_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.save_pretrained(path)
+    return path

@@ -76,6 +76,8 @@ class LoRABatchState:
             ``(slots, uniform)``.
         on_step: set while a schedule varies with the step: called with ``(step, num_steps)`` of the
             forward context on the first layer call of a new step; it publishes that step's scales.
+        bank_on: some slot has a non-zero scale for some row (read by compiled regions: the one
+            Python decision they make, so a compiled denoiser has one graph without LoRA and one with).
     """
 
     def __init__(self) -> None:
@@ -91,6 +93,7 @@ class LoRABatchState:
         self.row_scales: dict[int, object] = {}
         self.on_step: Callable[[int | None, int | None], None] | None = None
         self._step: tuple[int | None, int | None] | None = None
+        self.bank_on = False
 
     def set(
         self,
@@ -108,6 +111,7 @@ class LoRABatchState:
         self.stacked = {}
         self.row_scales = {}
         self.uniform = _uniform(slots)
+        self.bank_on = bool(slots)
         self.overrides = {key: (acts, _uniform(acts)) for key, acts in (overrides or {}).items()}
 
     def clear(self) -> None:
@@ -126,17 +130,22 @@ class LoRABatchState:
 
         First brings the activation to the forward context's denoising step when a step hook is set.
         """
+        self.sync_step()
+        if self.overrides:
+            own = self.overrides.get(id(layer))
+            if own is not None:
+                return own
+        return self.slots, self.uniform
+
+    def sync_step(self) -> None:
+        """Publish the forward context's step's scales if a step hook is set and the step changed
+        (layers call it; a compiled region's runner calls it before the region, which cannot)."""
         if self.on_step is not None:
             ctx = get_forward_context()
             step = (ctx.step, ctx.num_steps)
             if step != self._step:
                 self.on_step(*step)
                 self._step = step
-        if self.overrides:
-            own = self.overrides.get(id(layer))
-            if own is not None:
-                return own
-        return self.slots, self.uniform
 
     def for_rows(self, act: SlotActivation, leading: int) -> SlotActivation:
         """``act`` re-expressed for an input whose leading dimension is ``leading``.

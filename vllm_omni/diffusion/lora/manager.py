@@ -24,7 +24,6 @@ leaves the cache and slots as they were; argument errors are raised before any w
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,6 +31,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from vllm_omni.diffusion.lora.activation import check_request, validate_activation
+from vllm_omni.diffusion.lora.banks import DEFAULT_BANK_ROWS, LoRABankSet
 from vllm_omni.diffusion.lora.batch_state import LoRABatchState, SlotActivation, scale_runs
 from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
@@ -81,16 +82,6 @@ def _mapping_from_models(denoisers: Mapping[str, nn.Module]) -> list[tuple[str, 
     return mapping
 
 
-def _check_request(request: object) -> tuple[int, str]:
-    lora_id = getattr(request, "lora_int_id", None)
-    path = getattr(request, "lora_path", None)
-    if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
-        raise InvalidRequestError(f"lora_int_id must be a positive int, got {lora_id!r}")
-    if not path:
-        raise InvalidRequestError(f"LoRA {lora_id} has no lora_path")
-    return lora_id, str(path)
-
-
 class DiffusionLoRAManager:
     """Multi-LoRA runtime for one diffusion stage worker.
 
@@ -106,6 +97,9 @@ class DiffusionLoRAManager:
         target_modules: optional layer-name suffixes to patch (default: every supported linear).
         denoiser_attrs: pipeline attributes searched for denoisers.
         adapter_loader: ``path -> LoRAAdapterWeights`` (default :func:`.loading.load_lora_adapter`).
+        banks: also keep every slot in fixed-shape banks (:mod:`.banks`), what a compiled denoiser
+            reads; adapters whose (LoRA-equivalent) rank exceeds ``max_rank`` are then refused.
+        bank_rows: denoiser rows one activation may hold in bank mode.
 
     Raises:
         ConfigError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
@@ -125,6 +119,8 @@ class DiffusionLoRAManager:
         target_modules: Sequence[str] | None = None,
         denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS,
         adapter_loader: Callable[[str], object] | None = None,
+        banks: bool = False,
+        bank_rows: int = DEFAULT_BANK_ROWS,
     ) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ConfigError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
@@ -160,6 +156,7 @@ class DiffusionLoRAManager:
             )
             setattr(target.parent, target.attr, wrapper)
             self.wrappers[name] = wrapper
+        self.banks = LoRABankSet(self.wrappers, self.max_loras, bank_rows) if banks else None
 
     # ------------------------------------------------------------------ cache
     def list_loras(self) -> list[int]:
@@ -190,7 +187,7 @@ class DiffusionLoRAManager:
             return sum(e.meta.get("nbytes", 0) for e in entries)
 
     def _load_entry(self, request: LoRARequest) -> CacheEntry:
-        lora_id, path = _check_request(request)
+        lora_id, path = check_request(request)
         adapter = self._loader(path)
         bound = bind_adapter(adapter, self._index, self.max_rank)
         prepared = {}
@@ -199,6 +196,9 @@ class DiffusionLoRAManager:
                 prepared[name] = self.wrappers[name].prepare(weights)
             except ValueError as exc:
                 raise LoRAFormatError(f"{path}: layer {name!r}: {exc}") from exc
+        refused = self.banks.check_adapter(prepared) if self.banks is not None else None
+        if refused:
+            raise LoRAFormatError(f"{path}: layer {refused[0]!r}: {refused[1]}")
         nbytes = sum(t.numel() * t.element_size() for w in prepared.values() for t in w.tensors())
         kinds = sorted({m.kind for m in adapter.modules.values()}) if hasattr(adapter, "modules") else []
         return CacheEntry(
@@ -226,7 +226,7 @@ class DiffusionLoRAManager:
         """
         missing: dict[int, LoRARequest] = {}
         for request in requests:
-            lora_id, path = _check_request(request)
+            lora_id, path = check_request(request)
             entry = self._cache.get(lora_id)
             if entry is not None:
                 if entry.lora_path != path:
@@ -257,7 +257,7 @@ class DiffusionLoRAManager:
             FileNotFoundError, LoRAFormatError: the adapter cannot be read or does not fit the model
                 (cache and slots unchanged).
         """
-        lora_id, _ = _check_request(lora_request)
+        lora_id, _ = check_request(lora_request)
         with self._lock:
             present = lora_id in self._cache
             self._ensure_cached([lora_request], set())
@@ -313,7 +313,7 @@ class DiffusionLoRAManager:
         Held adapters are neither evicted nor removable until released. Returns the held ids.
         """
         with self._lock:
-            ids = list(dict.fromkeys(_check_request(r)[0] for r in lora_requests))
+            ids = list(dict.fromkeys(check_request(r)[0] for r in lora_requests))
             self._ensure_cached(list(lora_requests), set(ids))
             self._cache.acquire(ids)
             return ids
@@ -324,58 +324,6 @@ class DiffusionLoRAManager:
             self._cache.release(lora_int_ids)
 
     # ------------------------------------------------------------ activation
-    def _validate(self, requests_per_sample: Sequence, scales_per_sample: Sequence) -> tuple[list, list]:
-        if isinstance(requests_per_sample, (str, bytes)) or not isinstance(requests_per_sample, Sequence):
-            raise InvalidRequestError("requests_per_sample must be a list")
-        if not isinstance(scales_per_sample, Sequence):
-            raise InvalidRequestError("scales_per_sample must be a list")
-        if len(requests_per_sample) != len(scales_per_sample):
-            raise InvalidRequestError(
-                f"got {len(requests_per_sample)} request entries but {len(scales_per_sample)} scale entries"
-            )
-        reqs: list[list[LoRARequest]] = []
-        scales: list[list[float]] = []
-        paths: dict[int, str] = {}
-        for n, (sample_reqs, sample_scales) in enumerate(
-            zip(requests_per_sample, scales_per_sample, strict=True)
-        ):
-            sample_reqs, sample_scales = list(sample_reqs), list(sample_scales)
-            if len(sample_reqs) != len(sample_scales):
-                raise InvalidRequestError(
-                    f"sample {n}: {len(sample_reqs)} adapters but {len(sample_scales)} scales"
-                )
-            if len(sample_reqs) > self.max_loras:
-                raise InvalidRequestError(
-                    f"sample {n}: {len(sample_reqs)} adapters exceed max_loras={self.max_loras}"
-                )
-            seen: set[int] = set()
-            values: list[float] = []
-            for request, scale in zip(sample_reqs, sample_scales, strict=True):
-                lora_id, path = _check_request(request)
-                if lora_id in seen:
-                    raise InvalidRequestError(f"sample {n}: LoRA {lora_id} appears twice in one request")
-                seen.add(lora_id)
-                if paths.setdefault(lora_id, path) != path:
-                    raise InvalidRequestError(
-                        f"LoRA id {lora_id} is used for two paths: {paths[lora_id]!r} and {path!r}"
-                    )
-                if isinstance(scale, LoRAScaleSchedule):
-                    values.append(scale)
-                    continue
-                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-                    raise InvalidRequestError(
-                        f"sample {n}: LoRA {lora_id} scale must be a finite number or a LoRAScaleSchedule, "
-                        f"got {scale!r:.100}"
-                    )
-                values.append(float(scale))
-            reqs.append(sample_reqs)
-            scales.append(values)
-        if len(paths) > self.max_loras:
-            raise InvalidRequestError(
-                f"the batch uses {len(paths)} distinct adapters; max_loras={self.max_loras}"
-            )
-        return reqs, scales
-
     def set_active_adapters(
         self,
         requests_per_sample: Sequence[Sequence[LoRARequest]] | Sequence[LoRARequest],
@@ -408,7 +356,9 @@ class DiffusionLoRAManager:
         )
         if broadcast:
             requests_per_sample, scales_per_sample = [list(requests_per_sample)], [list(scales_per_sample)]
-        reqs, scales = self._validate(requests_per_sample, scales_per_sample)
+        reqs, scales = validate_activation(requests_per_sample, scales_per_sample, self.max_loras)
+        if self.banks is not None and not broadcast:
+            self.banks.check_rows(len(reqs))
         factors = [
             [self.block_factors(v) if isinstance(v, LoRAScaleSchedule) else None for v in s] for s in scales
         ]
@@ -520,7 +470,7 @@ class DiffusionLoRAManager:
         matrix, acts = self._activations(reqs, scales, broadcast)
         overrides: dict[int, tuple[SlotActivation, ...]] = {}
         layers = {name for sample in factors or () for f in sample if f for name in f}
-        groups: dict[tuple, tuple[SlotActivation, ...]] = {}
+        groups: dict[tuple, tuple[torch.Tensor, tuple[SlotActivation, ...], list[str]]] = {}
         for name in sorted(layers):
             mults = [[f.get(name, 1.0) if f else 1.0 for f in sample] for sample in factors]
             key = tuple(map(tuple, mults))
@@ -528,10 +478,14 @@ class DiffusionLoRAManager:
                 scaled = [
                     [v * m for v, m in zip(s, ms, strict=True)] for s, ms in zip(scales, mults, strict=True)
                 ]
-                groups[key] = self._activations(reqs, scaled, broadcast)[1]
-            overrides[id(self.wrappers[name])] = groups[key]
+                groups[key] = (*self._activations(reqs, scaled, broadcast), [])
+            groups[key][2].append(name)
+            overrides[id(self.wrappers[name])] = groups[key][1]
         self.scale_matrix = matrix
         self._state.set(0 if broadcast else len(reqs), acts, overrides)
+        if self.banks is not None:
+            self.banks.publish(matrix, [(m, names) for m, _, names in groups.values()])
+            self._state.bank_on = bool(acts) or any(a for _, a, _ in groups.values())
 
     def _activations(
         self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool
@@ -584,6 +538,16 @@ class DiffusionLoRAManager:
             with self._lock:
                 self._cache.release(ids)
                 self.deactivate()
+
+    def sync_step(self) -> None:
+        """Bring a per-step schedule's scales to the forward context's step (what a compiled region,
+        which cannot run the layers' Python hook, calls before it runs)."""
+        self._state.sync_step()
+
+    @property
+    def lora_on(self) -> bool:
+        """Whether some adapter has a non-zero scale in the current activation (compiled LoRA graph)."""
+        return self._state.bank_on
 
     @property
     def active_lora_ids(self) -> tuple[int, ...]:

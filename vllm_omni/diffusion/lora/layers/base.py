@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
+from vllm_omni.diffusion.lora.banks import LoRABank
 from vllm_omni.diffusion.lora.batch_state import LoRABatchState
 from vllm_omni.diffusion.lora.geometry import LayerGeometry
 from vllm_omni.diffusion.lora.ops import (
@@ -103,6 +104,8 @@ class BaseLayerWithLoRA(nn.Module):
         self.lora_device = torch.device(device) if device is not None else default_device
         self.lora_dtype = dtype or default_dtype
         self._slot_weights: list[SlotWeights | None] = [None] * self.max_loras
+        #: the fixed-shape bank a compiled denoiser reads (:meth:`enable_bank`), else ``None``
+        self.lora_bank: LoRABank | None = None
         # Keep checkpoint names stable: "<layer>.weight", not "<layer>.base_layer.weight".
         self.register_state_dict_post_hook(_hide_base_prefix)
         self.register_load_state_dict_pre_hook(_restore_base_prefix)
@@ -233,10 +236,32 @@ class BaseLayerWithLoRA(nn.Module):
         if isinstance(weights, LayerLoRAWeights):
             weights = self.prepare(weights)
         self._slot_weights[slot] = weights.to(self.lora_device, self.lora_dtype)
+        if self.lora_bank is not None:
+            self.lora_bank.write(slot, self._slot_weights[slot])
 
     def clear_slot(self, slot: int) -> None:
         """Forget ``slot`` on this layer."""
         self._slot_weights[slot] = None
+        if self.lora_bank is not None:
+            self.lora_bank.clear(slot)
+
+    def enable_bank(self, table: torch.Tensor) -> LoRABank:
+        """Give this layer a fixed-shape bank (what a compiled denoiser reads), filled from the slots.
+
+        Args:
+            table: the manager's shared scale table ``[groups, rows, max_loras]`` float32.
+
+        Raises:
+            TypeError: see :class:`~vllm_omni.diffusion.lora.banks.LoRABank`.
+        """
+        bank = LoRABank(
+            self.geometry, self.max_loras, self.max_rank, table, self.lora_device, self.lora_dtype
+        )
+        self.lora_bank = bank
+        for slot, held in enumerate(self._slot_weights):
+            if held is not None:
+                bank.write(slot, held)
+        return bank
 
     # --------------------------------------------------------------- forward
     def has_active_lora(self) -> bool:
@@ -317,11 +342,32 @@ class BaseLayerWithLoRA(nn.Module):
         """The base layer's forward with the active LoRA deltas added before its collective.
 
         Returns what the base layer returns (a tensor, or ``(output, bias)`` for a vLLM layer).
+        While dynamo traces a compiled region the layer reads its bank instead of its slots
+        (:meth:`_banked_forward`), so the traced graph never depends on which adapters are active.
         """
+        if torch.compiler.is_compiling():
+            return self._banked_forward(x)
         if not self.has_active_lora():
             return self.base_layer(x)
         x = self._local_input(x)
         return self._finish(self.apply_lora(x, self._base_output(x)))
+
+    def _banked_forward(self, x: torch.Tensor):
+        """The compiled-region forward: the base layer alone while no adapter is active in the batch
+        (one graph), else the base output plus the bank's delta (one other graph).
+
+        Raises:
+            RuntimeError: the layer is traced without a bank (the manager was built with ``banks=False``).
+        """
+        if not self.lora_state.bank_on:
+            return self.base_layer(x)
+        if self.lora_bank is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is being compiled with LoRA active but has no bank; build the "
+                "DiffusionLoRAManager with banks=True before compiling the denoiser"
+            )
+        x = self._local_input(x)
+        return self._finish(self.lora_bank.add_delta(x, self._base_output(x)))
 
     def _local_input(self, x: torch.Tensor) -> torch.Tensor:
         """The part of ``x`` this rank multiplies (row-parallel layers split it)."""

@@ -1,0 +1,228 @@
+"""Regional ``torch.compile`` of a diffusion denoiser (``enforce_eager=False``).
+
+Only the repeated transformer blocks are compiled, one compiled function per block *class*: every
+block of a list runs the same compiled code (dynamo caches per code object and, with nn modules
+inlined, a block's parameters are graph inputs), so the first compile costs one block per graph
+variant, not the whole network (the idea of diffusers' ``compile_repeated_blocks`` and of vLLM's
+piecewise compilation). Embedders, the final layer, patchify / unpatchify and the ragged per-sample
+Python of the model stay eager.
+
+What makes a new graph (each compiled once per process, then found in the compile cache):
+
+* a block class (Z-Image: the modulated ``noise_refiner`` / ``layers`` blocks and the unmodulated
+  ``context_refiner`` blocks share one class but differ in a Python flag: two graphs);
+* an optional input being ``None`` or a tensor (Z-Image's attention mask is ``None`` when every
+  sample of the batch has the same caption length);
+* a batch of one row versus more (dynamo specialises sizes 0 and 1); all leading dimensions of the
+  block inputs (rows, sequence length) are marked dynamic, so image sizes and caption lengths
+  never recompile;
+* LoRA off (no adapter with a non-zero scale in the batch) versus on: the LoRA layers read
+  fixed-shape banks (:mod:`vllm_omni.diffusion.lora.banks`), so adapters, scales, schedules and
+  mixed batches never recompile.
+
+Compiled artefacts are reused across restarts through inductor's FX graph cache in ``cache_dir``
+(``TORCHINDUCTOR_CACHE_DIR`` is set to it around every compiled call); dynamo still traces each graph
+again in a new process, which is the warm-restart cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+#: Graph variants one block class may accumulate before dynamo stops compiling it (dynamo's default, 8,
+#: is below ``classes x mask x batch-of-one x LoRA`` on some models).
+RECOMPILE_LIMIT = 64
+_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_cache_dir(key: str) -> str:
+    """``$XDG_CACHE_HOME/vllm_omni/torch_compile/<key>`` (``~/.cache`` when ``XDG_CACHE_HOME`` is unset)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "vllm_omni", "torch_compile", key)
+
+
+def stage_cache_key(*parts: object) -> str:
+    """A short stable directory name for one stage's compile cache (model path, dtype, TP, ...)."""
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def repeated_block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The ``nn.ModuleList`` children (recursively) whose entries, two or more, share one class.
+
+    A module that declares ``_repeated_blocks`` (class names, diffusers' convention) restricts the
+    search to lists of those classes.
+    """
+    wanted = set(getattr(module, "_repeated_blocks", None) or ())
+    found = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.ModuleList) or len(child) < 2:
+            continue
+        kinds = {type(block) for block in child}
+        if len(kinds) == 1 and (not wanted or next(iter(kinds)).__name__ in wanted):
+            found.append((name, child))
+    return found
+
+
+@dataclass
+class CompileStats:
+    """What a :class:`RegionalCompiler` has compiled so far.
+
+    Attributes:
+        graphs: dynamo graphs created during compiled calls (new variants and recompiles).
+        seconds: wall time of the calls that created them (compile time plus one block's run).
+        variants: the input signatures seen (see the module doc).
+    """
+
+    graphs: int = 0
+    seconds: float = 0.0
+    variants: set = field(default_factory=set)
+
+
+def _unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _tensors(args: tuple, kwargs: dict):
+    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+
+
+class RegionalCompiler:
+    """Compiles the repeated blocks of ``denoiser`` in place (each block's ``forward`` is replaced).
+
+    Args:
+        denoiser: the denoiser module.
+        cache_dir: inductor cache directory (created); see :func:`default_cache_dir`.
+        backend: ``torch.compile`` backend (``"inductor"``; tests use counting backends).
+        before_call: called before every compiled block call (the LoRA step sync: a compiled region
+            cannot run Python hooks).
+        check_rows: called with the leading size of the first tensor input before every compiled call
+            (raises for a batch the LoRA banks cannot hold).
+        variant: extra signature of a call (e.g. whether LoRA is on), for the progress log only.
+        label: the stage, in log lines.
+
+    Raises:
+        ValueError: the denoiser has no repeated block list.
+    """
+
+    def __init__(
+        self,
+        denoiser: nn.Module,
+        *,
+        cache_dir: str,
+        backend: str | Callable = "inductor",
+        before_call: Callable[[], None] | None = None,
+        check_rows: Callable[[int], None] | None = None,
+        variant: Callable[[], object] | None = None,
+        label: str = "diffusion stage",
+    ) -> None:
+        lists = repeated_block_lists(denoiser)
+        if not lists:
+            raise ValueError(f"{type(denoiser).__name__} has no repeated block list to compile")
+        self.cache_dir = cache_dir
+        os.makedirs(cache_dir, exist_ok=True)
+        self.stats = CompileStats()
+        self.before_call = before_call
+        self.check_rows = check_rows
+        self.variant = variant
+        self.label = label
+        self.block_lists = [name for name, _ in lists]
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        dynamo_config.accumulated_recompile_limit = max(
+            dynamo_config.accumulated_recompile_limit, RECOMPILE_LIMIT * 4
+        )
+        compiled: dict[type, Callable] = {}
+        self.blocks = 0
+        for _, blocks in lists:
+            for block in blocks:
+                cls = type(block)
+                if cls not in compiled:
+                    compiled[cls] = torch.compile(cls.forward, backend=backend)
+                block.forward = _CompiledBlock(self, block, compiled[cls])
+                self.blocks += 1
+        logger.info(
+            "%s: torch.compile of %d repeated blocks (%s) in %s; each graph compiles on its first call",
+            label,
+            self.blocks,
+            ", ".join(self.block_lists),
+            cache_dir,
+        )
+
+    def run(self, block: nn.Module, fn: Callable, args: tuple, kwargs: dict):
+        """One compiled block call (see :class:`_CompiledBlock`)."""
+        if os.environ.get(_CACHE_ENV) != self.cache_dir:
+            os.environ[_CACHE_ENV] = self.cache_dir
+        if self.before_call is not None:
+            self.before_call()
+        tensors = _tensors(args, kwargs)
+        if self.check_rows is not None and tensors:
+            self.check_rows(int(tensors[0].shape[0]))
+        for t in tensors:
+            for dim in range(t.dim() - 1):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        signature = (
+            type(block).__name__,
+            tuple(
+                None if v is None else (v.dim(), v.shape[0] == 1)
+                for v in args
+                if not isinstance(v, nn.Module)
+            ),
+            None if self.variant is None else self.variant(),
+        )
+        if signature not in self.stats.variants:
+            return self._first_call(signature, block, fn, args, kwargs)
+        before = _unique_graphs()
+        out = fn(block, *args, **kwargs)
+        new = _unique_graphs() - before
+        if new:  # a variant the signature does not tell apart (dynamo's guards decide): say so
+            self.stats.graphs += new
+            logger.warning("%s: %s compiled %d more graph(s) for %s", self.label, signature[0], new, signature)
+        return out
+
+    def _first_call(self, signature, block, fn, args, kwargs):
+        self.stats.variants.add(signature)
+        before, start = _unique_graphs(), time.perf_counter()
+        logger.info("%s: compiling %s for inputs %s (variant %s) ...", self.label, *signature)
+        show = sys.stderr.isatty()
+        with tqdm(total=1, desc=f"torch.compile {signature[0]}", disable=not show, leave=False) as bar:
+            out = fn(block, *args, **kwargs)
+            bar.update(1)
+        new, seconds = _unique_graphs() - before, time.perf_counter() - start
+        self.stats.graphs += new
+        self.stats.seconds += seconds
+        logger.info("%s: %s ready in %.1f s (%d new graph(s))", self.label, signature[0], seconds, new)
+        return out
+
+
+class _CompiledBlock:
+    """A block's ``forward`` replacement: the compiled class forward, called through its compiler."""
+
+    def __init__(self, compiler: RegionalCompiler, block: nn.Module, fn: Callable) -> None:
+        self.compiler = compiler
+        self.block = block
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.compiler.run(self.block, self.fn, args, kwargs)
+
+
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "CompileStats",
+    "RegionalCompiler",
+    "default_cache_dir",
+    "repeated_block_lists",
+    "stage_cache_key",
+]
