@@ -33,9 +33,15 @@ so a source checkout that is not installed is covered as well. Forked children i
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import threading
 from collections.abc import Callable
+
+import torch
+
+from vllm_omni.models import register_omni_models
+from vllm_omni.process_guard import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +65,6 @@ def request_amx_permission() -> bool:
         do) or when the kernel refused (logged as a warning: AMX kernels would then die with
         SIGILL, so use ``dtype="float32"`` on such a host).
     """
-    import torch
-
     if not torch.cpu._is_amx_tile_supported():
         return False
     granted = bool(torch.cpu._init_amx())
@@ -95,8 +99,6 @@ def _without_negative_rows(op: Callable) -> Callable:
 
 def patch_torch_lora_ops() -> None:
     """Make vLLM's torch LoRA ops honour index ``-1`` ("no adapter"); idempotent, thread-safe."""
-    import importlib
-
     with _PATCH_LOCK:
         ops = importlib.import_module(_LORA_OP_MODULES[0])
         for name in PATCHED_LORA_OPS:
@@ -112,6 +114,7 @@ def patch_torch_lora_ops() -> None:
 
 def torch_lora_ops_patched() -> bool:
     """Whether :func:`patch_torch_lora_ops` is in effect in this process."""
+    # vLLM's CPU punica wrapper, only when asked: this module loads in every vLLM process, CUDA builds too
     from vllm.lora.punica_wrapper import punica_cpu
 
     return all(hasattr(getattr(punica_cpu, name), "vllm_omni_original") for name in PATCHED_LORA_OPS)
@@ -123,9 +126,6 @@ def prepare_engine_process() -> None:
     In a process started by an engine owner (vLLM's engine core and workers) it also starts the
     parent watch of :mod:`vllm_omni.process_guard`: the process exits when its parent is gone.
     """
-    from vllm_omni.models import register_omni_models
-    from vllm_omni.process_guard import watch_parent
-
     watch_parent()
     register_omni_models()
     request_amx_permission()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.entrypoints.lora_strategies import lora_values
-from vllm_omni.entrypoints.openai.errors import OpenAIError
 from vllm_omni.entrypoints.openai.lora import AdapterRegistry, LoRASpec, parse_lora_field
+from vllm_omni.errors import OpenAIError
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
 

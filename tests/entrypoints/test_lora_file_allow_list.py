@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError
 from vllm_omni.entrypoints.openai.lora import AdapterRegistry, LoRASpec, parse_lora_field
-from vllm_omni.errors import InvalidRequestError
+from vllm_omni.errors import InvalidRequestError, OpenAIError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import MAX_ADAPTER_SCALE, LoRARequest, RequestAdapter, validate_request_adapters
 

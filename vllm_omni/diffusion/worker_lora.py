@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_files_into_pipeline
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, stable_lora_int_id
 from vllm_omni.lora.schedule import LoRAScaleSchedule
@@ -56,8 +57,6 @@ class WorkerLoRA:
     """
 
     def __init__(self, pipeline: Any, od_config: OmniDiffusionConfig):
-        from vllm_omni.diffusion.lora import DiffusionLoRAManager, fuse_lora_files_into_pipeline
-
         self.od_config = od_config
         self.reports_steps = bool(getattr(pipeline, "reports_denoising_step", False))
         self.pipeline_name = type(pipeline).__name__

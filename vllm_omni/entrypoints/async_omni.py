@@ -93,13 +93,10 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
-        lora_request, stage_loras = self._split_stage_loras(lora_request)
-        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
-        [lora_kwargs] = self._entry_lora_kwargs(
-            [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
+        lora_kwargs, stage_loras = self._request_adapters(
+            params[0], lora_request, lora_scale, lora_requests, lora_scales, adapters
         )
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
-        stage_loras = {**stage_loras, **adapter_stage_loras}
         streamed = self._streamed_stages(params)
 
         def put(out: OmniRequestOutput) -> None:
@@ -129,6 +126,28 @@ class AsyncOmni(OmniBase):
             # generator closed early): stop the request in its stage instead of running it out
             if not done.done():
                 done.cancel()
+
+    def _request_adapters(
+        self,
+        entry_params: Any,
+        lora_request: Any,
+        lora_scale: Any,
+        lora_requests: Any,
+        lora_scales: Any,
+        adapters: Sequence[RequestAdapter] | None,
+    ) -> tuple[dict[str, Any], dict[int, Any]]:
+        """One request's adapters, every public form of :meth:`generate` taken apart: (the entry
+        stage's adapter arguments, ``{later stage id: LoRARequest}``).
+
+        Raises:
+            InvalidRequestError: the rules of ``OmniBase._entry_lora_kwargs`` and of the splits.
+        """
+        lora_request, stage_loras = self._split_stage_loras(lora_request)
+        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
+        [lora_kwargs] = self._entry_lora_kwargs(
+            [lora_request], entry_params, lora_scale, lora_requests, lora_scales, adapters=adapters
+        )
+        return lora_kwargs, {**stage_loras, **adapter_stage_loras}
 
     def _streamed_stages(self, params: list[Any]) -> set[int]:
         """Ids of the final-output LLM stages whose params ask for ``RequestOutputKind.DELTA``."""

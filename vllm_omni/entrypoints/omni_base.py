@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from vllm import SamplingParams
-
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.overrides import PYTHON_INPUT_NAMES, InputNames, load_deploy_config
 from vllm_omni.config.pipeline_registry import (
@@ -17,7 +15,6 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
-from vllm_omni.engine.stage_registry import stage_params_type
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
@@ -68,6 +65,27 @@ def build_omni_config(
     )
 
 
+def _per_prompt_lists(lora_requests: Any, lora_scales: Any, n_prompts: int) -> list[tuple[Any, Any]]:
+    """``(lora_requests, lora_scales)`` of each prompt: the same lists for every prompt, or, when
+    ``lora_requests`` holds one list per prompt, each prompt's own lists.
+
+    Raises:
+        InvalidRequestError: per-prompt lists whose number is not ``n_prompts``, or per-prompt
+            ``lora_requests`` with ``lora_scales`` that are not one list per prompt.
+    """
+    nested = bool(lora_requests) and all(isinstance(x, list | tuple) for x in lora_requests)
+    if not nested:
+        return [(lora_requests, lora_scales)] * n_prompts
+    if len(lora_requests) != n_prompts:
+        raise InvalidRequestError(f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts")
+    scales = lora_scales if lora_scales is not None else [None] * n_prompts
+    if len(scales) != n_prompts or not all(s is None or isinstance(s, list | tuple) for s in scales):
+        raise InvalidRequestError(
+            "with one lora_requests list per prompt, pass one lora_scales list per prompt"
+        )
+    return list(zip(lora_requests, scales, strict=True))
+
+
 class OmniBase:
     """Builds the config and the stage runtimes; both entry points share it.
 
@@ -110,15 +128,15 @@ class OmniBase:
     def entry_stage_info(self) -> EntryStageInfo:
         """What front ends need to know about this pipeline (output kinds, adapters per
         request, start-up adapters and their default scale, ...); computed once."""
-        return describe_entry_stage(self.config)
+        return describe_entry_stage(self.config, self._orchestrator.descriptions)
 
     def _stage_params(self, sampling_params: Any) -> list[Any]:
         """One params object per stage.
 
         ``sampling_params`` may be ``None`` (defaults everywhere), one object (applied to
-        every stage of its kind: ``SamplingParams`` for LLM stages,
-        ``OmniDiffusionSamplingParams`` for diffusion stages), or a list with one entry per
-        stage (``None`` entries take the default).
+        every stage that takes its type, as the stage describes it: ``SamplingParams`` for LLM
+        stages, ``OmniDiffusionSamplingParams`` for diffusion stages, ``AudioParams`` for an
+        audio stage), or a list with one entry per stage (``None`` entries take the default).
 
         Raises:
             InvalidRequestError: a per-stage list of the wrong length, or an entry of the wrong type.
@@ -130,25 +148,16 @@ class OmniBase:
                 f"sampling_params has {len(sampling_params)} entries but pipeline "
                 f"{self.config.pipeline.name!r} has {len(stages)} stages; pass one per stage or a single object"
             )
-        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-        if not per_stage and sampling_params is not None:
-            kinds = {
-                stage_params_type(s) or (SamplingParams if s.is_llm else OmniDiffusionSamplingParams)
-                for s in stages
-            }
-            if not isinstance(sampling_params, tuple(kinds)):
-                names = " or ".join(sorted(k.__name__ for k in kinds))
-                raise InvalidRequestError(
-                    f"sampling_params must be {names} (or one per stage) for pipeline "
-                    f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
-                )
+        kinds = [d.params_type for d in self._orchestrator.descriptions]
+        if not per_stage and sampling_params is not None and not isinstance(sampling_params, tuple(kinds)):
+            names = " or ".join(sorted({k.__name__ for k in kinds}))
+            raise InvalidRequestError(
+                f"sampling_params must be {names} (or one per stage) for pipeline "
+                f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
+            )
         out = []
-        for i, stage in enumerate(stages):
+        for i, (stage, kind) in enumerate(zip(stages, kinds)):
             params = sampling_params[i] if per_stage else sampling_params
-            kind = stage_params_type(stage)
-            if kind is None:
-                kind = SamplingParams if stage.is_llm else OmniDiffusionSamplingParams
             if isinstance(params, kind):
                 out.append(params)
             elif params is None or not per_stage:
@@ -212,20 +221,7 @@ class OmniBase:
                     f"{entry.label}, which takes one adapter per request through lora_request"
                 )
             return [{"lora_request": lr} for lr in loras]
-        nested = bool(lora_requests) and all(isinstance(x, list | tuple) for x in lora_requests)
-        if nested:
-            if len(lora_requests) != n_prompts:
-                raise InvalidRequestError(
-                    f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts"
-                )
-            scales = lora_scales if lora_scales is not None else [None] * n_prompts
-            if len(scales) != n_prompts or not all(s is None or isinstance(s, list | tuple) for s in scales):
-                raise InvalidRequestError(
-                    "with one lora_requests list per prompt, pass one lora_scales list per prompt"
-                )
-            per = list(zip(lora_requests, scales, strict=True))
-        else:
-            per = [(lora_requests, lora_scales)] * n_prompts
+        per = _per_prompt_lists(lora_requests, lora_scales, n_prompts)
         params_loras = (entry_params.lora_requests, entry_params.lora_scales)
         return [
             {

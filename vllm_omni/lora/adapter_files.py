@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from vllm_omni.errors import LoRAFormatError
 
@@ -253,8 +254,6 @@ def read_safetensors(
     Raises:
         LoRAFormatError: the file is not a readable safetensors file.
     """
-    from safetensors import safe_open
-
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:
             metadata = handle.metadata()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from vllm_omni.errors import BodyTooLargeError
+
 DEFAULT_MAX_BODY_MB = 32
 
 
@@ -69,15 +71,11 @@ class BodySizeLimitMiddleware:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     rejected = True
-                    raise _BodyTooLarge
+                    raise BodyTooLargeError
             return message
 
         try:
             await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
+        except BodyTooLargeError:
             if rejected:
                 await self._reject(send)
-
-
-class _BodyTooLarge(Exception):
-    pass
