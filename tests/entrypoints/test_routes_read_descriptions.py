@@ -70,7 +70,7 @@ def test_a_stage_that_describes_video_serves_no_images(z_image_config):
 
 def test_a_stage_that_describes_images_serves_no_video(z_image_config):
     client, engine = _client(z_image_config, "image")
-    reply = client.post("/v1/videos", json={"prompt": "a cat", "model": "m"})
+    reply = client.post("/v1/videos/generations", json={"prompt": "a cat", "model": "m"})
     assert reply.status_code == 400 and "does not produce video" in reply.json()["error"]["message"]
     reply = client.post("/v1/images/generations", json={"prompt": "a dog", "model": "m"})
     assert engine.ran == ["a dog"], reply.text  # images: past every check, into the engine

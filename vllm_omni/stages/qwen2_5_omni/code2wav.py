@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from transformers import Qwen2_5OmniConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
 from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.protocols import StageDescription
@@ -70,9 +72,6 @@ def load_token2wav(model_dir: str) -> torch.nn.Module:
     Raises:
         StageEngineError: no Omni config, or the weights do not match the model.
     """
-    from transformers import Qwen2_5OmniConfig
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
-
     config = Qwen2_5OmniConfig.from_pretrained(model_dir)
     model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, torch_dtype=torch.float32)
     state: dict[str, torch.Tensor] = {}
