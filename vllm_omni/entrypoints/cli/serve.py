@@ -35,7 +35,6 @@ from vllm_omni.config.diffusion import LORA_BACKENDS
 from vllm_omni.config.omni_config import WORKER_BACKENDS
 from vllm_omni.entrypoints.cli.fast import unknown_flags_message
 from vllm_omni.entrypoints.launch import OmniLaunch
-from vllm_omni.entrypoints.openai.api_server import run_server
 from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, ServerSettings
 from vllm_omni.errors import ServeArgsError
 
@@ -284,4 +283,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if getattr(args, "dry_run", False):
         print(json.dumps(describe_launch(config, settings), indent=2, default=str))
         return
+    # only to serve: the server imports AsyncOmni and the engine (see OmniLaunch.build_config)
+    from vllm_omni.entrypoints.openai.api_server import run_server
+
     run_server(config, settings)  # the engines start from this very config: resolved once
