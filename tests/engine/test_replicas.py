@@ -20,6 +20,7 @@ from vllm_omni.engine.replicas import ReplicatedStageRuntime
 from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRACacheError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.stats import MetricFamily, StatsRecorder
 
 
 class FakeRuntime:
@@ -90,6 +91,15 @@ class FakeRuntime:
             self.stage.stage_id, f"replica {self.index}", "text", frozenset({"text"}), object
         )
 
+    def stats(self):
+        if self.state != "ready":
+            raise StageEngineError(f"replica {self.index} is {self.state}")
+        recorder = StatsRecorder(self.stage.stage_id, self.stage.stage_type)
+        recorder.request_done(["a"], 0.1 * (self.index + 1), True)
+        snap = recorder.snapshot()
+        snap.vllm = [MetricFamily("vllm:x", "gauge", "x", [("vllm:x", {"engine": "0"}, float(self.index))])]
+        return snap
+
     def shutdown(self, timeout=None):
         self.stopped_with.append(timeout)
         time.sleep(self.stop_delay)
@@ -117,6 +127,18 @@ def test_fake_follows_the_protocol(stage, rep):
 def test_replicas_describe_as_their_first_replica(rep):
     assert rep.describe() == rep.runtimes[0].describe()
     assert rep.describe().label == "replica 0"
+
+
+def test_stats_sum_the_replicas_that_answer(rep):
+    rep.runtimes[1].state = "restarting"
+    snap = rep.stats()
+    assert (snap.replicas, snap.requests, snap.adapters["a"].requests) == (2, 2, 2)
+    assert snap.latency.total == pytest.approx(0.1 + 0.3)
+    assert [labels["engine"] for _, labels, _ in snap.vllm[0].samples] == ["0", "2"]  # replica indexes
+    for runtime in rep.runtimes:
+        runtime.state = "dead"
+    with pytest.raises(StageEngineError, match="replica 0 is dead"):
+        rep.stats()
 
 
 def test_least_loaded_dispatch_with_round_robin_ties(rep):

@@ -124,7 +124,9 @@ def test_deploy_yaml_with_cli_precedence(tiny_llm_assets, tmp_path):
 
 def test_diffusion_lora_flags(tiny_z_image_dir, tmp_path):
     model = str(tiny_z_image_dir)
-    adapters = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    adapters = [os.path.realpath(tmp_path / n) for n in ("a.safetensors", "b.safetensors")]
+    for path in adapters:  # start-up adapters must exist (nothing is read before the engine loads)
+        open(path, "wb").close()
     launch, _ = parse_serve_argv(
         [model, "--lora-path", adapters[0], "--lora-scale", "0.5", "--max-loras", "2", "--max-cpu-loras", "3"]
         + ["--dtype", "float32"]
@@ -280,7 +282,7 @@ def test_serve_starts_the_config_it_resolved(tiny_llm_assets, monkeypatch):
     monkeypatch.setattr(omni_base, "build_omni_config", counting_build)
     monkeypatch.setattr(AsyncOmni, "from_config", classmethod(no_engines))
     with pytest.raises(Started):
-        cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128"])
+        cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128", "--port", "0"])
     assert len(built) == 1 and started == built
     assert started[0].entry_stage.options["max_model_len"] == 128
 

@@ -26,6 +26,7 @@ from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.protocols import StageDescription, StageRuntime
 from vllm_omni.errors import StageEngineError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.stats import StageStats, merge_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +274,20 @@ class ReplicatedStageRuntime:
     def describe(self) -> StageDescription:
         """The first replica's description (every replica runs the same stage config)."""
         return self.runtimes[0].describe()
+
+    def stats(self) -> StageStats:
+        """The replicas' statistics summed (:func:`~vllm_omni.stats.merge_replicas`); a replica that
+        cannot answer (restarting) is left out, and with none the error of the first is raised."""
+        snaps, indexes, errors = [], [], []
+        for index, runtime in enumerate(self.runtimes):
+            try:
+                snaps.append(runtime.stats())
+                indexes.append(index)
+            except Exception as exc:
+                errors.append(exc)
+        if not snaps:
+            raise errors[0]
+        return merge_replicas(snaps, indexes)
 
     # ---------------------------------------------------------------- shutdown
     def health(self) -> str:

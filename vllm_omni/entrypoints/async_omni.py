@@ -12,6 +12,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.lora.request import LoRARequest, RequestAdapter
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.stats import StageStats
 
 # Submitting validates the request's adapter (file reads) before anything is queued: never on
 # the event loop. A few threads, so that one stuck file system call does not stop the others.
@@ -178,3 +179,7 @@ class AsyncOmni(OmniBase):
 
     async def pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         return await asyncio.to_thread(self._pin_lora, lora_int_id, stage_id)
+
+    async def get_stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
+        """:meth:`stage_stats` off the event loop (the HTTP ``/metrics`` route calls this)."""
+        return await asyncio.to_thread(self.stage_stats, timeout)

@@ -19,6 +19,7 @@ from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stag
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
 from vllm_omni.stages import register_stage_runtimes
+from vllm_omni.stats import StageStats
 
 
 def build_omni_config(
@@ -344,6 +345,12 @@ class OmniBase:
 
     def _pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
         return all(self._orchestrator.lora_call("pin_lora", lora_int_id, stage_id=stage_id).values())
+
+    def stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
+        """``{stage_id: StageStats}``: each stage's statistics now (plain data, see
+        :mod:`vllm_omni.stats`), gathered from its process or actor; ``None`` for a stage that
+        did not answer within ``timeout`` seconds (restarting, dead)."""
+        return self._orchestrator.stage_stats(timeout)
 
     def stage_health(self) -> dict[int, str]:
         """``{stage_id: "ready" | "restarting" | "dead"}``: whether each stage serves now

@@ -212,6 +212,10 @@ class WorkerStageRuntime:
     def pin_lora(self, lora_int_id: int) -> bool:
         return self._journaled("pin_lora", lora_int_id)
 
+    def stats(self) -> Any:
+        """The worker runtime's statistics snapshot (answered at once, even while a batch runs)."""
+        return self._call("stats")
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Ask the worker to shut its runtime down, wait at most ``timeout`` seconds
         (``None``: :data:`SHUTDOWN_WAIT_S`), then kill it; what is in flight fails with ``StageEngineError``."""

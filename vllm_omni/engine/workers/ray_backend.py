@@ -404,6 +404,10 @@ class RayStageRuntime:
     def pin_lora(self, lora_int_id: int) -> bool:
         return self._lora("pin_lora", lora_int_id)
 
+    def stats(self) -> Any:
+        """The actor runtime's statistics snapshot (:class:`~vllm_omni.stats.StageStats`)."""
+        return self._call("call", "stats")
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut the actor's runtime down, kill the actor, remove its placement group (idempotent).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from vllm_omni.entrypoints.openai.errors import log_client_error
 from vllm_omni.errors import BodyTooLargeError
 
 DEFAULT_MAX_BODY_MB = 32
@@ -27,11 +28,13 @@ class BodySizeLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def _reject(self, send) -> None:
+    async def _reject(self, scope, send) -> None:
+        message = f"request body exceeds {self.max_bytes} bytes (VLLM_OMNI_MAX_REQUEST_BODY_MB)"
+        log_client_error(scope.get("method", ""), scope.get("path", ""), 413, message)
         body = json.dumps(
             {
                 "error": {
-                    "message": f"request body exceeds {self.max_bytes} bytes (VLLM_OMNI_MAX_REQUEST_BODY_MB)",
+                    "message": message,
                     "type": "RequestTooLargeError",
                     "param": None,
                     "code": 413,
@@ -60,7 +63,7 @@ class BodySizeLimitMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    return await self._reject(send)
+                    return await self._reject(scope, send)
         seen = 0
         rejected = False
 
@@ -78,4 +81,4 @@ class BodySizeLimitMiddleware:
             await self.app(scope, limited_receive, send)
         except BodyTooLargeError:
             if rejected:
-                await self._reject(send)
+                await self._reject(scope, send)

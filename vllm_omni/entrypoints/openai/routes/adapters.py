@@ -33,12 +33,16 @@ async def load_lora_adapter(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(LoadLoRAAdapterRequest, await read_json(request))
     reg = state.registry
-    clash = reg.name_clash(req.lora_name, replace=req.load_inplace)
-    if clash is not None:
-        raise bad_request(clash, "lora_name")
-    location = reg.resolve_path(req.lora_path)
-    int_id = stable_lora_int_id(location)
-    reg.claim_id(int_id, location)
+    try:  # refusals of the server itself (the stages count their own): /metrics, stage="server"
+        clash = reg.name_clash(req.lora_name, replace=req.load_inplace)
+        if clash is not None:
+            raise bad_request(clash, "lora_name")
+        location = reg.resolve_path(req.lora_path)
+        int_id = stable_lora_int_id(location)
+        reg.claim_id(int_id, location)
+    except Exception:
+        request.app.state.registration_failures.note(req.lora_name)
+        raise
     lora = LoRARequest(req.lora_name, int_id, location)
     with engine_errors("lora_path", "lora_path"):
         await state.omni.add_lora(lora)  # False only means "already cached"
