@@ -16,11 +16,12 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name == "Omni":
+        # on first use: ``import vllm_omni`` stays free of vLLM and torch (seconds to import)
         from vllm_omni.entrypoints.omni import Omni
 
         return Omni
     if name == "AsyncOmni":
-        from vllm_omni.entrypoints.async_omni import AsyncOmni
+        from vllm_omni.entrypoints.async_omni import AsyncOmni  # on first use (see above)
 
         return AsyncOmni
     raise AttributeError(f"module 'vllm_omni' has no attribute {name!r}")

@@ -6,6 +6,7 @@ included) classify failures by type, never by message text::
     OmniError
     ├── OmniUserError (also ValueError)    the input is wrong; fix the input
     │   ├── ConfigError                    an option, override, deploy YAML entry or flag
+    │   │   └── ServeArgsError             ``serve``'s flags contradict each other
     │   ├── InvalidRequestError            a request's prompt, sampling params or adapters
     │   ├── InvalidAdapterError            an adapter a stage cannot serve (file, module, rank)
     │   │   ├── AdapterNotFoundError       its file or folder does not exist (also FileNotFoundError)
@@ -15,6 +16,11 @@ included) classify failures by type, never by message text::
     └── StageEngineError (also RuntimeError)  a stage's engine failed; other requests may go on
         └── StageDeadError                 the stage's engine is gone; later requests fail too
 
+The HTTP layer's own answers are not ``OmniError`` s: :class:`OpenAIError` (an answer with a status
+and an OpenAI-style body), :class:`ClientDisconnected` (the client left; its request was
+cancelled) and :class:`BodyTooLargeError` (a request body over the size limit, while it is read);
+``vllm_omni/entrypoints/openai/errors.py`` maps every error to its answer.
+
 User errors subclass ``ValueError`` as vLLM's own input errors do, so code that catches
 ``ValueError`` around ``vllm.LLM`` keeps working around :class:`vllm_omni.Omni`.
 Messages name the culprit: the stage (``stage 0 (llm_ar)``), the key or option, the file
@@ -23,11 +29,14 @@ or the module, and where it helps, the knob to turn.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Iterable
 
 __all__ = [
     "AdapterNotFoundError",
+    "BodyTooLargeError",
+    "ClientDisconnected",
     "ConfigError",
     "InvalidAdapterError",
     "InvalidRequestError",
@@ -36,6 +45,8 @@ __all__ = [
     "LoRANotEnabledError",
     "OmniError",
     "OmniUserError",
+    "OpenAIError",
+    "ServeArgsError",
     "StageDeadError",
     "StageEngineError",
 ]
@@ -60,6 +71,10 @@ class ConfigError(OmniUserError):
     def __init__(self, *args: object, options: tuple[str, ...] | list[str] = ()) -> None:
         super().__init__(*args)
         self.options = tuple(options)
+
+
+class ServeArgsError(ConfigError):
+    """``serve``'s command line is inconsistent (reported before anything loads)."""
 
 
 class InvalidRequestError(OmniUserError):
@@ -94,6 +109,28 @@ class StageDeadError(StageEngineError):
     """A stage's engine (or one of its worker processes) is gone; the stage serves no more requests."""
 
 
+class OpenAIError(Exception):
+    """An error answered to an HTTP client with ``status`` and an OpenAI-style body
+    (``param``: the request field at fault, if any)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready; its request was cancelled.
+
+    Answered with an empty ``499`` (nginx's "client closed request") that nobody reads; not logged.
+    """
+
+
+class BodyTooLargeError(Exception):
+    """A request body grew past the server's limit while it was read (answered ``413``)."""
+
+
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` naming the closest of ``candidates`` to ``name``, or ``""``."""
     match = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.75)
@@ -104,8 +141,6 @@ def restate(exc: OmniError, prefix: str) -> OmniError:
     """A copy of ``exc`` (same class, same attributes such as ``options``) whose message is
     ``"<prefix>: <message>"``: for adding where an error happened (the stage) without turning a
     user error into an engine error. Raise it ``from exc``."""
-    import copy
-
     new = copy.copy(exc)
     new.args = (f"{prefix}: {exc}",)
     return new

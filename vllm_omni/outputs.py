@@ -14,8 +14,9 @@ class OmniRequestOutput:
         request_id: id of the pipeline request (shared by all its stages).
         stage_id: the stage that produced this output.
         final_output_type: ``"text"`` (LLM stage), ``"image"`` (diffusion stage), ``"video"``
-            (diffusion stage running a video pipeline) or ``"audio"`` (a waveform stage such as
-            Qwen2.5-Omni's code2wav).
+            (diffusion stage running a video pipeline), ``"audio"`` (a waveform stage such as
+            Qwen2.5-Omni's code2wav) or ``"codec"`` (codec tokens, such as Qwen2.5-Omni's talker
+            makes: in ``stage_outputs``), as the stage describes its output.
         prompt: the prompt this stage received.
         request_output: the stage's vLLM ``RequestOutput`` (LLM stages), else ``None``.
         images: PIL images (diffusion stages), else empty (also for video pipelines).

@@ -38,9 +38,17 @@ so a source checkout that is not installed is covered as well. Forked children i
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import os
 import threading
 from collections.abc import Callable
+
+import torch
+from vllm import envs
+
+from vllm_omni.models import register_omni_models
+from vllm_omni.process_guard import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +64,7 @@ _PATCH_LOCK = threading.Lock()
 #: The ``VLLM_OMNI_*`` settings a user may export (read by vllm_omni, never by vLLM).
 OMNI_ENV_VARS = (
     "VLLM_OMNI_CACHE_ROOT",  # command-line cache (entrypoints/cli/fast.py)
-    "VLLM_OMNI_CACHE_DIR",  # derived Qwen2.5-Omni checkpoints (models/qwen2_5_omni/checkpoint.py)
+    "VLLM_OMNI_CACHE_DIR",  # derived Qwen2.5-Omni checkpoints (stages/qwen2_5_omni/checkpoint.py)
     "VLLM_OMNI_MAX_REQUEST_BODY_MB",  # HTTP body limit (entrypoints/openai/limits.py)
     "VLLM_OMNI_TEST_ASSETS",  # where the tests write tiny checkpoints
 )
@@ -71,8 +79,6 @@ def request_amx_permission() -> bool:
         do) or when the kernel refused (logged as a warning: AMX kernels would then die with
         SIGILL, so use ``dtype="float32"`` on such a host).
     """
-    import torch
-
     if not torch.cpu._is_amx_tile_supported():
         return False
     granted = bool(torch.cpu._init_amx())
@@ -107,8 +113,6 @@ def _without_negative_rows(op: Callable) -> Callable:
 
 def patch_torch_lora_ops() -> None:
     """Make vLLM's torch LoRA ops honour index ``-1`` ("no adapter"); idempotent, thread-safe."""
-    import importlib
-
     with _PATCH_LOCK:
         ops = importlib.import_module(_LORA_OP_MODULES[0])
         for name in PATCHED_LORA_OPS:
@@ -124,6 +128,7 @@ def patch_torch_lora_ops() -> None:
 
 def torch_lora_ops_patched() -> bool:
     """Whether :func:`patch_torch_lora_ops` is in effect in this process."""
+    # vLLM's CPU punica wrapper, only when asked: this module loads in every vLLM process, CUDA builds too
     from vllm.lora.punica_wrapper import punica_cpu
 
     return all(hasattr(getattr(punica_cpu, name), "vllm_omni_original") for name in PATCHED_LORA_OPS)
@@ -131,10 +136,6 @@ def torch_lora_ops_patched() -> bool:
 
 def register_omni_env_vars() -> None:
     """Add :data:`OMNI_ENV_VARS` to vLLM's table of known variables (idempotent)."""
-    import os
-
-    from vllm import envs
-
     for name in OMNI_ENV_VARS:
         envs.environment_variables.setdefault(name, functools.partial(os.getenv, name))
 
@@ -145,9 +146,6 @@ def prepare_engine_process() -> None:
     In a process started by an engine owner (vLLM's engine core and workers) it also starts the
     parent watch of :mod:`vllm_omni.process_guard`: the process exits when its parent is gone.
     """
-    from vllm_omni.models import register_omni_models
-    from vllm_omni.process_guard import watch_parent
-
     watch_parent()
     register_omni_env_vars()
     register_omni_models()

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import pytest
 
 from vllm_omni.config.stage_config import make_stage_config
-from vllm_omni.engine.protocols import StageRuntime
+from vllm_omni.engine.protocols import StageDescription, StageRuntime
 from vllm_omni.engine.replicas import ReplicatedStageRuntime
 from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRACacheError, StageEngineError
@@ -85,6 +85,11 @@ class FakeRuntime:
     def health(self):
         return self.state
 
+    def describe(self):
+        return StageDescription(
+            self.stage.stage_id, f"replica {self.index}", "text", frozenset({"text"}), object
+        )
+
     def stats(self):
         if self.state != "ready":
             raise StageEngineError(f"replica {self.index} is {self.state}")
@@ -117,6 +122,11 @@ def _req(i):
 def test_fake_follows_the_protocol(stage, rep):
     assert isinstance(FakeRuntime(stage), StageRuntime)
     assert isinstance(rep, StageRuntime)
+
+
+def test_replicas_describe_as_their_first_replica(rep):
+    assert rep.describe() == rep.runtimes[0].describe()
+    assert rep.describe().label == "replica 0"
 
 
 def test_stats_sum_the_replicas_that_answer(rep):

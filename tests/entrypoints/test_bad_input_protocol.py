@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from vllm_omni.errors import OpenAIError
 
 
 @pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])

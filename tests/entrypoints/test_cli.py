@@ -229,7 +229,7 @@ def test_distill_without_lora_path_fails_before_loading(tiny_z_image_dir, monkey
     def no_config(*_a, **_k):
         raise AssertionError("config resolution should not be reached")
 
-    monkeypatch.setattr("vllm_omni.entrypoints.cli.serve.OmniLaunch.build_config", no_config)
+    monkeypatch.setattr("vllm_omni.entrypoints.launch.OmniLaunch.build_config", no_config)
     code, err = run_main([str(tiny_z_image_dir), "--lora-backend", "distill"], monkeypatch, capsys)
     assert code == 2 and "--lora-path" in err and "distill" in err
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm.exceptions import VLLMClientError
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError, engine_error_to_openai, engine_errors
+from vllm_omni.entrypoints.openai.errors import engine_error_to_openai, engine_errors
 from vllm_omni.errors import (
     ConfigError,
     InvalidAdapterError,
@@ -13,6 +13,7 @@ from vllm_omni.errors import (
     LoRACacheError,
     LoRAFormatError,
     LoRANotEnabledError,
+    OpenAIError,
     StageDeadError,
     StageEngineError,
 )

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.entrypoints.lora_strategies import lora_values
 from tests.lora.fake_stages import FakeStages
-from vllm_omni.entrypoints.openai.errors import OpenAIError
 from vllm_omni.entrypoints.openai.lora import LoRASpec, ServerAdapters, parse_lora_field
+from vllm_omni.errors import OpenAIError
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 

@@ -8,9 +8,8 @@ import shutil
 import pytest
 
 from tests.lora.fake_stages import FakeStages
-from vllm_omni.entrypoints.openai.errors import OpenAIError
 from vllm_omni.entrypoints.openai.lora import LoRASpec, ServerAdapters, parse_lora_field
-from vllm_omni.errors import InvalidRequestError
+from vllm_omni.errors import InvalidRequestError, OpenAIError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import MAX_ADAPTER_SCALE, LoRARequest, RequestAdapter, validate_request_adapters

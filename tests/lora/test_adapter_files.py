@@ -14,9 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
-from vllm_omni.entrypoints.openai.errors import OpenAIError
 from vllm_omni.entrypoints.openai.lora import check_adapter_files
-from vllm_omni.errors import InvalidAdapterError, LoRAFormatError
+from vllm_omni.errors import InvalidAdapterError, LoRAFormatError, OpenAIError
 from vllm_omni.lora.adapter_files import (
     PICKLE_SUFFIXES,
     declared_rank_alpha,

@@ -9,6 +9,7 @@ here), few DiT steps.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,6 +126,21 @@ def test_text_codes_and_waveform_equal_transformers(omni, tiny_omni_assets, prom
     assert audio.sample_rate == SAMPLE_RATE and audio.audio.dtype == np.float32 and audio.audio.ndim == 1
     np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
     assert np.abs(wav).max() > 1e-3  # not a silent reference
+
+
+def test_the_stages_describe_text_codec_and_audio(omni, tiny_omni_assets):
+    """What each stage says about itself: what the front end reads (output kinds, voices, params)."""
+    voices = tuple(torch.load(Path(tiny_omni_assets.model_dir) / "spk_dict.pt", weights_only=True))
+    thinker, talker, code2wav = omni._orchestrator.descriptions
+    assert (thinker.output_kind, talker.output_kind, code2wav.output_kind) == ("text", "codec", "audio")
+    assert thinker.inputs == {"text", "token_ids"} and talker.inputs == code2wav.inputs == {"stage_payload"}
+    assert thinker.params_type is talker.params_type is SamplingParams and code2wav.params_type is AudioParams
+    assert talker.voices == code2wav.voices == voices and SPEAKER in voices
+    assert thinker.max_model_len == talker.max_model_len == 256
+    assert thinker.adapters.kind == talker.adapters.kind == "llm" and code2wav.adapters is None
+    info = omni.entry_stage_info
+    assert info.output_kinds == {"text", "audio"} and info.voices == voices
+    assert info.stage_is_audio == (False, False, True)
 
 
 def test_waveform_depends_on_codes_voice_and_seed(omni):

@@ -68,6 +68,8 @@ def is_known_pipeline_class(class_name: str | None) -> bool:
     """Whether ``class_name`` has an in-tree pipeline or is a ``diffusers`` pipeline class."""
     if class_name in IN_TREE_PIPELINES:
         return True
+    # only here: the config package never imports diffusers (tests/config/test_diffusion_config.py;
+    # measured: ~0.9 s CPU on top of vLLM and torch)
     import diffusers
 
     return bool(class_name) and hasattr(diffusers, class_name)

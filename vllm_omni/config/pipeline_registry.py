@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from huggingface_hub import snapshot_download
+
 from vllm_omni.errors import ConfigError
 
 DIFFUSION_INDEX = "model_index.json"
@@ -258,7 +260,6 @@ def pipeline_for_model(model: str) -> PipelineConfig:
             raise ConfigError(f"model {model!r} is a file, not a model directory")
         if looks_local or model.count("/") > 1:
             raise ConfigError(f"model directory {model!r} does not exist")
-        from huggingface_hub import snapshot_download
 
         try:
             path = snapshot_download(model, allow_patterns=[HF_CONFIG, DIFFUSION_INDEX])

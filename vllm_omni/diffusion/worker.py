@@ -18,15 +18,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from vllm_omni.diffusion.compile import RegionalCompiler, default_cache_dir, stage_cache_key
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
 from vllm_omni.diffusion.forward_context import time_denoising_steps
+from vllm_omni.diffusion.pipelines import build_pipeline
 from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
 from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
 from vllm_omni.errors import InvalidRequestError
@@ -71,11 +75,8 @@ class DiffusionWorker:
         else:
             self.device = torch.device("cpu")
         if od_config.use_in_tree:
-            from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
-
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             init_diffusion_parallel_state(world_size, rank, distributed_init_method, backend)
-        from vllm_omni.diffusion.pipelines import build_pipeline
 
         self.pipeline: DiffusionPipeline = build_pipeline(od_config, device=self.device)
         self.lora = WorkerLoRA(self.pipeline, od_config)
@@ -181,9 +182,11 @@ class DiffusionWorker:
 
     def describe(self) -> dict[str, Any]:
         """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "max_size",
-        "mixed_lora_batch", "lora_layers", "startup_loras"}`` (class names, device as str; sizes must
-        be multiples of ``size_factor``; ``max_size``: the pipeline's largest ``(height, width)``,
-        ``None`` when it does not declare one)."""
+        "mixed_lora_batch", "lora_layers", "startup_loras", "output_kind", "accepts_image",
+        "denoisers"}`` (class names, device as str; sizes must be multiples of ``size_factor``;
+        ``max_size``: the pipeline's largest ``(height, width)``, ``None`` when it does not declare
+        one; ``output_kind``: ``"image"`` or ``"video"``; ``accepts_image``: whether a request may
+        carry an input image; ``denoisers``: the pipeline attributes adapters bind to)."""
         denoiser = self.pipeline.transformer
         max_size = getattr(self.pipeline, "max_image_size", None)
         return {
@@ -197,6 +200,9 @@ class DiffusionWorker:
             "mixed_lora_batch": self.pipeline.mixed_lora_batch,
             "lora_layers": sum(len(m.wrappers) for m in self.lora.managers.values()),
             "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],
+            "output_kind": getattr(self.pipeline, "output_kind", "image"),
+            "accepts_image": bool(getattr(self.pipeline, "accepts_image", False)),
+            "denoisers": [name for name in self.lora.manager.denoisers if name],
         }
 
     def execute_method(self, method: str | Callable, *args, **kwargs) -> Any:
@@ -254,8 +260,6 @@ def compile_denoisers(manager, od_config: OmniDiffusionConfig, rank: int, world_
 
 
 def _picklable_error(exc: BaseException) -> BaseException:
-    import pickle
-
     text = "".join(traceback.format_exception(exc))
     try:
         pickle.dumps(exc)
@@ -293,8 +297,6 @@ def worker_main(od_config: OmniDiffusionConfig, rank: int, world_size: int, init
         except BaseException as exc:
             conn.send(("error", _picklable_error(exc)))
     try:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:

@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.lora import DiffusionLoRAManager, find_denoisers, fuse_lora_files_into_pipeline
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, assign_denoisers, startup_lora_request
 from vllm_omni.lora.schedule import LoRAScaleSchedule
@@ -60,12 +61,6 @@ class WorkerLoRA:
     """
 
     def __init__(self, pipeline: Any, od_config: OmniDiffusionConfig):
-        from vllm_omni.diffusion.lora import (
-            DiffusionLoRAManager,
-            find_denoisers,
-            fuse_lora_files_into_pipeline,
-        )
-
         self.od_config = od_config
         self.label = f"the diffusion stage ({type(pipeline).__name__})"
         self.reports_steps = bool(getattr(pipeline, "reports_denoising_step", False))

@@ -30,6 +30,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from vllm.platforms import current_platform
+
 if TYPE_CHECKING:
     from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 
@@ -136,8 +138,6 @@ def plan_pipeline_threads(
     if worker_backend != "mp":
         return {}
     if cpu_host is None:
-        from vllm.platforms import current_platform
-
         cpu_host = current_platform.is_cpu()
     workers = [(s, i) for s in stages if runs_on_cpu(s, cpu_host) for i in range(s.replicas)]
     if len(workers) < 2:  # nothing to share: torch's and vLLM's own defaults, as inline

@@ -38,7 +38,10 @@ from typing import Any
 
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_class
 from vllm_omni.config.stage_config import DiffusionStageConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.pipelines.base import check_image_side
+from vllm_omni.diffusion.worker_lora import startup_lora_request
+from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import (
     ConfigError,
@@ -133,8 +136,6 @@ class DiffusionStageEngine(StageDriver):
     """
 
     def __init__(self, stage: DiffusionStageConfig):
-        from vllm_omni.diffusion.engine import DiffusionEngine
-
         self.stage = stage
         check_pipeline_class(stage)
         if not stage.model:
@@ -157,6 +158,7 @@ class DiffusionStageEngine(StageDriver):
         self.max_size: tuple[int, int] | None = tuple(info["max_size"]) if info.get("max_size") else None
         self.mixed_lora_batch = bool(info["mixed_lora_batch"])
         self.startup_lora_ids: list[int] = list(info["startup_loras"])
+        self._description = self._describe(info)
         #: sizes of the denoiser batches run so far, in prompts (observability / tests).
         self.batch_sizes: list[int] = []
         self._init_driver()
@@ -164,10 +166,39 @@ class DiffusionStageEngine(StageDriver):
         self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
         self._thread.start()
 
+    def _describe(self, info: dict[str, Any]) -> StageDescription:
+        """This stage's description from its pipeline's (rank 0's ``describe``)."""
+        inputs = {"text", "image"} if info["accepts_image"] else {"text"}
+        peft = self.od_config.lora_backend == "peft"  # the requests the worker pre-loaded and pinned
+        startup = tuple(startup_lora_request(p) for p in self.od_config.startup_lora_paths) if peft else ()
+        return StageDescription(
+            self.stage.stage_id,
+            self.stage.label,
+            "video" if info["output_kind"] == "video" else "image",
+            frozenset(inputs),
+            OmniDiffusionSamplingParams,
+            max_batch_size=self.max_batch_size,
+            max_image_size=self.max_size,
+            size_multiple=self.size_factor,
+            adapters=AdapterCapabilities(
+                "diffusion",
+                self.od_config.max_loras,
+                self.od_config.max_loras,
+                self.od_config.max_lora_rank,
+                denoisers=tuple(info["denoisers"]),
+                startup_adapters=startup,
+            ),
+        )
+
     # ---------------------------------------------------------------- public API
     @property
     def max_loras(self) -> int:
         return self.od_config.max_loras
+
+    def describe(self) -> StageDescription:
+        """Images or video out (as the pipeline declares); text in, and an input image when the
+        pipeline takes one; batch and size limits; composed adapters up to ``max_loras``."""
+        return self._description
 
     def submit(
         self,

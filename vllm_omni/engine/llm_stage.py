@@ -25,18 +25,23 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry
-from vllm import SamplingParams
+from vllm import ModelRegistry, SamplingParams
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.core_client import InprocClient
+from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine.lora_validation import LLMAdapterValidator
+from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
 from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.models import register_omni_models
 from vllm_omni.platform import prepare_engine_process
 from vllm_omni.process_guard import mark_owner
 from vllm_omni.stats import StageStats
@@ -63,8 +68,6 @@ _IN_PROCESS_STEP_LOCK = threading.Lock()
 def _step_guard(engine: Any) -> Any:
     """The lock an engine holds while it steps: :data:`_IN_PROCESS_STEP_LOCK` when its core runs
     in this process, else none."""
-    from vllm.v1.engine.core_client import InprocClient
-
     in_process = isinstance(getattr(engine, "engine_core", None), InprocClient)
     return _IN_PROCESS_STEP_LOCK if in_process else contextlib.nullcontext()
 
@@ -77,9 +80,6 @@ def check_model_class(stage: LLMStageConfig) -> None:
     """
     if not stage.model_arch:
         return
-    from vllm import ModelRegistry
-
-    from vllm_omni.models import register_omni_models
 
     register_omni_models()
     if stage.model_arch not in ModelRegistry.get_supported_archs():
@@ -92,8 +92,6 @@ def check_model_class(stage: LLMStageConfig) -> None:
 
 def lora_compute_dtype(vllm_config: Any) -> Any:
     """The dtype vLLM computes LoRA in: the resolved ``lora_dtype``, else the model's dtype."""
-    import torch
-
     lora_config = getattr(vllm_config, "lora_config", None)
     dtype = getattr(lora_config, "lora_dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else vllm_config.model_config.dtype
@@ -146,8 +144,6 @@ class LLMStageEngine(StageDriver):
     _output_types: tuple[type, ...] = (RequestOutput,)
 
     def __init__(self, stage: LLMStageConfig):
-        from vllm.v1.engine.llm_engine import LLMEngine
-
         self.stage = stage
         check_model_class(stage)
         mark_owner()  # vLLM processes started from here exit with this process (process_guard)
@@ -210,6 +206,23 @@ class LLMStageEngine(StageDriver):
     @property
     def tokenizer(self):
         return self._engine.get_tokenizer()
+
+    def describe(self) -> StageDescription:
+        """Text out; text or token ids in; ``max_model_len`` and LoRA limits as the engine
+        resolved them (vLLM's ``max_loras`` / ``max_lora_rank``; one adapter per request)."""
+        config = self._engine.vllm_config
+        lora = config.lora_config
+        return StageDescription(
+            self.stage.stage_id,
+            self.stage.label,
+            "text",
+            frozenset({"text", "token_ids"}),
+            self._params_type,
+            max_model_len=int(config.model_config.max_model_len),
+            adapters=None
+            if lora is None
+            else AdapterCapabilities("llm", int(lora.max_loras), 1, int(lora.max_lora_rank)),
+        )
 
     def submit(
         self,

@@ -45,8 +45,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from vllm import ModelRegistry
 from vllm.config import LoRAConfig
 from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.utils import is_in_target_modules
 
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.adapter_files import (
@@ -99,9 +103,6 @@ LORA_SCOPES: dict[str, LoRAScope] = {
 def _linear_shapes(model_path: str, hf_class: str | None = None) -> dict[str, tuple[int, int]]:
     """``{module name: (in_features, out_features)}`` of every ``nn.Linear`` in the model
     (``AutoModelForCausalLM``, or the transformers class ``hf_class``)."""
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     hf_config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         if hf_class is None:
@@ -117,8 +118,6 @@ def _linear_shapes(model_path: str, hf_class: str | None = None) -> dict[str, tu
 
 @lru_cache(maxsize=8)
 def _architecture(model_path: str) -> str | None:
-    from transformers import AutoConfig
-
     return (getattr(AutoConfig.from_pretrained(model_path), "architectures", None) or [None])[0]
 
 
@@ -126,8 +125,6 @@ def _architecture(model_path: str) -> str | None:
 def packed_modules_mapping(model_arch: str | None) -> dict[str, list[str]]:
     """vLLM's ``packed_modules_mapping`` of the model class (``{"qkv_proj": ["q_proj", ...]}``);
     ``{}`` when the architecture is unknown to vLLM's registry or packs nothing."""
-    from vllm import ModelRegistry
-
     registered = ModelRegistry.models.get(model_arch) if model_arch else None
     if registered is None:
         return {}
@@ -306,8 +303,6 @@ class LLMAdapterValidator:
 
     def _untargeted(self, module: str) -> str | None:
         """Why vLLM would not apply ``module`` under the stage's ``lora_target_modules`` (``None``: it would)."""
-        from vllm.lora.utils import is_in_target_modules
-
         targets = self.lora_config.target_modules
         if targets is None:
             return None

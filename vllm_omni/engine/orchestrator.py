@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams
@@ -25,7 +26,7 @@ from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.engine.connectors import InProcessConnector, StageConnector
 from vllm_omni.engine.cpu_threads import plan_pipeline_threads
 from vllm_omni.engine.inline_runtime import check_stage_model_class
-from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
+from vllm_omni.engine.protocols import LoRAMethod, StageDescription, StageRuntime
 from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.engine.stage_registry import input_processor
 from vllm_omni.errors import (
@@ -51,6 +52,33 @@ def _stage_text(output: Any, stage_label: str) -> str:
     if not text:
         raise StageEngineError(f"{stage_label} produced no text for the next stage to consume")
     return text
+
+
+@dataclass
+class _Run:
+    """One request on its way through the stages: what its stage callbacks share.
+
+    ``prompts`` / ``raw``: each stage's input and raw output so far, by stage id; ``current``:
+    the stage request in flight (cancelled with ``done``); ``end``: one past its last stage.
+    """
+
+    request_id: str
+    prompt: Any
+    stage_params: Sequence[Any]
+    lora_request: Any
+    stage_loras: dict[int, LoRARequest]
+    end: int
+    on_output: Callable[[OmniRequestOutput], None] | None
+    on_partial: Callable[[OmniRequestOutput], None] | None
+    done: Future = field(default_factory=Future)
+    finals: list[OmniRequestOutput] = field(default_factory=list)
+    raw: dict[int, Any] = field(default_factory=dict)
+    prompts: dict[int, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    current: list[Future] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompts[0] = self.prompt
 
 
 def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:
@@ -96,6 +124,8 @@ class Orchestrator:
                         thread_envs=threads.get(stage.stage_id),
                     )
                 )
+            #: what every stage says it produces, takes and allows, in stage-id order
+            self.descriptions: list[StageDescription] = [runtime.describe() for runtime in self.runtimes]
         except BaseException:
             self.shutdown()
             raise
@@ -117,69 +147,77 @@ class Orchestrator:
             prompt: the entry stage's prompt (text, token ids or a vLLM prompt dict).
             stage_params: one sampling-params object per stage.
             lora_request: adapter for the entry stage only.
-            on_output / on_partial: called from an engine thread with each final stage result / streamed piece.
+            on_output: called (from an engine thread) with each final-output stage's result.
+            on_partial: streaming: see :meth:`_partial_hook`.
             stage_loras: ``{stage_id: adapter}`` for later LLM stages (see :meth:`check_stage_loras`).
-            last_stage: the stage the request ends after (later stages do not run); ``None``: the last.
-            entry_kwargs: extra per-request arguments of the entry stage runtime, passed on unchanged
-                (a diffusion entry stage's ``adapters``: :class:`~vllm_omni.lora.request.RequestAdapter` s).
+            last_stage: the request ends after this stage (e.g. text only from an audio pipeline:
+                its later stages do not run); ``None``: the last stage.
+            entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
+                entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
+                built by the entry point), passed on unchanged.
 
         Returns:
-            A future of the list of final-output :class:`OmniRequestOutput` in stage order; cancelling
-            it cancels the stage request in flight (an LLM stage aborts it) and starts no later stage.
+            A future of the list of final-output :class:`OmniRequestOutput` in stage order.
+            Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
+            engine at the next step) and starts no later stage.
 
         Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
         """
         self.check_open()
         self.check_stage_loras(stage_loras := dict(stage_loras or {}))
-        end = self._end(last_stage)
-        request_id = f"omni-{next(self._ids)}"
-        done: Future = Future()
-        finals: list[OmniRequestOutput] = []
-        raw: dict[int, Any] = {}
-        prompts: dict[int, Any] = {0: prompt}
-        lock = threading.Lock()
-        current: list[Future] = []  # the stage request in flight
-
-        def run_stage(stage_id: int, future: Future) -> None:
-            if done.cancelled():
-                return
-            try:
-                result = future.result()
-                stage = self.config.stages[stage_id]
-                with lock:
-                    raw[stage_id] = result
-                if stage.final_output:
-                    out = self._to_output(request_id, stage, prompts[stage_id], result, raw)
-                    finals.append(out)
-                    if on_output is not None:
-                        on_output(out)
-                nxt = stage_id + 1
-                if nxt == end:
-                    done.set_result(finals)
-                    return
-                prompts[nxt] = self._next_input(nxt, prompt, raw, stage_params, lora_request)
-                hook = self._partial_hook(request_id, nxt, stage_params[nxt], on_partial, prompts, raw)
-                if nxt in stage_loras:
-                    hook["lora_request"] = stage_loras[nxt]
-                fut = self.runtimes[nxt].submit(prompts[nxt], stage_params[nxt], **hook)
-                with lock:
-                    current[:] = [fut]
-                if done.cancelled():
-                    fut.cancel()
-                    return
-                fut.add_done_callback(lambda f: run_stage(nxt, f))
-            except BaseException as exc:  # propagate any stage failure to the caller
-                if not done.done():
-                    done.set_exception(exc)
-
-        hook = self._partial_hook(request_id, 0, stage_params[0], on_partial, prompts, raw)
+        run = _Run(
+            f"omni-{next(self._ids)}",
+            prompt,
+            stage_params,
+            lora_request,
+            stage_loras,
+            self._end(last_stage),
+            on_output,
+            on_partial,
+        )
+        hook = self._partial_hook(run, 0)
         first = self.runtimes[0].submit(
             prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **hook
         )
-        current.append(first)
-        done.add_done_callback(lambda f: _cancel_in_flight(f, current, lock))
-        first.add_done_callback(lambda f: run_stage(0, f))
-        return done
+        run.current.append(first)
+        run.done.add_done_callback(lambda f: _cancel_in_flight(f, run.current, run.lock))
+        first.add_done_callback(lambda f: self._stage_done(run, 0, f))
+        return run.done
+
+    def _stage_done(self, run: _Run, stage_id: int, future: Future) -> None:
+        """Done-callback of ``run``'s request in stage ``stage_id``: hand its output to the
+        caller if final, then submit the next stage's input, or finish ``run.done``; any
+        failure fails ``run.done``."""
+        if run.done.cancelled():
+            return
+        try:
+            result = future.result()
+            stage = self.config.stages[stage_id]
+            with run.lock:
+                run.raw[stage_id] = result
+            if stage.final_output:
+                out = self._to_output(run.request_id, stage, run.prompts[stage_id], result, run.raw)
+                run.finals.append(out)
+                if run.on_output is not None:
+                    run.on_output(out)
+            nxt = stage_id + 1
+            if nxt == run.end:
+                run.done.set_result(run.finals)
+                return
+            run.prompts[nxt] = self._next_input(nxt, run.prompt, run.raw, run.stage_params, run.lora_request)
+            hook = self._partial_hook(run, nxt)
+            if nxt in run.stage_loras:
+                hook["lora_request"] = run.stage_loras[nxt]
+            fut = self.runtimes[nxt].submit(run.prompts[nxt], run.stage_params[nxt], **hook)
+            with run.lock:
+                run.current[:] = [fut]
+            if run.done.cancelled():
+                fut.cancel()
+                return
+            fut.add_done_callback(lambda f: self._stage_done(run, nxt, f))
+        except BaseException as exc:  # propagate any stage failure to the caller
+            if not run.done.done():
+                run.done.set_exception(exc)
 
     def _end(self, last_stage: int | None) -> int:
         """One past the last stage a request runs (``last_stage`` of :meth:`submit`).
@@ -228,30 +266,23 @@ class Orchestrator:
             except InvalidAdapterError as exc:  # name the entry and the stage it was meant for
                 raise restate(exc, f"lora_request[{stage_id}] for {stage.label}") from exc
 
-    def _partial_hook(
-        self,
-        request_id: str,
-        stage_id: int,
-        params: Any,
-        on_partial: Callable[[OmniRequestOutput], None] | None,
-        prompts: dict[int, Any],
-        raw: dict[int, Any],
-    ) -> dict[str, Any]:
+    def _partial_hook(self, run: _Run, stage_id: int) -> dict[str, Any]:
         """Extra ``submit`` arguments of a stage for a streaming request (``{}`` for most).
 
         A final-output LLM stage whose params ask for ``RequestOutputKind.DELTA`` gets an
-        ``on_partial`` that hands ``on_partial`` (called from the engine thread) each step's
+        ``on_partial`` that hands ``run.on_partial`` (called from the engine thread) each step's
         piece as an :class:`OmniRequestOutput` whose ``request_output`` is that DELTA output;
         the stage's complete output still goes to ``on_output``.
         """
         stage = self.config.stages[stage_id]
-        if on_partial is None or not (stage.is_llm and stage.final_output):
+        if run.on_partial is None or not (stage.is_llm and stage.final_output):
             return {}
-        if getattr(params, "output_kind", None) != RequestOutputKind.DELTA:
+        if getattr(run.stage_params[stage_id], "output_kind", None) != RequestOutputKind.DELTA:
             return {}
+        on_partial = run.on_partial
         return {
             "on_partial": lambda ro: on_partial(
-                self._to_output(request_id, stage, prompts[stage_id], ro, raw)
+                self._to_output(run.request_id, stage, run.prompts[stage_id], ro, run.raw)
             )
         }
 
@@ -300,34 +331,34 @@ class Orchestrator:
             f"{stage.label}: input processor {spec.input_processor!r} is not implemented in this build"
         )
 
-    @staticmethod
     def _to_output(
-        request_id: str, stage, prompt: Any, result: Any, raw: dict[int, Any]
+        self, request_id: str, stage, prompt: Any, result: Any, raw: dict[int, Any]
     ) -> OmniRequestOutput:
-        if hasattr(result, "waveform"):  # an audio stage (e.g. Qwen2.5-Omni's code2wav)
+        """``result`` of ``stage`` as the caller's output, by what the stage described it makes."""
+        kind = self.descriptions[stage.stage_id].output_kind
+        common = {"prompt": prompt, "stage_outputs": raw}
+        if kind == "audio":
             return OmniRequestOutput(
                 request_id,
                 stage.stage_id,
-                "audio",
-                prompt,
+                kind,
                 audio=result.waveform,
                 sample_rate=result.sample_rate,
-                stage_outputs=raw,
+                **common,
             )
-        if stage.is_llm:
+        if kind == "text":
+            return OmniRequestOutput(request_id, stage.stage_id, kind, request_output=result, **common)
+        if kind in ("image", "video"):
             return OmniRequestOutput(
-                request_id, stage.stage_id, "text", prompt, request_output=result, stage_outputs=raw
+                request_id,
+                stage.stage_id,
+                kind,
+                images=list(result.images),
+                videos=[list(v) for v in result.videos],
+                latents=result.latents,
+                **common,
             )
-        return OmniRequestOutput(
-            request_id,
-            stage.stage_id,
-            "video" if result.videos else "image",
-            prompt,
-            images=list(result.images),
-            videos=[list(v) for v in result.videos],
-            latents=result.latents,
-            stage_outputs=raw,
-        )
+        return OmniRequestOutput(request_id, stage.stage_id, kind, **common)  # codec tokens: in stage_outputs
 
     # ---------------------------------------------------------------- LoRA management
     def lora_call(self, method: LoRAMethod, *args: Any, stage_id: int | None = None) -> dict[int, Any]:

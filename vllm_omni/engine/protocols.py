@@ -1,5 +1,6 @@
 """The contract of a stage runtime: what the :class:`~vllm_omni.engine.orchestrator.Orchestrator`
-and the entry points call on every stage, LLM or diffusion.
+and the entry points call on every stage, LLM or diffusion, and what a stage says about itself
+(:class:`StageDescription`).
 
 Both runtimes (:class:`~vllm_omni.engine.llm_stage.LLMStageEngine`,
 :class:`~vllm_omni.engine.diffusion_stage.DiffusionStageEngine`) implement it on top of
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -20,6 +22,68 @@ if TYPE_CHECKING:
 
 #: The LoRA management calls the orchestrator fans out to stages (``Orchestrator.lora_call``).
 LoRAMethod = Literal["add_lora", "remove_lora", "list_loras", "pin_lora"]
+
+#: What a stage produces: ``"text"`` (a vLLM ``RequestOutput``), ``"image"`` / ``"video"`` (a
+#: ``DiffusionOutput``), ``"audio"`` (a waveform), ``"codec"`` (codec tokens for a later stage).
+OutputKind = Literal["text", "image", "video", "audio", "codec"]
+#: What a stage's prompt may be: ``"text"``, ``"token_ids"`` (a vLLM prompt of ids), ``"image"``
+#: (an input image beside the text: image-to-image), ``"stage_payload"`` (tensors an earlier stage
+#: handed over, :class:`~vllm_omni.engine.connectors.StagePayload`).
+InputKind = Literal["text", "token_ids", "image", "stage_payload"]
+
+
+@dataclass(frozen=True)
+class AdapterCapabilities:
+    """What a stage does with LoRA adapters.
+
+    Attributes:
+        kind: ``"llm"`` (vLLM's LoRA: one adapter per request, at scale 1.0) or ``"diffusion"``
+            (:class:`~vllm_omni.diffusion.lora.DiffusionLoRAManager`: composed adapters with scales).
+        max_loras: adapters active at once (vLLM's ``max_loras``: per engine step; diffusion: per batch).
+        max_per_request: adapters one request may carry (1 on LLM stages, ``max_loras`` on diffusion ones).
+        max_lora_rank: the largest rank the stage takes (``None``: no fixed bound).
+        denoisers: diffusion: the pipeline modules adapters bind to (``"transformer"``, ``"transformer_2"``).
+        startup_adapters: the adapters the stage loaded and pinned at start (``lora_path``, PEFT backend).
+    """
+
+    kind: Literal["llm", "diffusion"]
+    max_loras: int
+    max_per_request: int
+    max_lora_rank: int | None = None
+    denoisers: tuple[str, ...] = ()
+    startup_adapters: tuple[LoRARequest, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageDescription:
+    """What a running stage is, as it reports it (:meth:`StageRuntime.describe`); picklable, so a
+    worker's description reaches the caller's process unchanged.
+
+    Attributes:
+        stage_id / label: the stage (its label names it in errors).
+        output_kind: what it produces (:data:`OutputKind`).
+        inputs: what its prompt may be (:data:`InputKind`).
+        params_type: the per-request params it takes (``vllm.SamplingParams``,
+            ``OmniDiffusionSamplingParams``, ``AudioParams``).
+        max_model_len: LLM stages: the longest sequence (prompt + output, tokens) the engine holds.
+        max_batch_size: diffusion stages: prompts per denoiser batch.
+        max_image_size: diffusion stages: the largest ``(height, width)`` in pixels (``None``: none declared).
+        size_multiple: diffusion stages: image sides must be multiples of it (pixels).
+        voices: audio stages: the voices a request may choose.
+        adapters: what it does with LoRA adapters, ``None`` when LoRA is not enabled.
+    """
+
+    stage_id: int
+    label: str
+    output_kind: OutputKind
+    inputs: frozenset[InputKind]
+    params_type: type
+    max_model_len: int | None = None
+    max_batch_size: int | None = None
+    max_image_size: tuple[int, int] | None = None
+    size_multiple: int | None = None
+    voices: tuple[str, ...] = ()
+    adapters: AdapterCapabilities | None = None
 
 
 @runtime_checkable
@@ -79,6 +143,10 @@ class StageRuntime(Protocol):
 
     def health(self) -> str:
         """``"ready"``, ``"restarting"`` (its worker died and is being replaced) or ``"dead"``."""
+        ...
+
+    def describe(self) -> StageDescription:
+        """What the running stage produces, takes and allows (a proxy asks its worker)."""
         ...
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
-from vllm_omni.engine.protocols import StageRuntime
+from vllm_omni.engine.protocols import StageDescription, StageRuntime
 from vllm_omni.errors import StageEngineError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stats import StageStats, merge_replicas
@@ -270,6 +270,10 @@ class ReplicatedStageRuntime:
             pin = lora_int_id in self._pinned
         if pin:
             self.runtimes[index].pin_lora(lora_int_id)
+
+    def describe(self) -> StageDescription:
+        """The first replica's description (every replica runs the same stage config)."""
+        return self.runtimes[0].describe()
 
     def stats(self) -> StageStats:
         """The replicas' statistics summed (:func:`~vllm_omni.stats.merge_replicas`); a replica that

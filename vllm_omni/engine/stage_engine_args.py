@@ -13,12 +13,17 @@ import math
 import os
 from typing import Any
 
+import psutil
+from transformers import PretrainedConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
 
 from vllm_omni.config.fields import lora_engine_arg_names
 from vllm_omni.config.lora import OmniStageLoRAConfig
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.errors import ConfigError
+from vllm_omni.models import OMNI_MODEL_CLASSES
+from vllm_omni.models.torchvision_free import text_only_without_torchvision
 
 logger = logging.getLogger(__name__)
 
@@ -74,33 +79,26 @@ def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> N
     ``hf_overrides["architectures"]`` names it (other ``hf_overrides`` entries are kept). A
     Qwen2.5-Omni thinker without torchvision is made text-only
     (:func:`~vllm_omni.models.torchvision_free.text_only_without_torchvision`)."""
-    from vllm_omni.models import OMNI_MODEL_CLASSES
-
     if stage.model_arch not in OMNI_MODEL_CLASSES:
         return
     overrides = kwargs.get("hf_overrides")
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"{stage.label}: hf_overrides must be a dict for model class {stage.model_arch!r}")
     kwargs["hf_overrides"] = {**(overrides or {}), "architectures": [stage.model_arch]}
-    if stage.model_arch == "OmniQwen2_5OmniThinkerForConditionalGeneration":
-        from vllm_omni.models.torchvision_free import text_only_without_torchvision
-
-        if text_only_without_torchvision(stage.label, kwargs):
-            logger.info("%s: torchvision is not installed: text input only", stage.label)
+    thinker = stage.model_arch == "OmniQwen2_5OmniThinkerForConditionalGeneration"
+    if thinker and text_only_without_torchvision(stage.label, kwargs):
+        logger.info("%s: torchvision is not installed: text input only", stage.label)
 
 
 def _needs_cpu_kv_budget(kwargs: dict[str, Any]) -> bool:
     if kwargs.get("kv_cache_memory_bytes") is not None or os.environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":
         return False
-    from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
 
 
 def _text_config(model: str, trust_remote_code: bool) -> dict[str, Any] | None:
     """The HF config dict of ``model`` (its ``text_config`` for multimodal ones); ``None`` if unreadable."""
-    from transformers import PretrainedConfig
-
     try:
         config, _ = PretrainedConfig.get_config_dict(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
@@ -145,8 +143,6 @@ def cpu_kv_cache_budget(stage: LLMStageConfig) -> int | None:
     full-length sequence); rounded up to MiB. ``None`` (vLLM's own rule applies) when the
     model's config cannot be read.
     """
-    import psutil
-
     opts = stage.options
     hf_config = _text_config(stage.model, bool(opts.get("trust_remote_code", False)))
     per_token = kv_bytes_per_token(

@@ -3,8 +3,8 @@
 The engine knows no model-specific runtime: a package above it (:mod:`vllm_omni.stages`)
 registers its runtimes here when the entry point imports it, and the engine asks this registry.
 A stage whose ``model_arch`` is registered is run by its entry's ``factory`` instead of a plain
-vLLM engine; its per-request params are of ``params_type``, and front ends give it
-``default_params()`` when a request says nothing about it.
+vLLM engine (the runtime describes its params type itself: ``StageRuntime.describe``), and
+front ends give it ``default_params()`` when a request says nothing about it.
 
 Factories and input processors are top-level functions, so a worker process receives them
 pickled by reference (unpickling imports their module, which registers its package again).
@@ -28,14 +28,11 @@ class StageRuntimeEntry:
     Attributes:
         factory: ``(stage, config) -> StageRuntime``; ``config`` is the whole resolved pipeline
             config (``VllmOmniConfig``), or ``None`` where the caller has none. A top-level function.
-        params_type: the per-request params type the runtime takes (``None``: the stage kind's
-            usual one, ``vllm.SamplingParams`` for LLM stages).
         default_params: returns a front end's params for the stage when a request gives none
             (``None``: the request's own LLM params apply).
     """
 
     factory: Callable[[Any, Any], Any]
-    params_type: type | None = None
     default_params: Callable[[], Any] | None = None
 
 
@@ -79,12 +76,6 @@ def stage_runtime_entry(stage: Any) -> StageRuntimeEntry | None:
 def input_processor(name: str) -> InputProcessor | None:
     """The registered input processor ``name``, ``None`` when there is none."""
     return _INPUT_PROCESSORS.get(name)
-
-
-def stage_params_type(stage: Any) -> type | None:
-    """The params type of a registered stage, ``None`` when it is the stage kind's usual one."""
-    entry = stage_runtime_entry(stage)
-    return None if entry is None else entry.params_type
 
 
 def default_stage_params(stage: Any) -> Any:

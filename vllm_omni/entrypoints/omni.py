@@ -42,20 +42,24 @@ class Omni(OmniBase):
             prompts: one prompt (str / token ids / vLLM prompt dict) or a list of them;
                 ``prompt=`` is an alias. Prompts for a diffusion entry stage are submitted
                 together, so compatible ones share denoiser batches.
-            last_stage: the stage each request ends after (later stages do not run); ``None``: the last.
+            last_stage: each request ends after this stage (its later stages do not run; e.g.
+                text only from ``qwen2_5_omni`` with ``last_stage=0``); ``None``: every stage.
             sampling_params: see ``OmniBase._stage_params`` (``OmniDiffusionSamplingParams``
                 for diffusion stages, which may carry ``lora_requests`` / ``lora_scales``).
-            lora_request: one adapter for every prompt, or one per prompt (``None`` = base); attached
-                to the entry stage's requests only. Per-stage request adapters (opt-in extension): a dict
-                ``{stage_id: LoRARequest}`` (for every prompt, or as a per-prompt entry) gives each named
-                stage its own adapter; every named stage must be an LLM stage with LoRA enabled, else the
-                request is refused before it starts.
+            lora_request: one adapter for every prompt, or one per prompt (``None`` = base);
+                attached to the entry stage's requests only. Per-stage request adapters (opt-in
+                extension): a dict ``{stage_id: LoRARequest}`` (for every prompt, or as a
+                per-prompt entry) gives each named stage its own adapter; every named stage
+                must be an LLM stage with LoRA enabled, else the request is refused before it
+                starts.
             lora_scale: scale of ``lora_request`` (diffusion entry stages; default 1.0).
-            lora_requests / lora_scales: adapters composed in one request (diffusion entry stages): a
-                list of ``LoRARequest`` for every prompt, or one list per prompt; scales default to 1.0.
-            adapters: the same adapters for every prompt as :class:`~vllm_omni.lora.request.RequestAdapter`
-                (``scale=None``: the stage default; ``stage_id`` set: a later LLM stage's adapter), instead
-                of the ``lora_*`` arguments.
+            lora_requests / lora_scales: adapters composed in one request (diffusion entry
+                stages): a list of ``LoRARequest`` for every prompt, or one list per prompt;
+                scales default to 1.0 each.
+            adapters: the same adapters for every prompt as
+                :class:`~vllm_omni.lora.request.RequestAdapter` (``scale=None``: the stage
+                default; ``stage_id`` set: a later LLM stage's adapter), instead of the
+                ``lora_*`` arguments.
             use_tqdm: show a progress bar over requests.
 
         Returns:
@@ -80,23 +84,42 @@ class Omni(OmniBase):
             self._versioned(kw, later)
             for kw, later in self._request_loras(len(prompt_list), params[0], **forms)
         ]
-        per_prompt_kwargs, stage_loras = [kw for kw, _ in versioned], [later for _, later in versioned]
-        entry = self._orchestrator.runtimes[0]
-        for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras):  # all checked first
-            entry.validate_request(p, params[0], **kw, **entry_kwargs)
-            self._orchestrator.check_stage_loras(later)
-        with self._orchestrator.batching():
-            futures = [
-                self._orchestrator.submit(
-                    p, params, stage_loras=later, last_stage=last_stage, **kw, **entry_kwargs
-                )
-                for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras)
-            ]
+        requests = [(p, kw, later) for p, (kw, later) in zip(prompt_list, versioned, strict=True)]
+        futures = self._submit_all(requests, params, last_stage, entry_kwargs)
         _wait_all(futures, use_tqdm)
         results: list[OmniRequestOutput] = []
         for fut in futures:  # prompt order; raises the first failure in that order
             results.extend(fut.result())
         return results
+
+    def _submit_all(
+        self,
+        requests: list[tuple[Any, dict[str, Any], dict[int, Any]]],
+        params: list[Any],
+        last_stage: int | None,
+        entry_kwargs: dict[str, Any],
+    ) -> list[Future]:
+        """Check every request, then submit them all in one batching block (compatible diffusion
+        requests share denoiser batches); one future per request, in order.
+
+        Args:
+            requests: per prompt, (prompt, its entry-stage adapter arguments, its later stages' adapters).
+
+        Raises:
+            the errors of the entry stage's ``validate_request`` and of ``check_stage_loras``,
+            before any request is submitted.
+        """
+        entry = self._orchestrator.runtimes[0]
+        for prompt, kw, later in requests:
+            entry.validate_request(prompt, params[0], **kw, **entry_kwargs)
+            self._orchestrator.check_stage_loras(later)
+        with self._orchestrator.batching():
+            return [
+                self._orchestrator.submit(
+                    prompt, params, stage_loras=later, last_stage=last_stage, **kw, **entry_kwargs
+                )
+                for prompt, kw, later in requests
+            ]
 
     def add_lora(
         self,

@@ -17,10 +17,10 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
-from vllm_omni.engine.stage_registry import stage_params_type
 from vllm_omni.entrypoints.request_adapters import request_loras
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage, seeded_stage_default
 from vllm_omni.errors import ConfigError, InvalidRequestError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import startup_lora_request
 from vllm_omni.stages import register_stage_runtimes
@@ -125,14 +125,14 @@ class OmniBase:
     def entry_stage_info(self) -> EntryStageInfo:
         """What front ends need to know about this pipeline (output kinds, adapters per
         request, start-up adapters and their default scale, ...); computed once."""
-        return describe_entry_stage(self.config)
+        return describe_entry_stage(self.config, self._orchestrator.descriptions)
 
     def _stage_params(self, sampling_params: Any) -> list[Any]:
         """One params object per stage.
 
         ``sampling_params`` may be ``None`` (defaults everywhere), one object, or a list with one
         entry per stage (``None`` entries take the default). One object is the request's params:
-        it applies to every stage of its kind (``SamplingParams`` for LLM stages,
+        it applies to every stage that takes its type, as the stage describes it (``SamplingParams`` for LLM stages,
         ``OmniDiffusionSamplingParams`` for diffusion stages) **except a later stage with its own
         defaults** (``stage_defaults``: Qwen2.5-Omni's talker, whose tokens are codec tokens, and
         code2wav), which keeps them with the object's seed
@@ -151,26 +151,19 @@ class OmniBase:
                 f"sampling_params has {len(sampling_params)} entries but pipeline "
                 f"{self.config.pipeline.name!r} has {len(stages)} stages; pass one per stage or a single object"
             )
-        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-        if not per_stage and sampling_params is not None:
-            kinds = {
-                stage_params_type(s) or (SamplingParams if s.is_llm else OmniDiffusionSamplingParams)
-                for s in stages
-            }
-            if not isinstance(sampling_params, tuple(kinds)):
-                names = " or ".join(sorted(k.__name__ for k in kinds))
-                raise InvalidRequestError(
-                    f"sampling_params must be {names} (or one per stage) for pipeline "
-                    f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
-                )
+        kinds = [d.params_type for d in self._orchestrator.descriptions]
+        if not per_stage and sampling_params is not None and not isinstance(sampling_params, tuple(kinds)):
+            names = " or ".join(sorted({k.__name__ for k in kinds}))
+            raise InvalidRequestError(
+                f"sampling_params must be {names} (or one per stage) for pipeline "
+                f"{self.config.pipeline.name!r}, got {type(sampling_params).__name__}: {sampling_params!r:.200}"
+            )
         out = []
-        for i, stage in enumerate(stages):
+        for i, (stage, kind) in enumerate(zip(stages, kinds)):
             params = sampling_params[i] if per_stage else sampling_params
-            dedicated = stage_params_type(stage)
-            kind = dedicated or (SamplingParams if stage.is_llm else OmniDiffusionSamplingParams)
+            dedicated = kind not in (SamplingParams, OmniDiffusionSamplingParams)  # e.g. AudioParams
             default = defaults[i] if 0 < i < len(defaults) else None
-            if isinstance(params, kind) and (per_stage or default is None or dedicated is not None):
+            if isinstance(params, kind) and (per_stage or default is None or dedicated):
                 out.append(params)
             elif default is not None and (params is None or not per_stage):
                 out.append(seeded_stage_default(default, None if per_stage else params))
@@ -197,9 +190,8 @@ class OmniBase:
             LoRANotEnabledError / ConfigError / InvalidAdapterError: naming the stage.
         """
         self._orchestrator.lora_call("list_loras", stage_id=stage_id)
-        stage = self.config.stage_by_id(stage_id)
-        if stage.is_llm and stage_params_type(stage) is None:  # a vLLM stage taking SamplingParams
-            index = [s.stage_id for s in self.config.stages].index(stage_id)
+        index = [s.stage_id for s in self.config.stages].index(stage_id)
+        if self._orchestrator.descriptions[index].params_type is SamplingParams:  # a vLLM stage
             self._orchestrator.runtimes[index].validate_request(None, SamplingParams(), lora)
 
     def _versioned(

@@ -2,29 +2,26 @@
 
 The HTTP server (and any other front end) needs to know what a pipeline answers and which
 adapters a request may carry, but not how stages are configured or run.
-:func:`describe_entry_stage` reads the resolved :class:`~vllm_omni.config.VllmOmniConfig`
-once and returns an :class:`EntryStageInfo`; ``Omni`` / ``AsyncOmni`` expose it as
-``entry_stage_info``.
+:func:`describe_entry_stage` reads the resolved :class:`~vllm_omni.config.VllmOmniConfig` and
+what every running stage says about itself (its
+:class:`~vllm_omni.engine.protocols.StageDescription`) once, and returns an
+:class:`EntryStageInfo`; ``Omni`` / ``AsyncOmni`` expose it as ``entry_stage_info``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from vllm_omni.config.diffusion import IN_TREE_PIPELINES
 from vllm_omni.config.omni_config import VllmOmniConfig
-from vllm_omni.engine.stage_registry import default_stage_params, stage_params_type
-from vllm_omni.lora.request import LoRARequest, startup_lora_request
+from vllm_omni.engine.protocols import StageDescription
+from vllm_omni.engine.stage_registry import default_stage_params
+from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stages import register_stage_runtimes
-from vllm_omni.stages.qwen2_5_omni.code2wav import load_speakers
 
-OutputKind = Literal["text", "image", "video", "audio"]
-
-# Pipeline classes (``model_arch`` of a diffusion stage) that produce video, not images.
-_VIDEO_CLASS = re.compile(r"(Video|Wan|Mochi|LTX|Allegro|Latte)", re.IGNORECASE)
+OutputKind = Literal["text", "image", "video", "audio", "codec"]
 
 
 @dataclass(frozen=True)
@@ -39,22 +36,23 @@ class EntryStageInfo:
         model_arch: the entry stage's model / pipeline class name (``None``: derived later).
         stage_is_llm: per stage, in stage-id order, whether it is an LLM stage.
         output_kinds: the kinds final-output stages produce (``"text"``, ``"image"``, ``"video"``,
-            ``"audio"``).
-        stage_is_audio: per stage, in stage-id order, whether it makes audio (takes ``AudioParams``).
+            ``"audio"``), as the stages describe themselves.
+        stage_is_audio: per stage, in stage-id order, whether it makes audio.
         voices: the voices an audio stage offers (its checkpoint's ``spk_dict.pt``), else empty.
+        stages: every stage's own description, in stage-id order.
         entry_final_output: whether the caller receives the entry stage's output.
         stage_defaults: per stage, the params a front end gives it when a request has none of
             its own (a talker's sampling, code2wav's ``AudioParams``), else ``None``.
-        max_adapters_per_request: 1 on an LLM entry stage (vLLM applies one adapter per
-            request), ``max_loras`` on a diffusion one.
+        max_adapters_per_request: what the entry stage allows: 1 on an LLM stage (vLLM applies
+            one adapter per request), ``max_loras`` on a diffusion one.
         startup_lora_paths: the diffusion entry stage's ``lora_path`` entries, as given
             (any backend); requests may name these paths.
         startup_adapters: the ``LoRARequest`` s the entry stage pre-loads and pins
             (``lora_path`` with the ``peft`` backend); empty otherwise.
         startup_lora_scale: the default scale of ``startup_adapters`` (``lora_scale``).
-        accepts_input_image: whether the entry stage takes an input image (a diffusers
-            pipeline; in-tree pipelines here are text-to-image).
-        max_model_len: the LLM entry stage's ``max_model_len`` option (``None``: not set).
+        accepts_input_image: whether the entry stage takes an input image (its pipeline's call
+            takes one: an image-to-image diffusers pipeline; in-tree pipelines here are text-to-image).
+        max_model_len: the LLM entry stage's context in tokens, as its engine resolved it.
         tokenizer: tokenizer to template chat prompts with (LLM entry stage with a model).
         trust_remote_code: the LLM entry stage's ``trust_remote_code`` option.
     """
@@ -69,6 +67,7 @@ class EntryStageInfo:
     max_adapters_per_request: int
     stage_is_audio: tuple[bool, ...] = ()
     voices: tuple[str, ...] = ()
+    stages: tuple[StageDescription, ...] = ()
     stage_defaults: tuple[Any, ...] = ()
     entry_final_output: bool = False
     startup_lora_paths: tuple[str, ...] = ()
@@ -116,33 +115,21 @@ def seeded_stage_default(default: Any, request_params: Any) -> Any:
     return dataclasses.replace(default, seed=seed)
 
 
-def _is_audio(stage) -> bool:
-    kind = stage_params_type(stage)
-    return kind is not None and kind.__name__ == "AudioParams"
+def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescription]) -> EntryStageInfo:
+    """Build the :class:`EntryStageInfo` of a resolved pipeline config whose stages run.
 
+    Args:
+        config: the resolved pipeline config (names, options a front end needs).
+        stages: the running stages' descriptions, in stage-id order (``Orchestrator.descriptions``).
 
-def _voices(config: VllmOmniConfig) -> tuple[str, ...]:
-    audio = [s for s in config.stages if _is_audio(s) and s.model]
-    if not audio:
-        return ()
-    return tuple(load_speakers(audio[0].model))
-
-
-def _output_kind(stage) -> OutputKind:
-    if _is_audio(stage):
-        return "audio"
-    if stage.is_llm:
-        return "text"
-    return "video" if _VIDEO_CLASS.search(stage.model_arch or "") else "image"
-
-
-def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
-    """Build the :class:`EntryStageInfo` of a resolved pipeline config.
-
-    The one place that reads the entry stage's options for front ends.
+    Raises:
+        ValueError: not one description per stage.
     """
+    if len(stages) != len(config.stages):
+        raise ValueError(f"{len(stages)} stage descriptions for {len(config.stages)} stages")
     register_stage_runtimes()
-    entry = config.entry_stage
+    entry, described = config.entry_stage, stages[config.entry_stage.stage_id]
+    audio = [d for d in stages if d.output_kind == "audio"]
     common = {
         "pipeline": config.pipeline.name,
         "model": config.model,
@@ -150,30 +137,27 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
         "is_llm": entry.is_llm,
         "model_arch": entry.model_arch,
         "stage_is_llm": tuple(s.is_llm for s in config.stages),
-        "output_kinds": frozenset(_output_kind(s) for s in config.stages if s.final_output),
-        "stage_is_audio": tuple(_is_audio(s) for s in config.stages),
-        "voices": _voices(config),
+        "output_kinds": frozenset(d.output_kind for s, d in zip(config.stages, stages) if s.final_output),
+        "stage_is_audio": tuple(d.output_kind == "audio" for d in stages),
+        "voices": audio[0].voices if audio else (),
+        "stages": tuple(stages),
         "stage_defaults": tuple(default_stage_params(s) for s in config.stages),
         "entry_final_output": bool(entry.final_output),
+        "max_adapters_per_request": described.adapters.max_per_request if described.adapters else 1,
+        "accepts_input_image": "image" in described.inputs,
     }
     if entry.is_llm:
         options = entry.options
-        max_len = options.get("max_model_len")
         return EntryStageInfo(
             **common,
-            max_adapters_per_request=1,
-            max_model_len=int(max_len) if max_len else None,
+            max_model_len=described.max_model_len,
             tokenizer=(options.get("tokenizer") or entry.model) if entry.model else None,
             trust_remote_code=bool(options.get("trust_remote_code", False)),
         )
     dcfg = entry.diffusion_config
-    paths = tuple(dcfg.startup_lora_paths)
-    peft = dcfg.lora_backend == "peft"
     return EntryStageInfo(
         **common,
-        max_adapters_per_request=dcfg.max_loras,
-        startup_lora_paths=paths,
-        startup_adapters=tuple(startup_lora_request(p) for p in paths) if peft else (),
+        startup_lora_paths=tuple(dcfg.startup_lora_paths),
+        startup_adapters=described.adapters.startup_adapters if described.adapters else (),
         startup_lora_scale=float(dcfg.lora_scale),
-        accepts_input_image=dcfg.pipeline_backend == "diffusers" or entry.model_arch not in IN_TREE_PIPELINES,
     )

@@ -35,6 +35,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from peft import LoraConfig
+from peft.utils.other import get_pattern_key
+from safetensors import safe_open
 
 from vllm_omni.errors import LoRAFormatError
 
@@ -247,8 +250,6 @@ def lora_config_from_dict(raw: Mapping[str, Any], source: str) -> Any:
         LoRAFormatError: not a JSON object, not LoRA, no ``lora_alpha``, a non-integer ``r``, a
             non-finite ``lora_alpha``, a field peft refuses, or an unsupported feature.
     """
-    from peft import LoraConfig
-
     if not isinstance(raw, Mapping):
         raise LoRAFormatError(f"{source}: the LoRA config must be a JSON object")
     _check_raw_config(raw, source)
@@ -286,8 +287,6 @@ def declared_rank_alpha(config: Any, module_key: str) -> tuple[int, float]:
     """``(r, lora_alpha)`` peft gives ``module_key`` (name inside the base model, no wrapper prefix):
     ``rank_pattern`` / ``alpha_pattern`` entries first (peft's ``get_pattern_key``), else ``r`` / ``lora_alpha``.
     """
-    from peft.utils.other import get_pattern_key
-
     rank, alpha = config.r, config.lora_alpha
     if config.rank_pattern:
         rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module_key), rank)
@@ -305,8 +304,6 @@ def read_safetensors(
     Raises:
         LoRAFormatError: the file is not a readable safetensors file.
     """
-    from safetensors import safe_open
-
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:
             metadata = handle.metadata()

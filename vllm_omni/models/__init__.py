@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 
+from vllm import ModelRegistry
+
 #: ``{architecture: "module:Class"}`` of every class registered here.
 OMNI_MODEL_CLASSES: dict[str, str] = {
     "OmniQwen2_5OmniThinkerForConditionalGeneration": (
@@ -27,8 +29,6 @@ _LOCK = threading.Lock()
 
 def register_omni_models() -> None:
     """Register :data:`OMNI_MODEL_CLASSES` in vLLM's ``ModelRegistry`` (idempotent, thread-safe)."""
-    from vllm import ModelRegistry
-
     with _LOCK:
         supported = set(ModelRegistry.get_supported_archs())
         for arch, target in OMNI_MODEL_CLASSES.items():

@@ -23,6 +23,8 @@ import sys
 import threading
 import types
 
+from vllm_omni.errors import ConfigError
+
 TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 _LOCK = threading.Lock()
@@ -74,8 +76,6 @@ def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool
         ConfigError: the stage asks for multimodal inputs (a non-zero ``limit_mm_per_prompt``)
             and torchvision is not installed.
     """
-    from vllm_omni.errors import ConfigError
-
     if torchvision_available():
         return False
     limits = engine_kwargs.get("limit_mm_per_prompt")

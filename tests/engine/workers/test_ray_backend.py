@@ -91,6 +91,10 @@ def test_llm_chain_stages_on_two_nodes_match_inline(cluster, tiny_llm_assets, tm
     with Omni(deploy_config=str(deploy)) as omni:
         stage0, stage1 = omni._orchestrator.runtimes
         assert (stage0.info["node_id"], stage1.info["node_id"]) == _node_ids(cluster)
+        # each actor's runtime describes itself; the proxy hands the description over unchanged
+        d0, d1 = stage0.describe(), stage1.describe()
+        assert (d0.output_kind, d0.max_model_len, d0.adapters.kind, d1.adapters) == ("text", 256, "llm", None)
+        assert (d1.stage_id, d1.label) == (1, stage1.stage.label) and stage0.describe() is d0
         outs = omni.generate(["hello world", "hello world"], [params, params], lora_request=adapter)
         for out in outs:
             assert list(out.stage_outputs[0].outputs[0].token_ids) == hf_greedy(

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from peft.tuners.tuners_utils import check_target_module_exists
 
 from vllm_omni.diffusion.lora.adapter import LoRAModuleWeights, candidate_module_keys, lora_scaling
 from vllm_omni.errors import LoRAFormatError
@@ -37,8 +38,6 @@ def untargeted_modules(config: object, module_keys: Iterable[str]) -> list[str]:
     ``"all-linear"`` targets every linear layer, which binding checks, so only exclusions apply.
     Keys are tried with and without their wrapper prefixes (``base_model.model.`` ...).
     """
-    from peft.tuners.tuners_utils import check_target_module_exists
-
     target_modules = getattr(config, "target_modules", None)
     if target_modules is None:
         return []

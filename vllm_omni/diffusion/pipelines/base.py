@@ -57,8 +57,11 @@ class DiffusionPipeline(Protocol):
 
     Optionally a pipeline declares ``reports_denoising_step = True`` when its denoising loop wraps each
     denoiser call in :func:`vllm_omni.diffusion.forward_context.denoising_step` (per-step LoRA scale
-    schedules need it; they are refused otherwise). Optionally a pipeline declares ``max_image_size`` (largest ``(height, width)`` in pixels); the
-    stage then refuses larger requests before they join a batch.
+    schedules need it; they are refused otherwise). Optionally a pipeline declares ``max_image_size``
+    (largest ``(height, width)`` in pixels); the stage then refuses larger requests before they join
+    a batch. Optionally it declares ``output_kind`` (``"image"``, the default, or ``"video"``) and
+    ``accepts_image`` (whether a request may carry an input image; default ``False``); the stage
+    reports both in its description (``StageRuntime.describe``).
     """
 
     mixed_lora_batch: ClassVar[bool]

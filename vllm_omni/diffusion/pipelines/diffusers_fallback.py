@@ -85,6 +85,17 @@ class DiffusersFallbackPipeline:
         self._accepted = set(inspect.signature(self.pipe.__call__).parameters)
 
     @property
+    def output_kind(self) -> str:
+        """``"video"`` when the diffusers pipeline's call takes ``num_frames`` (Wan, CogVideoX,
+        LTX, ...), else ``"image"``."""
+        return "video" if "num_frames" in self._accepted else "image"
+
+    @property
+    def accepts_image(self) -> bool:
+        """Whether the diffusers pipeline's call takes an input ``image`` (image-to-image / -video)."""
+        return "image" in self._accepted
+
+    @property
     def transformer(self) -> torch.nn.Module | None:
         """The denoiser module (``pipe.transformer`` or ``pipe.unet``)."""
         return getattr(self.pipe, "transformer", None) or getattr(self.pipe, "unet", None)

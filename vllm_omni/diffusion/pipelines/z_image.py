@@ -80,6 +80,9 @@ class ZImagePipeline:
     mixed_lora_batch = True
     #: The denoising loop declares each step in the forward context (per-step LoRA scales work).
     reports_denoising_step = True
+    #: Text to image: images out, no input image.
+    output_kind = "image"
+    accepts_image = False
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = Path(od_config.model)

@@ -111,6 +111,7 @@ class WorkerStageRuntime:
         self.stage = stage
         self.env = dict(env or {})
         self.journal = LoRAJournal()
+        self._description: Any = None
         self.restarts = 0
         #: ``torch.get_num_threads()`` in the worker once its runtime started (0: unknown)
         self.torch_threads = 0
@@ -200,6 +201,13 @@ class WorkerStageRuntime:
 
     def list_loras(self) -> set[int]:
         return set(self._call("list_loras"))
+
+    def describe(self) -> Any:
+        """The worker runtime's ``StageDescription`` (asked once, then kept: a restarted worker
+        runs the same stage config)."""
+        if self._description is None:
+            self._description = self._call("describe")
+        return self._description
 
     def pin_lora(self, lora_int_id: int) -> bool:
         return self._journaled("pin_lora", lora_int_id)

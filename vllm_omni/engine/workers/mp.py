@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_omni.engine.inline_runtime import make_inline_runtime
 from vllm_omni.engine.workers import protocol as P
+from vllm_omni.process_guard import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,6 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None)
     """
     os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which shuts us down
-    from vllm_omni.process_guard import watch_parent
 
     watch_parent()
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import msgspec
@@ -124,8 +125,6 @@ def decode_from_worker(frame: bytes) -> FromWorker:
 
 def dump(obj: Any) -> bytes:
     """``obj`` pickled with torch's ``ForkingPickler`` (CPU tensors through shared memory)."""
-    from multiprocessing.reduction import ForkingPickler
-
     import torch.multiprocessing  # noqa: F401  (registers torch's tensor reducers)
 
     buf = io.BytesIO()

@@ -19,6 +19,8 @@ import dataclasses
 import os
 from typing import Any
 
+import torch
+
 from vllm_omni.engine.inline_runtime import make_inline_runtime
 
 
@@ -30,8 +32,6 @@ class TorchAsNumpy:
 
 
 def _tensor_to_wire(value: Any) -> Any:
-    import torch
-
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
         try:
             return TorchAsNumpy(value.detach().numpy())
@@ -56,7 +56,6 @@ def from_wire(output: Any) -> Any:
     """The inverse of :func:`to_wire` (the tensors share the received arrays' memory)."""
     if not dataclasses.is_dataclass(output) or isinstance(output, type):
         return output
-    import torch
 
     changes = {
         # the received arrays are read-only views of the object store: the tensors get their own copy
@@ -80,8 +79,6 @@ class StageActor:
         if not threads_from_driver:
             # Ray sets OMP_NUM_THREADS to the actor's CPU resource (1) when the driver set none;
             # the stage gets the cores this process may use, as the inline runtime does
-            import torch
-
             cores = len(os.sched_getaffinity(0))
             os.environ["OMP_NUM_THREADS"] = str(cores)
             torch.set_num_threads(cores)
@@ -93,8 +90,7 @@ class StageActor:
     def info(self) -> dict[str, Any]:
         """Where the actor runs: ``node_id``, ``pid``, ``accelerator_ids`` (Ray's grant),
         ``cuda_visible_devices``, ``torch_threads``."""
-        import ray
-        import torch
+        import ray  # the optional extra: this module is also imported where Ray is not installed
 
         ctx = ray.get_runtime_context()
         return {
@@ -172,7 +168,7 @@ class StageActor:
             stack.close()
 
     async def call(self, method: str, *args: Any) -> Any:
-        """A LoRA management call (``add_lora`` ... ``pin_lora``), run off the actor's event loop."""
+        """A LoRA management call (``add_lora`` ... ``pin_lora``) or ``describe``, run off the actor's event loop."""
         return await asyncio.to_thread(getattr(self.runtime, method), *args)
 
     async def shutdown(self, timeout: float | None) -> None:

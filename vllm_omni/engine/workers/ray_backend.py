@@ -130,6 +130,7 @@ class RayStageRuntime:
         self.actor: Any = None
         self.placement_group: Any = None
         self.info: dict[str, Any] = {}
+        self._description: Any = None
         self.restarts = 0
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -392,6 +393,13 @@ class RayStageRuntime:
 
     def list_loras(self) -> set[int]:
         return set(self._lora("list_loras"))
+
+    def describe(self) -> Any:
+        """The actor runtime's ``StageDescription`` (asked once, then kept: a new actor runs the
+        same stage config)."""
+        if self._description is None:
+            self._description = self._call("call", "describe")
+        return self._description
 
     def pin_lora(self, lora_int_id: int) -> bool:
         return self._lora("pin_lora", lora_int_id)

@@ -12,6 +12,8 @@ needs vLLM's ``EngineArgs``) is built only for everything else.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from vllm_omni.entrypoints.cli import fast
@@ -19,6 +21,8 @@ from vllm_omni.entrypoints.cli import fast
 
 def make_parser():
     """The ``vllm-omni`` parser with its ``serve`` subcommand (imports vLLM)."""
+    # here, not at the top: ``serve`` imports vLLM and torch (seconds), which the cached answers
+    # of ``fast`` avoid (tests/entrypoints/test_cli.py: --help in well under 3 s, no vLLM)
     from vllm_omni.entrypoints.cli.serve import USAGE, OmniArgumentParser, make_serve_parser
 
     parser = OmniArgumentParser(prog="vllm-omni", description="vllm-omni command line", allow_abbrev=False)
@@ -42,9 +46,6 @@ def configure_logging() -> None:
     logging. ``VLLM_CONFIGURE_LOGGING=0`` turns it off and ``VLLM_LOGGING_LEVEL`` sets the
     level, as for vLLM.
     """
-    import logging
-    import os
-
     if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return
     logger = logging.getLogger("vllm_omni")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     fast.save(parser, parser.serve_parser)
     args = parser.parse_args(argv)
     if args.subcommand == "serve":
-        from vllm_omni.entrypoints.cli.serve import run_serve
+        from vllm_omni.entrypoints.cli.serve import run_serve  # (see make_parser: vLLM, torch)
 
         configure_logging()
         run_serve(args)

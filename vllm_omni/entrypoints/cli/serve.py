@@ -22,18 +22,22 @@ the same errors as the Python API (e.g. global LoRA flags on a multi-stage pipel
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
 
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.launchers.cli_args import LoRAParserAction
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.config.diffusion import LORA_BACKENDS
 from vllm_omni.config.omni_config import WORKER_BACKENDS
 from vllm_omni.entrypoints.cli import preflight
 from vllm_omni.entrypoints.cli.fast import unknown_flags_message
-from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, OmniLaunch, ServerSettings
-from vllm_omni.errors import ConfigError, LoRAFormatError
+from vllm_omni.entrypoints.launch import OmniLaunch
+from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, ServerSettings
+from vllm_omni.errors import ConfigError, LoRAFormatError, ServeArgsError
 from vllm_omni.lora.adapter_files import locate_adapter
 
 USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
@@ -64,8 +68,6 @@ class OmniArgumentParser(FlexibleArgumentParser):
 
 
 def _add_frontend_args(parser: argparse.ArgumentParser) -> None:
-    from vllm.entrypoints.launchers.cli_args import LoRAParserAction
-
     g = parser.add_argument_group("HTTP server (vLLM serving flags)")
     g.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
@@ -152,8 +154,6 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     vLLM's engine flags are added with suppressed defaults, so the parsed namespace holds
     only the engine flags that were actually given.
     """
-    from vllm.engine.arg_utils import EngineArgs
-
     if parser is None:
         parser = OmniArgumentParser(prog="vllm-omni serve", usage=USAGE)
     parser.add_argument("model_tag", nargs="?", default=None, help="Model directory or hub id.")
@@ -170,10 +170,6 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
             action.type, action.help = float, _SHUTDOWN_HELP
     parser.set_defaults(_engine_dests=tuple(engine_dests))
     return parser
-
-
-class ServeArgsError(ConfigError):
-    """The command line is inconsistent (reported before anything loads)."""
 
 
 def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettings]:
@@ -311,10 +307,9 @@ def run_serve(args: argparse.Namespace) -> None:
         except ConfigError as exc:
             _fail(str(exc))
     if getattr(args, "dry_run", False):
-        import json
-
         print(json.dumps(describe_launch(config, settings), indent=2, default=str))
         return
+    # only to serve: the server imports AsyncOmni and the engine (see OmniLaunch.build_config)
     from vllm_omni.entrypoints.openai.api_server import run_server
 
     run_server(config, settings)  # the engines start from this very config: resolved once

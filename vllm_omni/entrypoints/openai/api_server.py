@@ -22,8 +22,10 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from fastapi import FastAPI
 
+from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers, log_client_error
 from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_body_bytes
 from vllm_omni.entrypoints.openai.metrics import RegistrationFailures, metrics_registry
@@ -93,10 +95,6 @@ def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
         ConfigError: a ``--lora-modules`` adapter cannot be served (before the server listens).
         SystemExit: ``128 + signal number`` after a SIGTERM / SIGINT shutdown.
     """
-    import uvicorn
-
-    from vllm_omni.entrypoints.async_omni import AsyncOmni
-
     omni = AsyncOmni.from_config(config)
     try:
         state = make_state(omni, settings)

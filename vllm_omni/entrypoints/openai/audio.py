@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request
+from vllm_omni.entrypoints.openai.errors import bad_request
+from vllm_omni.errors import OpenAIError
+from vllm_omni.inputs.audio import AudioParams
 
 #: Formats the server encodes.
 AUDIO_FORMATS = ("wav",)
@@ -65,7 +67,6 @@ def audio_request_params(info: Any, req: Any) -> Any:
         raise bad_request("audio output cannot be streamed; send stream=false", "stream")
     if req.n != 1:
         raise bad_request("audio output takes one choice (n=1)", "n")
-    from vllm_omni.inputs.audio import AudioParams
 
     return AudioParams(voice=req.audio.voice, seed=req.seed)
 

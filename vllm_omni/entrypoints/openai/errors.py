@@ -22,7 +22,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
-from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError, OmniUserError, StageEngineError
+from vllm_omni.errors import (
+    ClientDisconnected,
+    InvalidAdapterError,
+    LoRANotEnabledError,
+    OmniUserError,
+    OpenAIError,
+    StageEngineError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,23 +44,6 @@ _TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
-
-
-class OpenAIError(Exception):
-    """An error answered to the client with ``status`` and an OpenAI-style body."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its answer was ready; its request was cancelled.
-
-    Answered with an empty ``499`` (nginx's "client closed request") that nobody reads; not logged.
-    """
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:

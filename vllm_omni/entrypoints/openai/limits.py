@@ -11,6 +11,7 @@ import json
 import os
 
 from vllm_omni.entrypoints.openai.errors import log_client_error
+from vllm_omni.errors import BodyTooLargeError
 
 DEFAULT_MAX_BODY_MB = 32
 
@@ -73,15 +74,11 @@ class BodySizeLimitMiddleware:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     rejected = True
-                    raise _BodyTooLarge
+                    raise BodyTooLargeError
             return message
 
         try:
             await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
+        except BodyTooLargeError:
             if rejected:
                 await self._reject(scope, send)
-
-
-class _BodyTooLarge(Exception):
-    pass

@@ -36,8 +36,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
-from vllm_omni.errors import InvalidAdapterError, InvalidRequestError
+from huggingface_hub import snapshot_download
+
+from vllm_omni.entrypoints.openai.errors import bad_request, not_found
+from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, OpenAIError
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, canonical_denoiser, stable_lora_int_id
@@ -262,8 +264,6 @@ class ServerAdapters:
             )
         repo = path.removeprefix("hf://")
         try:
-            from huggingface_hub import snapshot_download
-
             local = snapshot_download(repo, allow_patterns=["adapter_config.json", "*.safetensors"])
         except Exception as exc:
             raise bad_request(f"cannot fetch adapter {path!r}: {type(exc).__name__}", "lora") from exc

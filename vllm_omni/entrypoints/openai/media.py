@@ -9,20 +9,20 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 from fastapi import Request
+from PIL import Image, UnidentifiedImageError
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request
+from vllm_omni.entrypoints.openai.errors import bad_request
+from vllm_omni.errors import OpenAIError
 
 MAX_UPLOAD_BYTES = 32 * 1024 * 1024
 _FORM_NUMBERS = ("n", "height", "width", "num_inference_steps", "seed", "guidance_scale")
 
 
 def _to_pil(image: Any):
-    from PIL import Image
-
     if isinstance(image, Image.Image):
         return image
-    import numpy as np
 
     arr = image.detach().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
     if arr.dtype != np.uint8:
@@ -72,8 +72,7 @@ def encode_video(frames: list[Any], fps: int, fmt: str | None = None) -> tuple[s
     if fmt == "gif":
         return _gif_b64(pil, fps), "gif"
     try:
-        import cv2
-        import numpy as np
+        import cv2  # optional: OpenCV is no dependency of vllm_omni (without it: GIF)
 
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "video.mp4")
@@ -108,8 +107,6 @@ async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:
     Raises:
         OpenAIError: (400) not multipart, no/unsupported image, bad ``lora`` JSON.
     """
-    from PIL import Image, UnidentifiedImageError
-
     ctype = request.headers.get("content-type", "")
     if not ctype.startswith("multipart/form-data"):
         raise bad_request("images/edits takes multipart/form-data (fields plus an 'image' file)")

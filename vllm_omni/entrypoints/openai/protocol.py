@@ -12,8 +12,12 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vllm import SamplingParams
+from vllm.exceptions import VLLMClientError
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.entrypoints.openai.errors import bad_request, validation_message
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 MAX_N = 16
 MAX_PIXELS_SIDE = 4096
@@ -94,9 +98,6 @@ class SamplingFields(_Body):
         Raises:
             OpenAIError: (400) a combination vLLM refuses.
         """
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         kwargs: dict[str, Any] = {"n": self.n, "max_tokens": self.max_tokens or default_max_tokens}
         for name in (
             "temperature",
@@ -116,7 +117,6 @@ class SamplingFields(_Body):
         kwargs["ignore_eos"] = self.ignore_eos
         if stream:
             kwargs["output_kind"] = RequestOutputKind.DELTA
-        from vllm.exceptions import VLLMClientError
 
         try:
             return SamplingParams(**kwargs)
@@ -155,8 +155,6 @@ class DiffusionFields(_Body):
 
     def diffusion_params(self, n: int = 1):
         """The request's diffusion settings (its adapters travel separately, as ``RequestAdapter`` s)."""
-        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
         height, width = self.hw()
         kwargs: dict[str, Any] = {"num_images_per_prompt": n, "height": height, "width": width}
         for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "seed"):

@@ -1,48 +1,15 @@
-"""What ``serve`` builds (:class:`OmniLaunch`) and how the HTTP layer serves it (:class:`ServerSettings`).
+"""How the HTTP layer serves a pipeline (:class:`ServerSettings`).
 
-The command line (:mod:`vllm_omni.entrypoints.cli.serve`) fills both from its flags; the
-server (:mod:`vllm_omni.entrypoints.openai.api_server`) reads only ``ServerSettings``.
+The command line (:mod:`vllm_omni.entrypoints.cli.serve`) fills it from its flags, beside
+what it asks the engine for (:class:`~vllm_omni.entrypoints.launch.OmniLaunch`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 #: Default of ``--shutdown-timeout`` (seconds).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
-
-
-@dataclass
-class OmniLaunch:
-    """What the command line asks ``Omni``/``AsyncOmni`` for: ``AsyncOmni(model, **omni_kwargs())``."""
-
-    model: str | None
-    pipeline: str | None = None
-    deploy_config: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def omni_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``Omni``/``AsyncOmni`` (besides ``model``)."""
-        return {"pipeline": self.pipeline, "deploy_config": self.deploy_config, **self.options}
-
-    def build_config(self):
-        """Resolve the typed :class:`~vllm_omni.config.VllmOmniConfig` (no engine starts).
-
-        Raises:
-            ValueError / KeyError (``ConfigError`` where classified): the options do not resolve.
-        """
-        from vllm_omni.config.overrides import CLI_INPUT_NAMES
-        from vllm_omni.entrypoints.omni_base import build_omni_config
-
-        return build_omni_config(
-            self.model,
-            self.pipeline,
-            self.deploy_config,
-            input_names=CLI_INPUT_NAMES,
-            default_worker_backend="mp",
-            **self.options,
-        )
 
 
 @dataclass

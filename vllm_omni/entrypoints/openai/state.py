@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from transformers import AutoTokenizer
 
 from vllm_omni.entrypoints.openai.lora import ServerAdapters
 from vllm_omni.entrypoints.openai.settings import ServerSettings
@@ -61,8 +62,6 @@ def make_state(omni: Any, settings: ServerSettings) -> ServerState:
     registry = ServerAdapters(omni.adapter_registry, settings.lora_dirs, settings.allow_remote_lora, names)
     state = ServerState(omni=omni, settings=settings, registry=registry, base_name=base, info=info)
     if info.tokenizer is not None:
-        from transformers import AutoTokenizer
-
         state.tokenizer = AutoTokenizer.from_pretrained(
             info.tokenizer, trust_remote_code=info.trust_remote_code
         )

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from vllm_omni.errors import ConfigError, LoRAFormatError
 
@@ -76,8 +78,6 @@ def _weight_files(model_dir: str) -> list[str]:
 
 def load_prefixed(model_dir: str, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor whose name starts with ``prefix``, renamed without it (CPU, stored dtype)."""
-    from safetensors import safe_open
-
     out: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
         with safe_open(path, framework="pt") as f:
@@ -144,8 +144,6 @@ def _qwen2_config(text: dict[str, Any], vocab_size: int, dtype: str) -> dict[str
 
 
 def _save_model(tmp: str, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "model.safetensors"))
@@ -200,8 +198,6 @@ def derive_adapter(adapter_dir: str, sub_model: str) -> str:
         LoRAFormatError: no ``adapter_model.safetensors``, or a module that has no counterpart
             (e.g. the audio encoder, ``thinker_to_talker_proj``): binding nothing there would be silent.
     """
-    from safetensors.torch import load_file, save_file
-
     src = os.path.join(adapter_dir, "adapter_model.safetensors")
     if not os.path.isfile(src):
         raise LoRAFormatError(f"{adapter_dir}: no adapter_model.safetensors")

@@ -24,8 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+from transformers import Qwen2_5OmniConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
 from vllm_omni.engine.connectors import StagePayload
+from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.inputs.audio import AudioParams
@@ -68,10 +72,6 @@ def load_token2wav(model_dir: str) -> torch.nn.Module:
     Raises:
         StageEngineError: no Omni config, or the weights do not match the model.
     """
-    from safetensors.torch import load_file
-    from transformers import Qwen2_5OmniConfig
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
-
     config = Qwen2_5OmniConfig.from_pretrained(model_dir)
     model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, torch_dtype=torch.float32)
     state: dict[str, torch.Tensor] = {}
@@ -125,6 +125,18 @@ class Code2WavStageEngine(StageDriver):
     @property
     def voices(self) -> list[str]:
         return list(self.speakers)
+
+    def describe(self) -> StageDescription:
+        """Audio out (:class:`AudioOutput`, ``SAMPLE_RATE`` Hz); the talker's payload in;
+        ``AudioParams``; the checkpoint's voices; no LoRA."""
+        return StageDescription(
+            self.stage.stage_id,
+            self.stage.label,
+            "audio",
+            frozenset({"stage_payload"}),
+            AudioParams,
+            voices=tuple(self.speakers),
+        )
 
     def submit(self, prompt: Any, params: Any, lora_request: Any = None) -> Future:
         """Queue one waveform request (see the class docstring).

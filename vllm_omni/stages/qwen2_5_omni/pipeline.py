@@ -89,9 +89,7 @@ STAGE_RUNTIMES: dict[str, StageRuntimeEntry] = {
     "OmniQwen2_5OmniTalkerForConditionalGeneration": StageRuntimeEntry(
         make_talker, default_params=default_talker_params
     ),
-    "OmniQwen2_5OmniToken2WavModel": StageRuntimeEntry(
-        make_code2wav, AudioParams, default_params=AudioParams
-    ),
+    "OmniQwen2_5OmniToken2WavModel": StageRuntimeEntry(make_code2wav, default_params=AudioParams),
 }
 
 #: input processor name (``StageSpec.input_processor``) -> function.

@@ -46,13 +46,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from vllm import PoolingParams, SamplingParams
+from vllm.config import PoolerConfig
 from vllm.outputs import PoolingRequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.llm_stage import LLMStageEngine
+from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.errors import InvalidRequestError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stages.qwen2_5_omni.checkpoint import (
@@ -126,7 +129,6 @@ def derived_adapter(lora_request: LoRARequest | None, sub_model: str) -> LoRAReq
     (:func:`~.checkpoint.derive_adapter`); same name and id."""
     if lora_request is None:
         return None
-    import msgspec
 
     return msgspec.structs.replace(lora_request, lora_path=derive_adapter(lora_request.lora_path, sub_model))
 
@@ -169,7 +171,6 @@ class TalkerStageEngine(LLMStageEngine):
         )
         #: the longest sequence (prefix + codes) the talker's engine holds
         self.max_len = int(self._engine.vllm_config.model_config.max_model_len)
-        from vllm.config import PoolerConfig
 
         pool = PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False)
         keep = {k: v for k, v in thinker_stage.options.items() if k not in ("enable_prompt_embeds", "runner")}
@@ -185,6 +186,16 @@ class TalkerStageEngine(LLMStageEngine):
         except BaseException:
             super().shutdown()
             raise
+
+    def describe(self) -> StageDescription:
+        """The LLM stage's description, with codec tokens out (:class:`TalkerOutput`), the
+        thinker's payload in, and the voices a request may choose."""
+        return dataclasses.replace(
+            super().describe(),
+            output_kind="codec",
+            inputs=frozenset({"stage_payload"}),
+            voices=tuple(self.speakers),
+        )
 
     def validate_request(self, prompt: Any, params: Any, lora_request: Any = None, **kwargs: Any) -> None:
         """The LLM stage's checks plus: a thinker payload, one completion, no history penalties."""

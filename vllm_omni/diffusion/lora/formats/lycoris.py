@@ -34,7 +34,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import peft
 import torch
+from peft.utils.other import get_pattern_key
 
 from vllm_omni.diffusion.lora.adapter import LoRAModuleWeights, candidate_module_keys
 from vllm_omni.errors import LoRAFormatError
@@ -78,7 +80,6 @@ def lycoris_config_from_dict(raw: Mapping[str, Any], source: str) -> Any | None:
     kind = str(raw.get("peft_type") or "").upper()
     if kind not in _PEFT_TYPES:
         return None
-    import peft
 
     cls = getattr(peft, _PEFT_TYPES[kind])
     if raw.get("alpha") is None:
@@ -114,8 +115,6 @@ def read_lycoris_config(config_file: str, source: str) -> Any | None:
 
 
 def _declared(config: Any, module_key: str) -> tuple[int, float]:
-    from peft.utils.other import get_pattern_key
-
     rank, alpha = config.r, config.alpha
     if config.rank_pattern:
         rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module_key), rank)

@@ -5,6 +5,7 @@ Mounted only when vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set (:func:`run
 
 from __future__ import annotations
 
+import vllm.envs as envs
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -19,8 +20,6 @@ router = APIRouter()
 
 def runtime_lora_updating_allowed() -> bool:
     """vLLM's switch for ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
-    import vllm.envs as envs
-
     return bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 

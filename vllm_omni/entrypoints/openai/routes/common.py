@@ -17,17 +17,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
+from vllm import SamplingParams
 
-from vllm_omni.entrypoints.openai.errors import (
-    ClientDisconnected,
-    OpenAIError,
-    bad_request,
-    engine_errors,
-    not_found,
-)
+from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors, not_found
 from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
 from vllm_omni.entrypoints.stage_info import seeded_stage_default
+from vllm_omni.errors import ClientDisconnected, OpenAIError
 from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
 
 #: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
@@ -173,7 +169,6 @@ def default_llm_params(state: ServerState) -> Any:
     """Params of LLM stages behind a diffusion request (``None`` when the pipeline has none)."""
     if not state.info.has_llm_stage:
         return None
-    from vllm import SamplingParams
 
     return SamplingParams(max_tokens=64)
 

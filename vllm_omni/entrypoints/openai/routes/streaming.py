@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from vllm_omni.entrypoints.openai.errors import OpenAIError, engine_error_to_openai, engine_errors
+from vllm_omni.entrypoints.openai.errors import engine_error_to_openai, engine_errors
 from vllm_omni.entrypoints.openai.routes.common import (
     SSE_DONE,
     Adapters,
@@ -32,6 +32,7 @@ from vllm_omni.entrypoints.openai.routes.common import (
     stream_pipeline,
 )
 from vllm_omni.entrypoints.openai.state import ServerState
+from vllm_omni.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
