@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from tests.lora.fake_stages import FakeStages
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.entrypoints.omni_base import build_omni_config
 from vllm_omni.entrypoints.openai.api_server import build_app
@@ -20,6 +21,7 @@ from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.openai.state import make_state
 from vllm_omni.entrypoints.stage_info import describe_entry_stage
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.lora.registry import AdapterRegistry
 
 
 class _Engine:
@@ -27,6 +29,7 @@ class _Engine:
 
     def __init__(self, info):
         self.entry_stage_info = info
+        self.adapter_registry = AdapterRegistry(FakeStages().call)  # no adapters registered
         self.ran: list[str] = []
 
     async def generate(self, prompt, *args, **kwargs):
