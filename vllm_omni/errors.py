@@ -68,6 +68,12 @@ class InvalidAdapterError(OmniUserError):
     """An adapter that a stage cannot serve; the message names the adapter and the reason."""
 
 
+class AdapterRestoreError(InvalidAdapterError):
+    """An adapter a stage held could not be loaded again when the stage's worker restarted (its
+    files deleted or unreadable); the stage serves its other adapters and refuses requests
+    naming this one (HTTP 400). The message names the stage, the adapter and its path."""
+
+
 class LoRAFormatError(InvalidAdapterError):
     """An adapter file or directory is malformed or uses a feature this runtime does not support."""
 

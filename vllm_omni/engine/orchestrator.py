@@ -102,8 +102,8 @@ def make_stage_runtime(
             (a Ray actor per replica: ``RayStageRuntime``).
         make_one: builds replica ``i`` as ``make_one(stage, i)`` instead (tests).
         config: the whole pipeline config, read by the stage runtimes of :mod:`vllm_omni.models`
-            (the Qwen2.5-Omni talker and code2wav). Those run in this process whatever the
-            backend (they drive engines of their own); a log line says so.
+            (the Qwen2.5-Omni talker reads its thinker stage's options); it travels to the
+            stage's worker or actor, which run those stages like any other.
         ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
         thread_envs: ``mp`` only: the CPU thread variables of each replica's worker
             (:func:`~vllm_omni.engine.cpu_threads.plan_pipeline_threads`); ``None``: none.
@@ -113,14 +113,6 @@ def make_stage_runtime(
         StageEngineError: the stage failed to start (replicas already started are shut down).
     """
     check_worker_backend(worker_backend)
-    if make_one is None and has_stage_runtime(stage):
-        if worker_backend != "inline":
-            logger.info(
-                "%s runs in this process: worker_backend %r applies to vLLM and diffusion stages",
-                stage.label,
-                worker_backend,
-            )
-        return start_replicas(stage, lambda st, _index: make_inline_runtime(st, config))
     if make_one is None:
         if worker_backend == "ray":
             _require_ray()
@@ -134,7 +126,7 @@ def make_stage_runtime(
 
         def make_one(st: BaseVllmOmniStageConfig, index: int) -> StageRuntime:
             threads = thread_envs[index] if thread_envs else {}
-            return _make_replica(st, index, worker_backend, ray_address, threads)
+            return _make_replica(st, index, worker_backend, ray_address, threads, config)
 
     return start_replicas(stage, make_one)
 
@@ -155,18 +147,19 @@ def _make_replica(
     worker_backend: str,
     ray_address: str | None,
     threads: dict[str, str] | None = None,
+    config: VllmOmniConfig | None = None,
 ) -> StageRuntime:
     """Replica ``index`` of ``stage`` on ``worker_backend`` (see :func:`make_stage_runtime`);
     an ``mp`` worker gets ``threads`` and its device group's :func:`worker_env`."""
     if worker_backend == "inline":
-        return make_inline_runtime(stage)
+        return make_inline_runtime(stage, config)
     if worker_backend == "mp":
         from vllm_omni.engine.workers.client import WorkerStageRuntime
 
-        return WorkerStageRuntime(stage, env={**(threads or {}), **worker_env(stage, index)})
+        return WorkerStageRuntime(stage, env={**(threads or {}), **worker_env(stage, index)}, config=config)
     from vllm_omni.engine.workers.ray_backend import RayStageRuntime
 
-    return RayStageRuntime(stage, address=ray_address)
+    return RayStageRuntime(stage, address=ray_address, config=config)
 
 
 def check_worker_backend(value: Any, source: str = "worker_backend") -> str:

@@ -114,13 +114,14 @@ class _Worker:
         self.runtime.shutdown(timeout)
 
 
-def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None) -> None:
+def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None, config: Any = None) -> None:
     """Entry point of a stage worker process (``multiprocessing`` spawn target).
 
     Args:
         conn: this end of the pipe to the orchestrator's process.
         stage: the stage's resolved config (picklable).
         env: variables set before torch / vLLM are imported (e.g. ``CUDA_VISIBLE_DEVICES``).
+        config: the whole pipeline config (picklable), read by the stage runtimes that need it.
 
     Sends :class:`~.protocol.Ready` once the runtime runs, or :class:`~.protocol.Failed`
     (``rid`` -1, the start-up error) and exits.
@@ -133,10 +134,10 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None)
     from vllm_omni.engine.orchestrator import make_inline_runtime
 
     try:
-        runtime = make_inline_runtime(stage)
+        runtime = make_inline_runtime(stage, config)
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            conn.send_bytes(P.encode(P.Failed(-1, P.dump_error(exc))))
+            conn.send_bytes(P.encode(P.Failed(-1, P.dump_error(exc, f"{stage.label} worker"))))
         return
     worker = _Worker(conn, runtime)
     torch = sys.modules.get("torch")  # imported by every runtime; not imported here otherwise
