@@ -270,12 +270,21 @@ class ReplicatedStageRuntime:
         if pin:
             self.runtimes[index].pin_lora(lora_int_id)
 
+    def failed_loras(self) -> dict[int, str]:
+        """``{lora_int_id: error}`` of adapters a replica's last restart could not restore
+        (the message names the replica; that replica refuses requests naming them)."""
+        out: dict[int, str] = {}
+        for index, runtime in enumerate(self.runtimes):
+            for lora_int_id, error in getattr(runtime, "failed_loras", dict)().items():
+                out.setdefault(lora_int_id, f"replica {index}: {error}")
+        return out
+
     # ---------------------------------------------------------------- shutdown
     def health(self) -> str:
         """``"ready"`` while at least one replica is ready (requests go to the ready ones),
-        else ``"restarting"`` if one is being replaced, else ``"dead"``."""
+        else ``"restarting"`` if one is being replaced, ``"starting"`` if one is starting, else ``"dead"``."""
         states = [runtime.health() for runtime in self.runtimes]
-        for state in ("ready", "restarting"):
+        for state in ("ready", "restarting", "starting"):
             if state in states:
                 return state
         return "dead"

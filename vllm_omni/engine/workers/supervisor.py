@@ -208,7 +208,11 @@ class SupervisedStageRuntime:
         label = self.stage.label
         self._stop(dead, 5.0)
         failed_in_a_row = 0
-        cause = "no restart attempt allowed (max_restarts 0)"
+        cause = (
+            f"its {self.policy.max_restarts} restart attempt(s) (max_restarts) are used up"
+            if self.policy.max_restarts
+            else "restarts are disabled (max_restarts 0)"
+        )
         while self.restart_attempts < self.policy.max_restarts:
             if self._closed.wait(self.policy.delay(failed_in_a_row)):
                 return
