@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.protocols import StageRuntime
-from vllm_omni.errors import StageEngineError
+from vllm_omni.errors import AdapterRestoreError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,9 @@ class ReplicatedStageRuntime:
     ) -> Future:
         """Queue one request on the least-loaded replica (see :meth:`StageRuntime.submit`).
 
-        A replica that refuses with ``StageEngineError`` (shut down, dead) is skipped for the
-        next one; user errors are raised at once.
+        A replica that refuses with ``StageEngineError`` (shut down, dead) or
+        ``AdapterRestoreError`` (its last restart lost the adapter) is skipped for the next one;
+        other user errors are raised at once.
 
         Raises (synchronously): the replica's ``OmniUserError``; ``StageEngineError`` when this
         stage is shut down or no replica accepts the request (the last replica's error).
@@ -123,7 +124,7 @@ class ReplicatedStageRuntime:
             index = self._pick(tried)
             try:
                 future = self.runtimes[index].submit(prompt, params, lora_request=lora_request, **kwargs)
-            except StageEngineError as exc:
+            except (StageEngineError, AdapterRestoreError) as exc:
                 self._finished(index)
                 tried.append(index)
                 if len(tried) == len(self.runtimes):

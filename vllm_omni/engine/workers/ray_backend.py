@@ -321,12 +321,8 @@ class RayStageRuntime(SupervisedStageRuntime):
         self._get(handle, handle.actor.validate_request.remote(prompt, params, lora_request, kwargs))
 
     def prepare_params(self, params: Any) -> Any:
-        """As the inline runtime of the stage does it (computed here, no actor call)."""
-        if self.stage.is_llm:
-            from vllm_omni.engine.llm_stage import LLMStageEngine
-
-            return LLMStageEngine.prepare_params(params)
-        return params
+        """The actor's runtime's ``prepare_params`` (each stage runtime knows its own params type)."""
+        return self._call("prepare_params", params)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
