@@ -61,7 +61,10 @@ def before(omni, tiny_omni_assets):
     tokens, codes, wav = _run(omni)
     ref_tokens, ref_codes, ref_wav = hf_reference(str(tiny_omni_assets.model_dir), PROMPTS[0])
     assert tokens == ref_tokens and codes == ref_codes and len(codes) > 0
-    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=1e-5)
+    # code2wav's worker has its own CPU thread count (the pipeline's thread plan), so float32 sums
+    # are ordered differently than in this process: measured 5.7e-5 at most on a waveform of
+    # amplitude 1 (the inline test holds 1e-5)
+    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=2e-4)
     return tokens, codes, wav
 
 
