@@ -1,7 +1,7 @@
 """Cost of Qwen2.5-Omni's hidden-state hand-off (thinker -> talker), per request.
 
 vLLM 0.32 gives no per-token hidden states from generation, so the talker stage runs a pooling
-pass of the thinker's text decoder over ``prompt + output[:-1]`` (``vllm_omni.models.qwen2_5_omni.talker``).
+pass of the thinker's text decoder over ``prompt + output[:-1]`` (``vllm_omni.stages.qwen2_5_omni.talker``).
 This harness runs the ``qwen2_5_omni`` pipeline on one checkpoint and times, per request, each
 part on its own runtime, one request at a time (medians over ``--rounds``):
 
@@ -43,7 +43,7 @@ def run_case(omni, prompt_len: int, think: int, rounds: int) -> dict:
     from vllm import PoolingParams, SamplingParams
 
     from vllm_omni.inputs.audio import AudioParams
-    from vllm_omni.models.qwen2_5_omni.stages import thinker2talker
+    from vllm_omni.stages.qwen2_5_omni.pipeline import thinker2talker
 
     thinker, talker, code2wav = omni._orchestrator.runtimes
     prompt = {"prompt_token_ids": [5 + (i % 200) for i in range(prompt_len)]}

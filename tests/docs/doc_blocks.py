@@ -44,7 +44,7 @@ _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<body>.*?)\s*-->")
 _PLACEHOLDER = re.compile(r"/path/to/([A-Za-z0-9_.\-/]+)")
 RUN_LANGS = {"python", "bash", "sh", "shell", "yaml", "yml", "json"}
-NEVER_RUN_LANGS = {"text"}
+NEVER_RUN_LANGS = {"text", "mermaid"}
 KNOWN_MARKERS = {"skip", "file", "serve", "expect-error"}
 
 #: placeholder name -> (asset key, copy?). Adapters are copied so that a ``--lora-dirs``

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "design" / "architecture.md"
+
+
+def _layers() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``LAYERS`` of ``tests/test_import_rules.py`` (the rule the diagram draws)."""
+    spec = importlib.util.spec_from_file_location("_import_rules", ROOT / "tests" / "test_import_rules.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LAYERS
+
+
+def _diagram_layers(text: str) -> list[str]:
+    """The node labels ``L<i>["..."]`` of the page's mermaid diagram, in the order of ``i``."""
+    diagram = text.split("```mermaid", 1)[1].split("```", 1)[0]
+    nodes = {int(i): label for i, label in re.findall(r'^\s*L(\d+)\["([^"]+)"\]', diagram, re.MULTILINE)}
+    return [nodes[i] for i in sorted(nodes)]
 
 
 def _named_paths(text: str) -> list[str]:
@@ -37,3 +53,16 @@ def test_the_check_sees_a_missing_path():
         "vllm_omni/errors.py",
         "routes/",
     ]
+
+
+def test_the_layer_diagram_draws_the_checked_layers():
+    labels = _diagram_layers(PAGE.read_text())
+    names = [name for name, _ in _layers()]
+    assert len(labels) == len(names), f"the diagram has {len(labels)} layers, LAYERS {len(names)}"
+    wrong = [(name, label) for name, label in zip(names, labels) if not label.startswith(name)]
+    assert not wrong, f"diagram labels (lowest first) must start with the LAYERS names: {wrong}"
+
+
+def test_the_diagram_check_reads_labels_in_layer_order():
+    page = '```mermaid\nflowchart TB\n    L1["b: top"]\n    L0["a: bottom"]\n    L1 --> L0\n```\n'
+    assert _diagram_layers(page) == ["a: bottom", "b: top"]

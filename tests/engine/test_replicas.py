@@ -15,9 +15,9 @@ from concurrent.futures import Future
 import pytest
 
 from vllm_omni.config.stage_config import make_stage_config
-from vllm_omni.engine.orchestrator import make_stage_runtime
 from vllm_omni.engine.protocols import StageRuntime
 from vllm_omni.engine.replicas import ReplicatedStageRuntime
+from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.errors import (
     AdapterRestoreError,
     InvalidAdapterError,

@@ -18,7 +18,7 @@ from vllm import SamplingParams
 from tools.make_tiny_qwen2_5_omni import SPEAKER, TALKER_EOS_TOKEN_IDS
 from vllm_omni.inputs.audio import AudioParams
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.models.qwen2_5_omni.code2wav import SAMPLE_RATE
+from vllm_omni.stages.qwen2_5_omni.code2wav import SAMPLE_RATE
 
 THINK, TALK, STEPS, SEED = 6, 16, 3, 1234
 PROMPTS = ((5, 6, 7, 8, 9, 10, 11, 12), (40, 41, 42, 43, 44))

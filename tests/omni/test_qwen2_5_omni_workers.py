@@ -98,14 +98,15 @@ def test_kill_9_restarts_the_stage_and_the_output_is_unchanged(omni, before, sta
 
 def test_code2wav_in_a_ray_actor_restarts_with_the_same_waveform(omni, before):
     """code2wav's stage config in a Ray actor of its own, fed the talker's codes of the mp run."""
+    from vllm_omni.engine.inline_runtime import runtime_factory
     from vllm_omni.engine.workers.ray_backend import RayStageRuntime
-    from vllm_omni.models.qwen2_5_omni.stages import talker2code2wav
+    from vllm_omni.stages.qwen2_5_omni.pipeline import talker2code2wav
 
     text, audio = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params())
     params = _params()
     payload = talker2code2wav(audio.stage_outputs[1], params, None)
     stage = omni._orchestrator.config.stages[2]
-    runtime = RayStageRuntime(stage, config=omni._orchestrator.config)
+    runtime = RayStageRuntime(stage, config=omni._orchestrator.config, factory=runtime_factory(stage))
     try:
         assert runtime.info["pid"] != os.getpid()
         first = runtime.submit(payload, params[2]).result(timeout=600)

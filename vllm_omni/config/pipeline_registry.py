@@ -9,7 +9,7 @@ pipelines that run on any causal LM / diffusers directory (``llm_chain``,
 
 Registering a topology does not make its model classes available. Run end to end (tested on
 tiny checkpoints; ``wan2_2_ti2v`` through its class): ``qwen2_5_omni`` (thinker and talker on
-vLLM, code2wav on transformers' Token2Wav: :mod:`vllm_omni.models.qwen2_5_omni`),
+vLLM, code2wav on transformers' Token2Wav: :mod:`vllm_omni.stages.qwen2_5_omni`),
 ``qwen2_5_omni_thinker_only`` (vLLM's Qwen2.5-Omni thinker, registered by :mod:`vllm_omni.models`),
 ``wan2_2_ti2v``, ``llm_chain``, ``llm_to_diffusion`` and the single-stage defaults. ``qwen3_tts``
 and ``bagel`` name classes that neither this package nor stock vLLM / diffusers implement yet.
@@ -42,7 +42,7 @@ class StageSpec:
         engine_input_source: stages whose outputs feed this one (empty: the user prompt).
         input_processor: how a downstream stage builds its prompt from upstream output:
             ``"prompt"`` (the user's), ``"previous_text"`` (upstream generated text), or a
-            tensor hand-off of :data:`vllm_omni.models.stage_runtimes.INPUT_PROCESSORS`
+            tensor hand-off registered in :mod:`vllm_omni.engine.stage_registry`
             (``"thinker2talker"``, ``"talker2code2wav"``).
         final_output: whether the caller receives this stage's output.
         defaults: option defaults of this stage (lowest precedence).

@@ -22,16 +22,13 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.omni_config import VllmOmniConfig
-from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.connectors import InProcessConnector, StageConnector
 from vllm_omni.engine.cpu_threads import plan_pipeline_threads
-from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
-from vllm_omni.engine.placement import worker_env
+from vllm_omni.engine.inline_runtime import check_stage_model_class
 from vllm_omni.engine.protocols import LoRAMethod, StageRuntime
-from vllm_omni.engine.replicas import ReplicaFactory, start_replicas
-from vllm_omni.engine.workers import WORKER_BACKENDS
+from vllm_omni.engine.stage_factory import make_stage_runtime
+from vllm_omni.engine.stage_registry import input_processor
 from vllm_omni.errors import (
-    ConfigError,
     InvalidAdapterError,
     InvalidRequestError,
     LoRANotEnabledError,
@@ -39,7 +36,6 @@ from vllm_omni.errors import (
     restate,
 )
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.models.stage_runtimes import has_stage_runtime, input_processor, make_in_tree_runtime
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -50,130 +46,6 @@ def _stage_text(output: Any, stage_label: str) -> str:
     if not text:
         raise StageEngineError(f"{stage_label} produced no text for the next stage to consume")
     return text
-
-
-def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:
-    """Fail before any engine is built when this installation has no implementation of the
-    stage's model class (vLLM's ``ModelRegistry`` for LLM stages; an in-tree or ``diffusers``
-    pipeline class for diffusion stages).
-
-    Raises:
-        StageEngineError: naming the stage and the missing class.
-    """
-    if has_stage_runtime(stage):
-        return
-    if stage.is_llm:
-        check_model_class(stage)
-    else:
-        from vllm_omni.engine.diffusion_stage import check_pipeline_class
-
-        check_pipeline_class(stage)
-
-
-def make_inline_runtime(stage: BaseVllmOmniStageConfig, config: VllmOmniConfig | None = None) -> StageRuntime:
-    """Start the runtime of one stage in this process (a vLLM engine, the diffusion engine, or a
-    runtime of :mod:`vllm_omni.models` for the model classes it implements; those read ``config``)."""
-    if has_stage_runtime(stage):
-        return make_in_tree_runtime(stage, config)
-    if stage.is_llm:
-        return LLMStageEngine(stage)
-    from vllm_omni.engine.diffusion_stage import DiffusionStageEngine
-
-    return DiffusionStageEngine(stage)
-
-
-def make_stage_runtime(
-    stage: BaseVllmOmniStageConfig,
-    worker_backend: str = "inline",
-    *,
-    make_one: ReplicaFactory | None = None,
-    ray_address: str | None = None,
-    config: VllmOmniConfig | None = None,
-    thread_envs: list[dict[str, str]] | None = None,
-) -> StageRuntime:
-    """Start the runtime of one stage: ``stage.replicas`` runtimes on ``worker_backend``, behind a
-    :class:`~vllm_omni.engine.replicas.ReplicatedStageRuntime` when more than one.
-
-    Args:
-        stage: the resolved stage config.
-        worker_backend: ``"inline"`` (in this process), ``"mp"`` (a spawned worker process per
-            replica: :class:`~vllm_omni.engine.workers.client.WorkerStageRuntime`, which sees only
-            its replica's ``devices``: :func:`~vllm_omni.engine.placement.worker_env`) or ``"ray"``
-            (a Ray actor per replica: ``RayStageRuntime``).
-        make_one: builds replica ``i`` as ``make_one(stage, i)`` instead (tests).
-        config: the whole pipeline config, read by the stage runtimes of :mod:`vllm_omni.models`
-            (the Qwen2.5-Omni talker reads its thinker stage's options); it travels to the
-            stage's worker or actor, which run those stages like any other.
-        ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
-        thread_envs: ``mp`` only: the CPU thread variables of each replica's worker
-            (:func:`~vllm_omni.engine.cpu_threads.plan_pipeline_threads`); ``None``: none.
-
-    Raises:
-        ConfigError: an unknown backend, or ``"ray"`` without Ray installed.
-        StageEngineError: the stage failed to start (replicas already started are shut down).
-    """
-    check_worker_backend(worker_backend)
-    if make_one is None:
-        if worker_backend == "ray":
-            _require_ray()
-        if worker_backend == "inline" and stage.devices:
-            logger.warning(
-                "%s: devices=%s is not applied to in-process runtimes (worker_backend 'inline'); "
-                "they use this process's devices",
-                stage.label,
-                stage.devices,
-            )
-
-        def make_one(st: BaseVllmOmniStageConfig, index: int) -> StageRuntime:
-            threads = thread_envs[index] if thread_envs else {}
-            return _make_replica(st, index, worker_backend, ray_address, threads, config)
-
-    return start_replicas(stage, make_one)
-
-
-def _require_ray() -> None:
-    try:
-        import ray  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(
-            "worker_backend 'ray' needs Ray, which is not installed: pip install 'vllm-omni[ray]'",
-            options=("worker_backend",),
-        ) from exc
-
-
-def _make_replica(
-    stage: BaseVllmOmniStageConfig,
-    index: int,
-    worker_backend: str,
-    ray_address: str | None,
-    threads: dict[str, str] | None = None,
-    config: VllmOmniConfig | None = None,
-) -> StageRuntime:
-    """Replica ``index`` of ``stage`` on ``worker_backend`` (see :func:`make_stage_runtime`);
-    an ``mp`` worker gets ``threads`` and its device group's :func:`worker_env`."""
-    if worker_backend == "inline":
-        return make_inline_runtime(stage, config)
-    if worker_backend == "mp":
-        from vllm_omni.engine.workers.client import WorkerStageRuntime
-
-        return WorkerStageRuntime(stage, env={**(threads or {}), **worker_env(stage, index)}, config=config)
-    from vllm_omni.engine.workers.ray_backend import RayStageRuntime
-
-    return RayStageRuntime(stage, address=ray_address, config=config)
-
-
-def check_worker_backend(value: Any, source: str = "worker_backend") -> str:
-    """``value`` if it names a worker backend.
-
-    Raises:
-        ConfigError: naming ``source`` and the accepted values.
-    """
-    if value not in WORKER_BACKENDS:
-        raise ConfigError(
-            f"{source}: unknown worker backend {value!r}; choose one of {list(WORKER_BACKENDS)}",
-            options=("worker_backend",),
-        )
-    return value
 
 
 def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:

@@ -17,10 +17,11 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
+from vllm_omni.engine.stage_registry import stage_params_type
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
-from vllm_omni.models.stage_runtimes import stage_params_type
+from vllm_omni.stages import register_stage_runtimes
 
 
 def build_omni_config(
@@ -98,6 +99,7 @@ class OmniBase:
 
     def _start(self, config: VllmOmniConfig) -> None:
         self.config = config
+        register_stage_runtimes()  # the runtimes of vllm_omni.stages, before the engine looks them up
         self._orchestrator = Orchestrator(config)
 
     @property

@@ -15,8 +15,10 @@ from typing import Any, Literal
 
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES
 from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.engine.stage_registry import default_stage_params, stage_params_type
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.models.stage_runtimes import default_stage_params, stage_params_type
+from vllm_omni.stages import register_stage_runtimes
+from vllm_omni.stages.qwen2_5_omni.code2wav import load_speakers
 
 OutputKind = Literal["text", "image", "video", "audio"]
 
@@ -103,8 +105,6 @@ def _voices(config: VllmOmniConfig) -> tuple[str, ...]:
     audio = [s for s in config.stages if _is_audio(s) and s.model]
     if not audio:
         return ()
-    from vllm_omni.models.qwen2_5_omni.code2wav import load_speakers
-
     return tuple(load_speakers(audio[0].model))
 
 
@@ -121,6 +121,7 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
 
     The one place that reads the entry stage's options for front ends.
     """
+    register_stage_runtimes()
     entry = config.entry_stage
     common = {
         "pipeline": config.pipeline.name,

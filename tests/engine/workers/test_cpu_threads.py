@@ -67,7 +67,7 @@ def test_pipeline_plan_covers_cpu_stages_and_replicas(tiny_llm_assets, caplog):
 
 def test_a_worker_runs_with_its_planned_threads(z_image, monkeypatch):
     """The worker is spawned with the planned variables, so its torch pool has that size."""
-    from vllm_omni.engine.orchestrator import make_stage_runtime
+    from vllm_omni.engine.stage_factory import make_stage_runtime
 
     monkeypatch.delenv(T, raising=False)
     monkeypatch.delenv(B, raising=False)

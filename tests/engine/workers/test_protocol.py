@@ -171,7 +171,7 @@ def test_serve_defaults_to_mp_and_takes_the_flag(tiny_llm_assets, tmp_path):
 
 
 def test_ray_backend_without_ray_names_the_extra(tiny_llm_assets, monkeypatch):
-    from vllm_omni.engine.orchestrator import make_stage_runtime
+    from vllm_omni.engine.stage_factory import make_stage_runtime
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     stage = _config(tiny_llm_assets).stages[0]

@@ -85,16 +85,21 @@ class WorkerStageRuntime(SupervisedStageRuntime):
             (e.g. ``CUDA_VISIBLE_DEVICES`` from the stage's placement); ``None``: none.
         config: the whole pipeline config, for the stage runtimes that read it (the Qwen2.5-Omni
             talker reads its thinker stage's options).
+        factory: the stage's registered runtime factory (``inline_runtime.runtime_factory``),
+            handed to the worker; ``None`` for vLLM / diffusion stages.
 
     Raises:
         StageEngineError (or the runtime's own start-up error class): the worker failed to start.
     """
 
-    def __init__(self, stage: Any, env: dict[str, str] | None = None, config: Any = None) -> None:
+    def __init__(
+        self, stage: Any, env: dict[str, str] | None = None, config: Any = None, factory: Any = None
+    ) -> None:
         global _atexit_registered
         super().__init__(stage)
         self.env = dict(env or {})
         self.config = config
+        self.factory = factory
         #: ``torch.get_num_threads()`` in the worker once its runtime started (0: unknown)
         self.torch_threads = 0
         self._ids = itertools.count()
@@ -260,7 +265,7 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=worker_main,
-            args=(child, self.stage, self.env, self.config),
+            args=(child, self.stage, self.env, self.config, self.factory),
             name=f"omni-stage-{self.stage.stage_id}",
             daemon=False,  # a stage's engine may start processes of its own
         )

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime
 from vllm_omni.engine.workers import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,13 @@ class _Worker:
         self.runtime.shutdown(timeout)
 
 
-def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None, config: Any = None) -> None:
+def worker_main(
+    conn: Connection,
+    stage: Any,
+    env: dict[str, str] | None = None,
+    config: Any = None,
+    factory: RuntimeFactory | None = None,
+) -> None:
     """Entry point of a stage worker process (``multiprocessing`` spawn target).
 
     Args:
@@ -122,6 +129,8 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None,
         stage: the stage's resolved config (picklable).
         env: variables set before torch / vLLM are imported (e.g. ``CUDA_VISIBLE_DEVICES``).
         config: the whole pipeline config (picklable), read by the stage runtimes that need it.
+        factory: the stage's registered runtime factory (``inline_runtime.runtime_factory``; a
+            top-level function, pickled by reference), ``None`` for vLLM / diffusion stages.
 
     Sends :class:`~.protocol.Ready` once the runtime runs, or :class:`~.protocol.Failed`
     (``rid`` -1, the start-up error) and exits.
@@ -131,10 +140,8 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None,
     from vllm_omni.process_guard import watch_parent
 
     watch_parent()
-    from vllm_omni.engine.orchestrator import make_inline_runtime
-
     try:
-        runtime = make_inline_runtime(stage, config)
+        runtime = make_inline_runtime(stage, config, factory)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             conn.send_bytes(P.encode(P.Failed(-1, P.dump_error(exc, f"{stage.label} worker"))))

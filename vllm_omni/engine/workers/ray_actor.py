@@ -23,6 +23,7 @@ import dataclasses
 import os
 from typing import Any
 
+from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime
 from vllm_omni.ipc import RemoteError
 
 
@@ -79,11 +80,13 @@ class StageActor:
         threads_from_driver: whether the driver set ``OMP_NUM_THREADS`` (forwarded to the
             actor); otherwise torch gets every core this process may use.
         config: the whole pipeline config, for the stage runtimes that read it.
+        factory: the stage's registered runtime factory (``inline_runtime.runtime_factory``), passed
+            from the driver (this process may not have imported the package that registered it).
     """
 
-    def __init__(self, stage: Any, threads_from_driver: bool, config: Any = None):
-        from vllm_omni.engine.orchestrator import make_inline_runtime
-
+    def __init__(
+        self, stage: Any, threads_from_driver: bool, config: Any = None, factory: RuntimeFactory | None = None
+    ):
         if not threads_from_driver:
             # Ray sets OMP_NUM_THREADS to the actor's CPU resource (1) when the driver set none;
             # the stage gets the cores this process may use, as the inline runtime does
@@ -96,7 +99,7 @@ class StageActor:
         self._futures: dict[str, Any] = {}
         self._holds: dict[int, contextlib.ExitStack] = {}
         try:
-            self.runtime = make_inline_runtime(stage, config)
+            self.runtime = make_inline_runtime(stage, config, factory)
             self._start_error: RemoteError | None = None
         except Exception as exc:  # answered by info(), with its class
             self.runtime = None

@@ -122,6 +122,8 @@ class RayStageRuntime(SupervisedStageRuntime):
         address: Ray cluster to use when this process is not connected yet (default
             ``RAY_ADDRESS``, else a new local cluster).
         config: the whole pipeline config, for the stage runtimes that read it.
+        factory: the stage's registered runtime factory (``inline_runtime.runtime_factory``),
+            handed to the actor; ``None`` for vLLM / diffusion stages.
 
     Attributes:
         info: where the actor runs: ``node_id``, ``pid``, ``accelerator_ids``, ``cuda_visible_devices``.
@@ -132,9 +134,10 @@ class RayStageRuntime(SupervisedStageRuntime):
             message names the bundle and the cluster's resources) or its runtime failed to start.
     """
 
-    def __init__(self, stage: Any, *, address: str | None = None, config: Any = None):
+    def __init__(self, stage: Any, *, address: str | None = None, config: Any = None, factory: Any = None):
         super().__init__(stage)
         self.config = config
+        self.factory = factory
         self._ids = itertools.count()
         self._resolver = ThreadPoolExecutor(1, thread_name_prefix=f"omni-ray-stage-{stage.stage_id}")
         connect(address)
@@ -190,7 +193,7 @@ class RayStageRuntime(SupervisedStageRuntime):
                     max_restarts=0,
                     runtime_env={"env_vars": _forwarded_env()},
                 )
-                .remote(self.stage, "OMP_NUM_THREADS" in os.environ, self.config)
+                .remote(self.stage, "OMP_NUM_THREADS" in os.environ, self.config, self.factory)
             )
             try:
                 info = unwrap(ray.get(actor.info.remote()))

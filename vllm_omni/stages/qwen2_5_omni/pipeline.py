@@ -1,22 +1,31 @@
-"""Factories of the Qwen2.5-Omni stages (``vllm_omni.models.stage_runtimes.STAGE_RUNTIMES``) and the
-orchestrator's input processors between them (``thinker2talker``, ``talker2code2wav``)."""
+"""How the Qwen2.5-Omni stages beyond the thinker are built and chained.
+
+:data:`STAGE_RUNTIMES` (model class -> :class:`~vllm_omni.engine.stage_registry.StageRuntimeEntry`)
+and :data:`INPUT_PROCESSORS` (the ``thinker2talker`` / ``talker2code2wav`` hand-offs) are what
+:mod:`vllm_omni.stages` registers into the engine's registry.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from vllm import SamplingParams
 
 from vllm_omni.engine.connectors import StagePayload
+from vllm_omni.engine.stage_registry import InputProcessor, StageRuntimeEntry
 from vllm_omni.errors import StageEngineError
-from vllm_omni.models.qwen2_5_omni.code2wav import (
+from vllm_omni.stages.qwen2_5_omni.code2wav import (
     AudioOutput,
     AudioParams,
     Code2WavStageEngine,
     load_speakers,
 )
+from vllm_omni.stages.qwen2_5_omni.talker import TalkerStageEngine
 
 __all__ = [
+    "INPUT_PROCESSORS",
+    "STAGE_RUNTIMES",
     "AudioOutput",
     "AudioParams",
     "default_talker_params",
@@ -31,24 +40,27 @@ __all__ = [
 TALKER_DEFAULTS = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "max_tokens": 4096}
 
 
-def default_talker_params() -> Any:
+def default_talker_params() -> SamplingParams:
     """``SamplingParams`` of the talker when a request gives none (:data:`TALKER_DEFAULTS`)."""
-    from vllm import SamplingParams
-
     return SamplingParams(**TALKER_DEFAULTS)
 
 
-def make_talker(stage: Any, config: Any) -> Any:
-    """The talker runtime; its pooling pass takes the options of the stage feeding it (the thinker)."""
-    from vllm_omni.models.qwen2_5_omni.talker import TalkerStageEngine
+def make_talker(stage: Any, config: Any) -> TalkerStageEngine:
+    """The talker runtime; its pooling pass takes the options of the stage feeding it (the thinker).
 
+    Raises:
+        StageEngineError: no model directory, or no pipeline ``config`` to find the thinker's stage in.
+    """
     source = (stage.engine_input_source or [stage.stage_id - 1])[0]
     if not stage.model:
         raise StageEngineError(f"{stage.label}: no model directory given for the talker stage")
+    if config is None:
+        raise StageEngineError(f"{stage.label}: the talker needs the pipeline config (its thinker's stage)")
     return TalkerStageEngine(stage, config.stage_by_id(source), load_speakers(stage.model))
 
 
 def make_code2wav(stage: Any, config: Any) -> Code2WavStageEngine:
+    """The code2wav runtime (``config`` is not read)."""
     return Code2WavStageEngine(stage)
 
 
@@ -70,3 +82,20 @@ def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: A
 def talker2code2wav(talker_output: Any, stage_params: list[Any], lora_request: Any) -> StagePayload:
     """code2wav's input: the talker's payload (``codes`` int64 ``[N]``)."""
     return talker_output.payload
+
+
+#: model class (a stage's ``model_arch``) -> how the engine runs it.
+STAGE_RUNTIMES: dict[str, StageRuntimeEntry] = {
+    "OmniQwen2_5OmniTalkerForConditionalGeneration": StageRuntimeEntry(
+        make_talker, default_params=default_talker_params
+    ),
+    "OmniQwen2_5OmniToken2WavModel": StageRuntimeEntry(
+        make_code2wav, AudioParams, default_params=AudioParams
+    ),
+}
+
+#: input processor name (``StageSpec.input_processor``) -> function.
+INPUT_PROCESSORS: dict[str, InputProcessor] = {
+    "thinker2talker": thinker2talker,
+    "talker2code2wav": talker2code2wav,
+}

@@ -47,7 +47,7 @@ from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.errors import InvalidRequestError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.models.qwen2_5_omni.checkpoint import (
+from vllm_omni.stages.qwen2_5_omni.checkpoint import (
     TalkerTables,
     derive_adapter,
     derive_talker_checkpoint,
