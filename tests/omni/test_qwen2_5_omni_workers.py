@@ -110,7 +110,8 @@ def test_code2wav_in_a_ray_actor_restarts_with_the_same_waveform(omni, before):
     try:
         assert runtime.info["pid"] != os.getpid()
         first = runtime.submit(payload, params[2]).result(timeout=600)
-        np.testing.assert_array_equal(first.waveform, before[2])
+        # the actor's torch uses every core, the mp worker its share: sums ordered differently
+        np.testing.assert_allclose(first.waveform, before[2], rtol=0, atol=2e-4)
         os.kill(runtime.info["pid"], signal.SIGKILL)
         with pytest.raises(StageDeadError, match=r"Stage 2 \(llm_generation\)"):
             deadline = time.monotonic() + 60
@@ -123,6 +124,6 @@ def test_code2wav_in_a_ray_actor_restarts_with_the_same_waveform(omni, before):
             time.sleep(0.5)
         assert runtime.restarts == 1
         again = runtime.submit(payload, params[2]).result(timeout=600)
-        np.testing.assert_array_equal(again.waveform, before[2])
+        np.testing.assert_array_equal(again.waveform, first.waveform)
     finally:
         runtime.shutdown()
