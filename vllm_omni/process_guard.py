@@ -28,8 +28,10 @@ import time
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable holding the pid of the process that owns the stage engines.
-OWNER_ENV = "VLLM_OMNI_OWNER_PID"
+#: Environment variable holding the pid of the process that owns the stage engines. Not
+#: ``VLLM_``-prefixed: vLLM warns about (or, with ``fail_on_environ_validation``, refuses) every
+#: ``VLLM_*`` variable it does not know when it builds an engine config.
+OWNER_ENV = "OMNI_STAGE_OWNER_PID"
 #: Seconds between two checks of the parent (a sleeping thread: no measurable cost).
 POLL_S = 0.25
 #: Seconds between the SIGTERM a child sends itself and its hard exit.

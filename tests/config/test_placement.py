@@ -169,7 +169,7 @@ def test_each_worker_sees_only_its_devices(llm):
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=900,
             check=True,
         )
         seen.append(json.loads(out.stdout.strip().splitlines()[-1]))

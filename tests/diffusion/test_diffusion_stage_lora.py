@@ -16,6 +16,7 @@ import pytest
 import torch
 from lora_oracle import reference_latents, reference_pipeline
 
+from vllm_omni.entrypoints.request_adapters import entry_lora_kwargs
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
@@ -251,7 +252,7 @@ def test_remove_during_request_waits_for_it(tiny_z_image_dir, reqs, tiny_z_image
         t = threading.Thread(target=lambda: removed.append(omni.remove_lora(a.lora_int_id)))
         t.start()
         out = fut.result()
-        t.join(timeout=60)
+        t.join(timeout=600)
         # every step of the request ran with the adapter, then it was removed
         assert torch.equal(out.latents, full)
         assert removed == [True] and omni.list_loras() == set()
@@ -311,7 +312,7 @@ def test_request_adapters_built_at_the_entry_reach_the_worker_unchanged(omni, re
     from vllm_omni.lora.request import RequestAdapter
 
     adapters = (RequestAdapter(reqs["attn"], 0.5), RequestAdapter(reqs["qv"]))
-    [kw] = omni._entry_lora_kwargs([None], params(), None, None, None, adapters=adapters)
+    [kw] = entry_lora_kwargs(omni.config, [None], params(), None, None, None, adapters=adapters)
     assert kw == {"adapters": adapters}
     via_adapters = omni._orchestrator.submit(PROMPT, [params()], **kw).result(timeout=300)[0].latents
     via_lists = omni.generate(
@@ -319,6 +320,6 @@ def test_request_adapters_built_at_the_entry_reach_the_worker_unchanged(omni, re
     )[0].latents
     torch.testing.assert_close(via_adapters, via_lists, rtol=0, atol=0)
     with pytest.raises(InvalidRequestError, match="not both"):
-        omni._entry_lora_kwargs([reqs["ff"]], params(), None, None, None, adapters=adapters)
+        entry_lora_kwargs(omni.config, [reqs["ff"]], params(), None, None, None, adapters=adapters)
     with pytest.raises(InvalidRequestError, match=r"adapters\[1\].*appears twice"):
-        omni._entry_lora_kwargs([None], params(), None, None, None, adapters=adapters[:1] * 2)
+        entry_lora_kwargs(omni.config, [None], params(), None, None, None, adapters=adapters[:1] * 2)

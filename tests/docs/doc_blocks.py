@@ -1,4 +1,4 @@
-"""Run the fenced code blocks of ``docs/**/*.md`` on the tiny test models.
+"""Run the fenced code blocks of ``README.md`` and ``docs/**/*.md`` on the tiny test models.
 
 Conventions (also described in ``docs/contributing_docs.md``):
 
@@ -6,16 +6,25 @@ Conventions (also described in ``docs/contributing_docs.md``):
   directory the test builds from the tiny test assets (see :data:`PLACEHOLDERS`). A name that
   is not listed there fails the test, so the docs cannot use a path nobody checks.
   ``localhost:8000`` is rewritten to the address of the page's live server (``serve`` below).
-* **Languages.** ``python``: executed in order, one namespace per page, ``__name__ ==
-  "__main__"``, working directory = a fresh per-page folder. ``bash`` / ``sh`` / ``shell``:
-  every command must be one this module can check (:func:`run_bash_block`). ``yaml`` /
-  ``json``: parsed. ``text``: literal output or synopsis, never run. Anything else fails.
+* **Languages.** ``python``: every block is a script of its own, run as a reader would run it
+  (``python block.py`` in a fresh per-page folder, a new process, vLLM's default
+  multiprocessing: ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset), so a block defines every name it
+  uses and guards engine code with ``if __name__ == "__main__":``. ``bash`` / ``sh`` /
+  ``shell``: every command must be one this module can check (:meth:`PageRunner.run_bash`).
+  ``yaml`` / ``json``: parsed. ``text``: literal output or synopsis, never run. Anything else
+  fails.
 * **Markers.** An HTML comment on the line(s) right before a fence:
   ``<!-- docs-test: skip <reason> -->`` (not run; a reason is required),
   ``<!-- docs-test: file <name> -->`` (write the block to ``<name>`` in the page folder),
-  ``<!-- docs-test: serve -->`` (a bash block with one serve command: also start that server
-  in-process for the rest of the page), ``<!-- docs-test: expect-error -->`` (the block's
-  curl replies must be OpenAI error objects; by default they must not be).
+  ``<!-- docs-test: serve -->`` (a bash block with one serve command: also start that server,
+  as its own process, for the rest of the page; one server per page at a time),
+  ``<!-- docs-test: expect-error -->`` (the block's curl replies must be OpenAI error
+  objects; by default they must not be), ``<!-- docs-test: continues -->`` (a Python block
+  that continues the script of the Python block before it, as the page's text must say: the
+  chain runs as one script, each block at its own line numbers).
+* **Waiting.** Nothing runs against a wall-clock budget: a block's script, a server's start
+  and its stop are waited on while they make progress (new output, or CPU time used by the
+  process tree) and fail after :data:`STALL_S` seconds without any, showing the last output.
 """
 
 from __future__ import annotations
@@ -23,15 +32,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import linecache
 import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +47,18 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_DIR = REPO_ROOT / "docs"
+#: Seconds a block, a server start or a server stop may go without output or CPU time.
+STALL_S = float(os.environ.get("VLLM_OMNI_DOCS_STALL_S", "300"))
+#: An engine built on an LLM checkpoint: the script needs the ``__main__`` guard (vLLM spawns processes).
+_ENGINE_LLM = re.compile(r"\b(Omni|AsyncOmni)\(\s*\"/path/to/(model|qwen2_5_omni)\"")
+_MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 _MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<body>.*?)\s*-->")
 _PLACEHOLDER = re.compile(r"/path/to/([A-Za-z0-9_.\-/]+)")
 RUN_LANGS = {"python", "bash", "sh", "shell", "yaml", "yml", "json"}
 NEVER_RUN_LANGS = {"text", "mermaid"}
-KNOWN_MARKERS = {"skip", "file", "serve", "expect-error"}
+KNOWN_MARKERS = {"skip", "file", "serve", "expect-error", "continues"}
 
 #: placeholder name -> (asset key, copy?). Adapters are copied so that a ``--lora-dirs``
 #: allow-list on their parent folder holds them after ``realpath``; models are symlinked.
@@ -80,7 +93,7 @@ class Block:
 
 def extract_blocks(path: Path) -> list[Block]:
     """Fenced blocks of one page with the ``docs-test`` markers right above them."""
-    page = str(path.relative_to(DOCS_DIR))
+    page = str(path.relative_to(REPO_ROOT))
     lines = path.read_text().splitlines()
     blocks: list[Block] = []
     i = 0
@@ -109,7 +122,8 @@ def extract_blocks(path: Path) -> list[Block]:
 
 
 def doc_pages() -> list[Path]:
-    return sorted(DOCS_DIR.rglob("*.md"))
+    """The README and every docs page."""
+    return [REPO_ROOT / "README.md", *sorted(DOCS_DIR.rglob("*.md"))]
 
 
 # ------------------------------------------------------------------ assets
@@ -208,53 +222,139 @@ def dry_run(env: dict[str, str], argv: list[str], where: str) -> dict:
     return json.loads(out.getvalue())
 
 
+# ------------------------------------------------------------------ processes
+def block_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A reader's environment: vLLM's default multiprocessing, this checkout importable."""
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the test suite's in-process setting, not a reader's
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # as in a fresh shell: the KV budget is automatic
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    with contextlib.suppress(OSError):
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def wait_on_progress(proc: subprocess.Popen, log: Path, what: str, until=None) -> int | None:
+    """Wait for ``proc`` to exit (its status) or for ``until()`` to hold (``None``).
+
+    Fails (killing the process tree) only when neither new output in ``log`` nor CPU time in the
+    process tree appeared for :data:`STALL_S` seconds; the message shows what was last seen.
+    """
+    seen, last = (-1, -1.0), time.monotonic()
+    while True:
+        if until is not None and until():
+            return None
+        status = proc.poll()
+        if status is not None:
+            return status
+        now = (log.stat().st_size if log.exists() else 0, _tree_cpu_s(proc.pid))
+        if now[0] != seen[0] or now[1] > seen[1] + 0.2:
+            seen, last = now, time.monotonic()
+        elif time.monotonic() - last > STALL_S:
+            _kill_tree(proc)
+            raise AssertionError(
+                f"{what}: no output and no CPU time for {STALL_S:.0f} s (stalled); its output ends:\n{tail(log)}"
+            )
+        time.sleep(0.25)
+
+
+def _without_address(argv: list[str]) -> list[str]:
+    """``argv`` without ``--host`` / ``--port`` (the test picks a free loopback port)."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("--host", "--port"):
+            skip = True
+        elif not word.startswith(("--host=", "--port=")):
+            out.append(word)
+    return out
+
+
 class LiveServer:
-    """The serve command's server, in this process (uvicorn in a thread, engines in-process)."""
+    """The serve command's server as its own process (as documented, on a free loopback port)."""
 
-    def __init__(self, env: dict[str, str], argv: list[str]):
-        import asyncio
-
-        import uvicorn
-
-        from vllm_omni.entrypoints.async_omni import AsyncOmni
-        from vllm_omni.entrypoints.cli.main import make_parser
-        from vllm_omni.entrypoints.cli.serve import split_serve_args
-        from vllm_omni.entrypoints.openai.api_server import build_app, make_state, register_startup_adapters
-
+    def __init__(self, env: dict[str, str], argv: list[str], workdir: Path, where: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
-        self._env = patched_env(env)
-        self._env.__enter__()  # e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING, read by build_app
-        launch, settings = split_serve_args(make_parser().parse_args(argv))
-        self.omni = AsyncOmni(launch.model, **launch.omni_kwargs())
-        state = make_state(self.omni, settings)
-        asyncio.run(register_startup_adapters(state))
-        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                self.stop()
-                raise AssertionError(f"server {shlex.join(argv)} did not start")
-            time.sleep(0.05)
+        self.where = where
+        self.log = workdir / f"server_{where.rsplit(':', 1)[-1]}.log"
+        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", *_without_address(argv)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=block_env(env)
+            )  # fmt: skip
+        started = time.monotonic()
+        status = wait_on_progress(self.proc, self.log, f"{where}: server start", until=self._healthy)
+        if status is not None:
+            raise AssertionError(f"{where}: `{shlex.join(argv)}` exited with {status}:\n{tail(self.log)}")
+        self.start_s = time.monotonic() - started
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.base_url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.omni.shutdown()
-        self._env.__exit__(None, None, None)
+        """SIGTERM, then wait for the exit while the server makes progress."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            wait_on_progress(self.proc, self.log, f"{self.where}: server stop")
 
 
 def run_curl(command: str, cwd: Path, expect_error: bool, where: str) -> list[Any]:
-    """Run one curl command; every JSON document it prints is checked (error object or not)."""
+    """Run one curl command; every JSON document it prints is checked (error object or not).
+
+    The 900 s bound only ends a curl that hangs: the server behind it is the page's live one, whose
+    start was waited on progress; a request on the tiny models takes seconds.
+    """
     if shutil.which("curl") is None:
         raise AssertionError(f"{where}: curl is not installed (apt-get install curl)")
     proc = subprocess.run(
-        ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=900, check=False
     )
     if proc.returncode != 0:
         raise AssertionError(f"{where}: `{command}` failed ({proc.returncode}): {proc.stderr}")
@@ -287,25 +387,24 @@ def run_curl(command: str, cwd: Path, expect_error: bool, where: str) -> list[An
 
 # ------------------------------------------------------------------ pages
 class PageRunner:
-    """Runs one page's blocks in order (one Python namespace, at most one live server)."""
+    """Runs one page's blocks in order (each Python block a script; at most one live server)."""
 
     def __init__(self, page: str, assets_root: Path, workdir: Path):
         self.page = page
         self.assets_root = assets_root
         self.workdir = workdir
-        self.namespace: dict[str, Any] = {"__name__": "__main__"}
         self.server: LiveServer | None = None
         self.ran: list[str] = []
         self.skipped: list[str] = []
+        self.seconds: dict[str, float] = {}  # where -> wall seconds (scripts, server starts)
+        self.script: list[tuple[Block, str]] = []  # the Python chain not run yet (``continues``)
 
     def run(self, blocks: list[Block]) -> None:
-        old_cwd = os.getcwd()
-        os.chdir(self.workdir)
         try:
             for block in blocks:
                 self.run_block(block)
+            self.flush()
         finally:
-            os.chdir(old_cwd)
             self.close()
 
     def run_block(self, block: Block) -> None:
@@ -326,12 +425,14 @@ class PageRunner:
         if "file" in block.markers:
             (self.workdir / block.markers["file"]).write_text(code)
         if block.lang == "python":
-            # padded so that tracebacks name the page's own line numbers (and show them)
-            filename = str(DOCS_DIR / block.page)
-            padded = "\n" * block.line + code
-            linecache.cache[filename] = (len(padded), None, padded.splitlines(True), filename)
-            exec(compile(padded, filename, "exec"), self.namespace)
-        elif block.lang in ("yaml", "yml"):
+            if "continues" not in block.markers:
+                self.flush()
+            elif not self.script:
+                raise AssertionError(f"{block.where}: `docs-test: continues` but no Python block before it")
+            self.script.append((block, code))
+            return
+        self.flush()
+        if block.lang in ("yaml", "yml"):
             import yaml
 
             yaml.safe_load(code)
@@ -340,6 +441,42 @@ class PageRunner:
         else:
             self.run_bash(block, code)
         self.ran.append(block.where)
+
+    def flush(self) -> None:
+        """Run the pending Python chain (a block and its ``continues`` blocks) as one script."""
+        chain, self.script = self.script, []
+        if not chain:
+            return
+        block = chain[0][0]
+        written = "".join(b.code for b, _ in chain)  # as on the page, before placeholders
+        if _ENGINE_LLM.search(re.sub(r"#.*", "", written)) and not _MAIN_GUARD.search(written):
+            raise AssertionError(
+                f'{block.where}: a block that builds an LLM engine needs `if __name__ == "__main__":` '
+                f"(vLLM's CPU engine starts its processes with spawn, which imports the script again)"
+            )
+        lines = [f"# {block.where}"]
+        for part, text in chain:  # each block at its page line numbers, so tracebacks name them
+            lines += [""] * (part.line - len(lines))
+            lines += text.splitlines()
+        self.run_python(block, "\n".join(lines) + "\n", len(chain))
+
+    def run_python(self, block: Block, source: str, blocks: int = 1) -> None:
+        """``python block_<line>.py`` in the page folder, a new process, as a reader would run it."""
+        script = self.workdir / f"block_{block.line}.py"
+        script.write_text(source)
+        log = self.workdir / f"block_{block.line}.log"
+        started = time.monotonic()
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, script.name], stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, env=block_env()
+            )  # fmt: skip
+        status = wait_on_progress(proc, log, f"{block.where}: python {script.name}")
+        self.seconds[block.where] = time.monotonic() - started
+        print(f"{block.where}: python script ({blocks} block(s)), {self.seconds[block.where]:.1f} s")
+        if status != 0:
+            raise AssertionError(
+                f"{block.where}: `python {script.name}` exited with {status}; its output ends:\n{tail(log, 60)}"
+            )
 
     def run_bash(self, block: Block, code: str) -> None:
         commands = split_commands(code)
@@ -355,7 +492,9 @@ class PageRunner:
                     if self.server is not None:
                         self.server.stop()
                         self.server = None
-                    self.server = LiveServer(*serve)
+                    self.server = LiveServer(*serve, self.workdir, block.where)
+                    self.seconds[block.where] = self.server.start_s
+                    print(f"{block.where}: server up in {self.server.start_s:.1f} s")
             elif shlex.split(command)[0] == "curl":
                 if self.server is None:
                     raise AssertionError(f"{block.where}: curl needs a `docs-test: serve` block before it")
@@ -368,11 +507,5 @@ class PageRunner:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.stop()
-            self.server = None
-        module = sys.modules.get("vllm_omni.entrypoints.omni_base")  # not imported: no engine ran
-        for value in list(self.namespace.values()) if module else ():  # engines a page left running
-            if isinstance(value, module.OmniBase):
-                with contextlib.suppress(Exception):
-                    value.shutdown()
-        self.namespace.clear()
+            server, self.server = self.server, None
+            server.stop()

@@ -124,7 +124,7 @@ def _raw_targets(assets: Path) -> dict:
     return {"outputs": list(result[0].outputs[0].token_ids)}
 
 
-def run_probe(mode: str, assets_dir: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+def run_probe(mode: str, assets_dir: Path, timeout: int = 1800, **env: str) -> subprocess.CompletedProcess:
     """Run ``engine_process_probe.py MODE`` in a fresh interpreter with this checkout first on the path."""
     full_env = {**os.environ, **env}
     full_env["PYTHONPATH"] = os.pathsep.join(

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 
 import pytest
 from safetensors.torch import load_file, save_file
 from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
+from tests.waiting import wait_until
 from vllm_omni.errors import InvalidAdapterError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 
@@ -138,12 +138,12 @@ def test_lora_call_waiting_while_the_stage_shuts_down_does_not_hang(tiny_llm_ass
 
     def slow_step():
         in_step.set()
-        release.wait(30)
+        release.wait(600)
         return step()
 
     runtime._engine.step = slow_step
     fut = runtime.submit(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
-    assert in_step.wait(30)
+    assert in_step.wait(600)
     result: dict = {}
 
     def list_loras():
@@ -154,19 +154,17 @@ def test_lora_call_waiting_while_the_stage_shuts_down_does_not_hang(tiny_llm_ass
 
     caller = threading.Thread(target=list_loras, daemon=True)
     caller.start()
-    deadline = time.monotonic() + 10
-    while not runtime._commands and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: runtime._commands, "the list_loras call to be queued", interval_s=0.01)
     closer = threading.Thread(target=engine.shutdown, daemon=True)
     closer.start()
-    time.sleep(0.2)
+    wait_until(lambda: runtime._closed, "the shutdown to begin", interval_s=0.01)
     release.set()
-    closer.join(60)
-    caller.join(30)
+    closer.join(600)
+    caller.join(600)
     assert not caller.is_alive(), "list_loras hung across shutdown"
     assert isinstance(result.get("error"), StageEngineError) or "value" in result
     with pytest.raises(StageEngineError):
-        fut.result(timeout=30)
+        fut.result(timeout=300)
 
 
 def test_calls_after_shutdown_fail_clearly(tiny_llm_assets):

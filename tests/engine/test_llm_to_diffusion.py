@@ -108,5 +108,5 @@ def test_llm_first_then_diffusion_in_a_fresh_process(tiny_llm_assets, z_image_di
     )
     path = tmp_path / "llm_first.py"
     path.write_text(script)
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

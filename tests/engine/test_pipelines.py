@@ -47,6 +47,14 @@ def test_llm_chain_stage1_consumes_stage0_text_and_adapter_reaches_entry_only(ti
             LoRANotEnabledError, match=r"Stage 1 \(llm_ar\) does not have LoRA enabled.*enable_lora"
         ):
             omni.generate("hello world", [params, params], lora_request={0: adapter, 1: adapter})
+        # a registration one target stage refuses leaves nothing on the others (issue 21, rule 2)
+        both = LoRARequest("both", 5, str(tiny_llm_assets.adapter_b))
+        with pytest.raises(LoRANotEnabledError, match=r"adapter 'both' .*Stage 1 \(llm_ar\)"):
+            omni.add_lora(both, stage_id=[0, 1])
+        assert omni.list_loras(stage_id=0) == {1} and omni.adapter_registry.get("both") is None
+        assert omni.add_lora(both) and omni.adapter_registry.get("both").targets == (
+            0,
+        )  # default: entry stage
 
 
 def test_stage_with_unavailable_model_class_fails_at_engine_start(tiny_llm_assets):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from concurrent.futures import Future
 
 import pytest
@@ -26,6 +25,7 @@ from vllm_omni.errors import (
     StageEngineError,
 )
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.stats import MetricFamily, StatsRecorder
 
 
 class FakeRuntime:
@@ -37,7 +37,7 @@ class FakeRuntime:
         self.fail: dict[str, Exception] = {}
         self.holds = 0
         self.stopped_with: list = []
-        self.stop_delay = 0.0
+        self.stop_barrier: threading.Barrier | None = None
         self.refuse: Exception | None = None
         self.state = "ready"
 
@@ -91,9 +91,19 @@ class FakeRuntime:
     def health(self):
         return self.state
 
+    def stats(self):
+        if self.state != "ready":
+            raise StageEngineError(f"replica {self.index} is {self.state}")
+        recorder = StatsRecorder(self.stage.stage_id, self.stage.stage_type)
+        recorder.request_done(["a"], 0.1 * (self.index + 1), True)
+        snap = recorder.snapshot()
+        snap.vllm = [MetricFamily("vllm:x", "gauge", "x", [("vllm:x", {"engine": "0"}, float(self.index))])]
+        return snap
+
     def shutdown(self, timeout=None):
         self.stopped_with.append(timeout)
-        time.sleep(self.stop_delay)
+        if self.stop_barrier is not None:  # passes only once every replica's shutdown has started
+            self.stop_barrier.wait()
 
 
 @pytest.fixture
@@ -113,6 +123,18 @@ def _req(i):
 def test_fake_follows_the_protocol(stage, rep):
     assert isinstance(FakeRuntime(stage), StageRuntime)
     assert isinstance(rep, StageRuntime)
+
+
+def test_stats_sum_the_replicas_that_answer(rep):
+    rep.runtimes[1].state = "restarting"
+    snap = rep.stats()
+    assert (snap.replicas, snap.requests, snap.adapters["a"].requests) == (2, 2, 2)
+    assert snap.latency.total == pytest.approx(0.1 + 0.3)
+    assert [labels["engine"] for _, labels, _ in snap.vllm[0].samples] == ["0", "2"]  # replica indexes
+    for runtime in rep.runtimes:
+        runtime.state = "dead"
+    with pytest.raises(StageEngineError, match="replica 0 is dead"):
+        rep.stats()
 
 
 def test_least_loaded_dispatch_with_round_robin_ties(rep):
@@ -257,12 +279,14 @@ def test_list_loras_common_set_and_disagreement(rep):
 
 
 def test_shutdown_runs_replicas_at_once_within_the_timeout(rep):
+    # each replica's shutdown blocks until all three have started: one at a time never gets there
+    # (a progress check, not a timing one: the barrier's cap only bounds a failing run)
+    barrier = threading.Barrier(len(rep.runtimes), timeout=120)
     for r in rep.runtimes:
-        r.stop_delay = 0.5
-    start = time.monotonic()
-    rep.shutdown(timeout=5.0)
-    assert time.monotonic() - start < 1.4  # in parallel, not 3 x 0.5 s
-    assert all(len(r.stopped_with) == 1 and 0 < r.stopped_with[0] <= 5.0 for r in rep.runtimes)
+        r.stop_barrier = barrier
+    rep.shutdown(timeout=300.0)
+    assert not barrier.broken, "the replicas were not shut down at once"
+    assert all(len(r.stopped_with) == 1 and 0 < r.stopped_with[0] <= 300.0 for r in rep.runtimes)
     with pytest.raises(StageEngineError, match="shut down"):
         rep.submit("p", None)
     rep.shutdown()  # idempotent at this level: each runtime's own shutdown is

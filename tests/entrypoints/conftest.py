@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Timeout (seconds) of an ``httpx`` call that names none: httpx's own default, 5 s, fails a request
+#: that merely waits its turn on a loaded machine. A test that needs a short timeout passes its own.
+HTTP_TIMEOUT_S = 300.0
+
+
+def _with_generous_timeout(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@pytest.fixture(scope="session", autouse=True)
+def generous_http_timeouts():
+    """``httpx.get/post/...`` without a ``timeout`` get :data:`HTTP_TIMEOUT_S` in every serving test."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("request", "get", "post", "put", "patch", "delete", "stream"):
+            patch.setattr(httpx, name, _with_generous_timeout(getattr(httpx, name)))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -151,7 +151,7 @@ def _route_fuzzer(server, route: str, max_examples: int):
     )
     @given(body_for(route))
     def check(body):
-        r = post(server, route, body, timeout=120)
+        r = post(server, route, body, timeout=600)
         assert r.status_code < 500, (route, body, r.text[:300])
         if r.status_code >= 400:
             assert_openai_error(r, (400, 404, 413, 415, 422))
@@ -200,7 +200,7 @@ def fuzz_edits(server, max_examples: int = 40) -> None:
         fields, image = form
         files = {key: (None, value) for key, value in fields.items()}
         files["image"] = ("in.png", image, "image/png")
-        r = httpx.post(server.url("/v1/images/edits"), files=files, timeout=120)
+        r = httpx.post(server.url("/v1/images/edits"), files=files, timeout=600)
         assert r.status_code < 500, (fields, r.text[:300])
         if r.status_code >= 400:
             assert_openai_error(r, (400, 404, 413, 415, 422))

@@ -9,14 +9,17 @@ silently shadowing another.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.lora.fake_stages import FakeStages
 from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.openai.state import make_state, register_startup_adapters
 from vllm_omni.entrypoints.stage_info import EntryStageInfo
 from vllm_omni.errors import ConfigError
+from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "examples" / "demo_model" / "adapters"
@@ -24,7 +27,8 @@ WARM, STRIPES = str(ADAPTERS / "warm"), str(ADAPTERS / "stripes")
 
 
 class _Engine:
-    """What ``register_startup_adapters`` uses of ``AsyncOmni``."""
+    """What ``register_startup_adapters`` uses of ``AsyncOmni``: its entry-stage description and its
+    adapter registry (over stand-in stages; the ``lora_path`` adapters adopted as ``Omni`` does)."""
 
     def __init__(self, lora_paths: tuple[str, ...]):
         adapters = tuple(LoRARequest(Path(p).name, stable_lora_int_id(p), p) for p in lora_paths)
@@ -40,11 +44,15 @@ class _Engine:
             startup_lora_paths=lora_paths,
             startup_adapters=adapters,
         )
+        self.stages = FakeStages(1)
+        self.adapter_registry = AdapterRegistry(self.stages.call)
+        for lora in adapters:
+            self.adapter_registry.adopt(lora, 0)
         self.added: list[str] = []
 
-    async def add_lora(self, lora: LoRARequest) -> bool:
+    async def add_lora(self, lora: LoRARequest, **kwargs) -> bool:
         self.added.append(lora.lora_name)
-        return True
+        return self.adapter_registry.add(lora, **kwargs)
 
 
 def _start(lora_paths=(), lora_modules=(), served=("demo",)):
@@ -79,6 +87,6 @@ def test_a_clashing_startup_name_stops_the_server(lora_paths, lora_modules, flag
 
 def test_a_lora_path_adapter_named_like_the_model_stops_the_server(tmp_path):
     clash = tmp_path / "demo"
-    clash.mkdir()
+    shutil.copytree(WARM, clash)
     with pytest.raises(ConfigError, match="--lora-path .*'demo'"):
         _start([str(clash)])

@@ -45,7 +45,7 @@ def server(tiny_omni_assets, tmp_path_factory):
         "tiny-omni",
     )
     log = tmp_path_factory.mktemp("serve_omni_log") / "server.log"
-    srv = start_server(cmd, port, log, server_env(), timeout=600)
+    srv = start_server(cmd, port, log, server_env())
     yield srv
     srv.stop()
 
@@ -100,5 +100,5 @@ def test_openai_client_reads_audio_and_its_transcript(client):
 )
 def test_bad_audio_fields_are_400_naming_the_field(server, fields, param):
     body = {"model": "tiny-omni", "messages": MESSAGES, "max_tokens": 4} | fields
-    err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60), (400,))
+    err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
     assert err["param"] == param

@@ -124,7 +124,9 @@ def test_deploy_yaml_with_cli_precedence(tiny_llm_assets, tmp_path):
 
 def test_diffusion_lora_flags(tiny_z_image_dir, tmp_path):
     model = str(tiny_z_image_dir)
-    adapters = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    adapters = [os.path.realpath(tmp_path / n) for n in ("a.safetensors", "b.safetensors")]
+    for path in adapters:  # start-up adapters must exist (nothing is read before the engine loads)
+        open(path, "wb").close()
     launch, _ = parse_serve_argv(
         [model, "--lora-path", adapters[0], "--lora-scale", "0.5", "--max-loras", "2", "--max-cpu-loras", "3"]
         + ["--dtype", "float32"]
@@ -253,7 +255,7 @@ def test_shutdown_timeout_is_a_server_setting(tiny_llm_assets, monkeypatch, caps
 def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
     """`vllm serve <model> --omni ...` runs our CLI (vLLM's own dispatch), errors included."""
     cmd = console_script("vllm") + ["serve", str(tiny_z_image_dir), "--omni", "--lora-backend", "distill"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=180)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=900)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vllm-omni serve: error:" in out.stderr and "--lora-path" in out.stderr
 
@@ -280,7 +282,7 @@ def test_serve_starts_the_config_it_resolved(tiny_llm_assets, monkeypatch):
     monkeypatch.setattr(omni_base, "build_omni_config", counting_build)
     monkeypatch.setattr(AsyncOmni, "from_config", classmethod(no_engines))
     with pytest.raises(Started):
-        cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128"])
+        cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--max-model-len", "128", "--port", "0"])
     assert len(built) == 1 and started == built
     assert started[0].entry_stage.options["max_model_len"] == 128
 
@@ -324,7 +326,7 @@ def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch
     env = server_env(VLLM_OMNI_CACHE_ROOT=str(tmp_path), COLUMNS=os.environ.get("COLUMNS", ""))
     import sys
 
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
     assert out.stdout == full_help
     assert "exit 0" in out.stderr and "exit 2" in out.stderr
     assert "unknown option '--enable-loar' (did you mean '--enable-lora'?)" in out.stderr

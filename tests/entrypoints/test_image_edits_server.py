@@ -51,7 +51,7 @@ def client(img2img_dir, tmp_path_factory):
     cmd += ["--dtype", "float32", "--served-model-name", "sd3-edit", "--disable-uvicorn-access-log"]
     cmd += ["--api-key", API_KEY]
     srv = start_server(cmd, port, tmp_path_factory.mktemp("edit_log") / "server.log", server_env())
-    yield openai.OpenAI(base_url=srv.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
+    yield openai.OpenAI(base_url=srv.url("/v1"), api_key=API_KEY, max_retries=0, timeout=600)
     srv.stop()
 
 

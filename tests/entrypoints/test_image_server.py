@@ -98,7 +98,7 @@ def server(tiny_z_image_dir, paths, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=600)
 
 
 decode = decode_png
@@ -317,7 +317,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("route, body", MALFORMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MALFORMED)])
 def test_malformed_bodies_get_openai_errors(server, route, body):
-    assert_openai_error(httpx.post(server.url(route), json=body, timeout=60))
+    assert_openai_error(httpx.post(server.url(route), json=body, timeout=600))
 
 
 def test_pickle_and_duplicate_adapters_are_refused(server, paths):
@@ -339,7 +339,7 @@ def test_examples_client_and_curl(server, paths):
         + ["--out", str(paths["root"].parent / "example")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr
     assert Image.open(paths["root"].parent / "example_0.png").size == (32, 32)
@@ -353,7 +353,7 @@ def test_examples_client_and_curl(server, paths):
         IMAGE=str(image),
     )
     curl = REPO_ROOT / "examples" / "online_serving" / "curl_image_examples.sh"
-    out = subprocess.run(["bash", str(curl)], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(["bash", str(curl)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     docs = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert len(docs) == 3

@@ -8,8 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.entrypoints.lora_strategies import lora_values
+from tests.lora.fake_stages import FakeStages
 from vllm_omni.entrypoints.openai.errors import OpenAIError
-from vllm_omni.entrypoints.openai.lora import AdapterRegistry, LoRASpec, parse_lora_field
+from vllm_omni.entrypoints.openai.lora import LoRASpec, ServerAdapters, parse_lora_field
+from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 
 
@@ -33,7 +35,9 @@ def tree(tmp_path):
 
 
 def registry(root, **kw):
-    return AdapterRegistry([str(root)], kw.get("allow_remote", False), ["base"])
+    return ServerAdapters(
+        AdapterRegistry(FakeStages().call), [str(root)], kw.get("allow_remote", False), ["base"]
+    )
 
 
 def status_of(fn) -> int:
@@ -124,7 +128,7 @@ def test_pickle_only_and_missing_adapters_are_refused(tree):
 
 def test_startup_paths_are_allowed_outside_the_roots(tree):
     root, outside = tree
-    reg = AdapterRegistry([], False, ["base"])
+    reg = ServerAdapters(AdapterRegistry(FakeStages().call), [], False, ["base"])
     assert status_of(lambda: reg.resolve_path(str(root / "peft"))) == 400
     reg.register_startup_path(str(outside / "peft"))
     assert reg.resolve_path(str(outside / "peft")) == str(outside / "peft")
@@ -133,13 +137,13 @@ def test_startup_paths_are_allowed_outside_the_roots(tree):
 def test_ids_never_switch_weights_and_names_resolve(tree):
     root, _ = tree
     reg = registry(root)
-    reg.to_request(LoRASpec("x", str(root / "peft"), int_id=9))
+    reg.core.resolve(reg.to_request(LoRASpec("x", str(root / "peft"), int_id=9)))  # as the engine does
     assert status_of(lambda: reg.to_request(LoRASpec("x", str(root / "single.safetensors"), int_id=9))) == 400
     # same name, other path: another id
     a = reg.to_request(LoRASpec("y", str(root / "peft")))
     b = reg.to_request(LoRASpec("y", str(root / "single.safetensors")))
     assert a.lora_int_id != b.lora_int_id
-    reg.add_named(LoRARequest("known", 77, str(root / "peft")))
+    reg.core.add(LoRARequest("known", 77, str(root / "peft")))
     assert reg.to_request(LoRASpec("known", None)).lora_int_id == 77
     assert status_of(lambda: reg.to_request(LoRASpec("unknown", None))) == 404
 

@@ -7,10 +7,12 @@ import shutil
 
 import pytest
 
+from tests.lora.fake_stages import FakeStages
 from vllm_omni.entrypoints.openai.errors import OpenAIError
-from vllm_omni.entrypoints.openai.lora import AdapterRegistry, LoRASpec, parse_lora_field
+from vllm_omni.entrypoints.openai.lora import LoRASpec, ServerAdapters, parse_lora_field
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import MAX_ADAPTER_SCALE, LoRARequest, RequestAdapter, validate_request_adapters
 
 
@@ -31,7 +33,7 @@ def test_a_file_symlinked_out_of_an_allowed_folder_is_refused(roots, linked):
     shutil.copytree(root / "real", folder)
     (folder / linked).unlink()
     (folder / linked).symlink_to(outside / linked)
-    registry = AdapterRegistry([str(root)], False, ["base"])
+    registry = ServerAdapters(AdapterRegistry(FakeStages().call), [str(root)], False, ["base"])
     with pytest.raises(OpenAIError) as info:
         registry.to_request(LoRASpec("x", str(folder)))
     assert info.value.status == 400 and info.value.param == "lora"
@@ -47,7 +49,7 @@ def test_a_single_file_whose_sibling_config_leads_outside_is_refused(roots):
     (root / "single").mkdir()
     (root / "single" / "one.safetensors").write_bytes(b"")
     (root / "single" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
-    registry = AdapterRegistry([str(root)], False, ["base"])
+    registry = ServerAdapters(AdapterRegistry(FakeStages().call), [str(root)], False, ["base"])
     with pytest.raises(OpenAIError, match="adapter_config.json") as info:
         registry.to_request(LoRASpec("x", str(root / "single" / "one.safetensors")))
     assert info.value.status == 400

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_omni.diffusion.worker_lora import startup_lora_request
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.omni_base import build_omni_config
 from vllm_omni.entrypoints.stage_info import describe_entry_stage
+from vllm_omni.lora.request import startup_lora_request
 
 
 def test_llm_entry_stage(tiny_llm_assets):

@@ -62,7 +62,7 @@ def server(tiny_wan_dir, tmp_path_factory):
 
 
 def post(server, body: dict) -> httpx.Response:
-    return httpx.post(server.url("/v1/videos/generations"), json=body, timeout=120)
+    return httpx.post(server.url("/v1/videos/generations"), json=body, timeout=600)
 
 
 def reference_frames(tiny_wan_dir) -> np.ndarray:
@@ -145,7 +145,8 @@ def test_video_malformed_body(server):
     assert_openai_error(post(server, {"prompt": ""}), statuses=(400,))
     # a video pipeline has no image routes: a 400, never a 500
     err = assert_openai_error(
-        httpx.post(server.url("/v1/images/generations"), json={"prompt": PROMPT}, timeout=60), statuses=(400,)
+        httpx.post(server.url("/v1/images/generations"), json={"prompt": PROMPT}, timeout=600),
+        statuses=(400,),
     )
     assert "does not produce images" in err["message"]
     assert httpx.get(server.url("/health")).status_code == 200

@@ -30,7 +30,7 @@ ADAPTERS = [str(DEMO / "adapters" / "warm"), str(DEMO / "adapters" / "stripes")]
 QUICK = ["--prompt", "a blue square", "--num-inference-steps", "4", "--guidance-scale", "3", "--seed", "1"]
 
 
-def _run(script: Path, *args: str, timeout: int = 600) -> str:
+def _run(script: Path, *args: str, timeout: int = 1800) -> str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # as in a fresh shell: the KV cache budget is automatic
     proc = subprocess.run(

@@ -84,7 +84,8 @@ class OmniDiffusionConfig:
             uses ``cuda:<rank>``.
         pipeline_backend: one of ``PIPELINE_BACKENDS``: ``"auto"`` (in-tree when ``_class_name``
             has one, else diffusers), ``"in_tree"`` or ``"diffusers"``.
-        enable_progress_bar: show a tqdm bar over denoising steps (only when stderr is a TTY).
+        enable_progress_bar: report denoising progress: a tqdm bar when stderr is a terminal, else
+            INFO log lines (``vllm_omni.diffusion.progress``).
         seed: default seed of requests that set none (``None``: a random one per request).
         max_batch_size: prompts per denoiser batch of the stage runtime (``>= 1``).
         enforce_eager: accepted for symmetry with LLM stages; diffusion always runs eagerly.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,8 +82,25 @@ def denoising_step(step: int, num_steps: int) -> Iterator[DiffusionForwardContex
         step: 0-based step index, ``0 <= step < num_steps``.
         num_steps: steps of the whole loop.
     """
+    start = time.perf_counter()
     with _override(step=int(step), num_steps=int(num_steps)) as ctx:
         yield ctx
+    times = getattr(_LOCAL, "step_times", None)
+    if times is not None:
+        times.append(time.perf_counter() - start)
+
+
+@contextmanager
+def time_denoising_steps() -> Iterator[list[float]]:
+    """Collect the wall-clock seconds of every :func:`denoising_step` block run on this thread
+    inside this one (the runtime's statistics; on CUDA a step's kernels may finish in a later one)."""
+    times: list[float] = []
+    previous = getattr(_LOCAL, "step_times", None)
+    _LOCAL.step_times = times
+    try:
+        yield times
+    finally:
+        _LOCAL.step_times = previous
 
 
 @contextmanager
@@ -105,4 +123,5 @@ __all__ = [
     "get_forward_context",
     "rows_per_sample",
     "set_forward_context",
+    "time_denoising_steps",
 ]

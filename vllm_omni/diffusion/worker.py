@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import time_denoising_steps
 from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
 from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
 from vllm_omni.errors import InvalidRequestError
@@ -147,12 +148,15 @@ class DiffusionWorker:
                             f"negative_prompt has {len(sp.negative_prompt)} entries for {len(prompts)} prompts"
                         )
                     sp = dataclasses.replace(sp, negative_prompt=[sp.negative_prompt[i] for i in keep])
-                outputs = self.pipeline.generate(
-                    [prompts[i] for i in keep],
-                    sp,
-                    seeds=None if seeds is None else [seeds[i] for i in keep],
-                    lora_context=self.lora.context_factory([lora_sets[i] for i in keep]),
-                )
+                self.lora.note_batch([lora_sets[i] for i in keep])
+                with time_denoising_steps() as step_times:
+                    outputs = self.pipeline.generate(
+                        [prompts[i] for i in keep],
+                        sp,
+                        seeds=None if seeds is None else [seeds[i] for i in keep],
+                        lora_context=self.lora.context_factory([lora_sets[i] for i in keep]),
+                    )
+                self.lora.note_steps(step_times)
                 for i, out in zip(keep, outputs, strict=True):
                     results[i] = out
         finally:
@@ -176,6 +180,10 @@ class DiffusionWorker:
     def pin_lora(self, lora_int_id: int) -> bool:
         """Never evict this cached adapter (``ValueError`` when not cached)."""
         return self.lora.pin_lora(lora_int_id)
+
+    def stats_events(self) -> list[tuple[str, str, float]]:
+        """This rank's statistics events since the last call (:meth:`WorkerLoRA.drain_events`)."""
+        return self.lora.drain_events()
 
     def describe(self) -> dict[str, Any]:
         """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "max_size",

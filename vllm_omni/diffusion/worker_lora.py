@@ -18,24 +18,18 @@ Every rank runs the same calls with the same arguments, so the caches of all ran
 from __future__ import annotations
 
 import contextlib
-import os
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import LoRARequest, RequestAdapter, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, startup_lora_request
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 #: One request's adapters, each with its scale (``None``: the default applies).
 LoRASet = tuple[RequestAdapter, ...]
-
-
-def startup_lora_request(path: str) -> LoRARequest:
-    """The ``LoRARequest`` under which a ``lora_path`` adapter is pre-loaded (id from the path)."""
-    name = os.path.basename(os.path.normpath(path)) or "startup"
-    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(path), lora_path=path)
 
 
 class WorkerLoRA:
@@ -74,23 +68,34 @@ class WorkerLoRA:
         )
         self.default_scales: dict[int, float] = {}
         self.startup_requests: list[LoRARequest] = []
+        #: statistics not yet taken by :meth:`drain_events`: ``(event, adapter name, value)``
+        self._events: list[tuple[str, str, float]] = []
+        self._names: dict[int, str] = {}
         if od_config.lora_backend == "peft":
             for path in paths:
                 request = startup_lora_request(path)
-                self.manager.add_lora(request)
-                self.manager.pin_lora(request.lora_int_id)
+                self.add_lora(request)
+                self.pin_lora(request.lora_int_id)
                 self.default_scales[request.lora_int_id] = scale
                 self.startup_requests.append(request)
 
     # ------------------------------------------------------------------ management
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load into the host cache; ``True`` if it was loaded now, ``False`` if already cached."""
-        return self.manager.add_lora(lora_request)
+        name = self._name(lora_request)
+        try:
+            return bool(self._loading([lora_request], lambda: self.manager.add_lora(lora_request), False))
+        except Exception:
+            self._events.append(("registration_failures", name, 1))
+            raise
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop from cache and slot; ``False`` when not cached. ``LoRACacheError`` while in use."""
         self.default_scales.pop(lora_int_id, None)
-        return self.manager.remove_lora(lora_int_id)
+        removed = self.manager.remove_lora(lora_int_id)
+        if removed:
+            self._events.append(("unloaded", self._names.get(lora_int_id, str(lora_int_id)), 0))
+        return removed
 
     def list_loras(self) -> list[int]:
         """Cached adapter ids, least recently used first."""
@@ -98,7 +103,50 @@ class WorkerLoRA:
 
     def pin_lora(self, lora_int_id: int) -> bool:
         """Pin a cached adapter (``ValueError`` when it is not cached)."""
-        return self.manager.pin_lora(lora_int_id)
+        pinned = self.manager.pin_lora(lora_int_id)
+        self._events.append(("pinned", self._names.get(lora_int_id, str(lora_int_id)), 1))
+        return pinned
+
+    # ------------------------------------------------------------------ statistics
+    def _name(self, lora: LoRARequest) -> str:
+        name = self._names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
+        return name
+
+    def _loading(self, requests: Sequence[LoRARequest], load: Callable[[], Any], for_request: bool) -> Any:
+        """Run ``load`` (which may read ``requests`` into the host cache) and note what it did: cache
+        hits and misses (``for_request``: a request needs them), load seconds (a call that loaded several adapters splits its time evenly)
+        and the adapters it evicted."""
+        before = set(self.manager.list_loras())
+        start = time.perf_counter()
+        result = load()
+        seconds = time.perf_counter() - start
+        after = set(self.manager.list_loras())
+        missed = {r.lora_int_id: self._name(r) for r in requests if r.lora_int_id not in before}
+        for lora in requests:
+            hit = lora.lora_int_id not in missed
+            if for_request:
+                self._events.append(("cache_hits" if hit else "cache_misses", self._name(lora), 1))
+        for name in missed.values():
+            self._events.append(("loaded", name, seconds / len(missed)))
+        for lora_int_id in before - after:
+            self._events.append(("evicted", self._names.get(lora_int_id, str(lora_int_id)), 1))
+        return result
+
+    def note_batch(self, sets: Sequence[LoRASet]) -> None:
+        """Count a denoiser batch's device-slot hits and misses (once per distinct adapter)."""
+        resident = self.manager.slot_assignment()
+        for lora in {a.lora.lora_int_id: a.lora for s in sets for a in s}.values():
+            hit = lora.lora_int_id in resident
+            self._events.append(("slot_hits" if hit else "slot_misses", self._name(lora), 1))
+
+    def note_steps(self, seconds: Sequence[float]) -> None:
+        """Record the seconds of each denoising step of a batch (event ``step``)."""
+        self._events.extend(("step", "", float(t)) for t in seconds)
+
+    def drain_events(self) -> list[tuple[str, str, float]]:
+        """The statistics events since the last call, oldest first (see ``StatsRecorder.apply``)."""
+        events, self._events = self._events, []
+        return events
 
     # ------------------------------------------------------------------ requests
     def resolve_scales(self, adapters: LoRASet) -> list[float | LoRAScaleSchedule]:
@@ -135,7 +183,10 @@ class WorkerLoRA:
         """Check a request's schedules, then load (if needed) and hold its adapters; nothing changes on
         failure (see :meth:`check_schedules` for the schedule errors)."""
         self.check_schedules(adapters)
-        return self.manager.acquire_loras([a.lora for a in adapters]) if adapters else []
+        if not adapters:
+            return []
+        loras = [a.lora for a in adapters]
+        return self._loading(loras, lambda: self.manager.acquire_loras(loras), True)
 
     def release(self, ids: Sequence[int]) -> None:
         if ids:

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_class
@@ -67,6 +67,7 @@ class _Pending:
     adapters: tuple[RequestAdapter, ...]
     seed: int | None
     future: Future
+    submitted: float = field(default_factory=time.monotonic)
 
 
 def _batch_key(item: _Pending, mixed_lora: bool) -> tuple:
@@ -159,6 +160,7 @@ class DiffusionStageEngine(StageDriver):
         #: sizes of the denoiser batches run so far, in prompts (observability / tests).
         self.batch_sizes: list[int] = []
         self._init_driver()
+        self._take_worker_stats()  # the start-up adapters, loaded and pinned
         self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
         self._thread.start()
 
@@ -353,6 +355,7 @@ class DiffusionStageEngine(StageDriver):
     def _run_batch(self, batch: list[_Pending]) -> None:
         """Run ``batch`` and resolve its futures. When the batch call itself fails, each member
         is run alone, so a request fails only for its own sake (a dead stage fails them all)."""
+        started = time.monotonic()
         try:
             results = self._generate(batch)
         except Exception as exc:
@@ -362,16 +365,41 @@ class DiffusionStageEngine(StageDriver):
                     self._dead = exc
             if len(batch) == 1 or isinstance(exc, StageDeadError):
                 for item in batch:
+                    self._record(item, started, exc)
                     item.future.set_exception(exc)
                 return
             for item in batch:
                 self._run_batch([item])
             return
+        finally:
+            self._take_worker_stats()
         for item, res in zip(batch, results, strict=True):
+            self._record(item, started, res)
             if isinstance(res, BaseException):
                 item.future.set_exception(res)
             else:
                 item.future.set_result(res)
+
+    def _record(self, item: _Pending, started: float, result: Any) -> None:
+        """Note a finished request in the stage's statistics."""
+        ok = not isinstance(result, BaseException)
+        self.recorder.request_done(
+            [a.lora.lora_name or str(a.lora.lora_int_id) for a in item.adapters],
+            time.monotonic() - item.submitted,
+            ok,
+            queued=started - item.submitted,
+            images=len(getattr(result, "images", None) or []) if ok else 0,
+            videos=len(getattr(result, "videos", None) or []) if ok else 0,
+        )
+
+    def _take_worker_stats(self) -> None:
+        """Move rank 0's statistics events (adapter loads, slots, steps) into the recorder (driver thread)."""
+        if self._dead is not None or self._closed:
+            return
+        try:
+            self.recorder.apply(self._engine.collective_rpc("stats_events")[0])
+        except Exception as exc:  # statistics never fail a request
+            logger.debug("%s: statistics not collected: %s", self.stage.label, exc)
 
     def _generate(self, batch: list[_Pending]) -> list[Any]:
         """One denoiser batch on every rank: rank 0's per-request outputs or exceptions."""
@@ -392,5 +420,7 @@ class DiffusionStageEngine(StageDriver):
         while (work := self._next_work(self._take_batch)) is not None:
             commands, batch = work
             self._run_commands(commands)
+            if commands:
+                self._take_worker_stats()
             if batch:
                 self._run_batch(batch)

@@ -22,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
@@ -33,10 +34,12 @@ from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine.lora_validation import LLMAdapterValidator
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
+from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.platform import prepare_engine_process
 from vllm_omni.process_guard import mark_owner
+from vllm_omni.stats import StageStats
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,7 @@ class _Pending:
     # accumulates the pieces into the complete output the future resolves to
     on_partial: Callable[[RequestOutput], None] | None = None
     merged: RequestOutput | None = None
+    submitted: float = field(default_factory=time.monotonic)
 
 
 def _merge_delta(item: _Pending, delta: RequestOutput) -> RequestOutput:
@@ -164,6 +168,10 @@ class LLMStageEngine(StageDriver):
         # adapters that passed validation, {lora_int_id: lora_path}: a request repeating one
         # skips the validator (realpath, lock); cleared per id by remove_lora
         self._valid_adapters: dict[int, str] = {}
+        #: adapter names by id, for the statistics (``stats()``)
+        self._lora_names: dict[int, str] = {}
+        #: the engine's own ``vllm:`` metrics (vLLM's stat logger, this stage's registry)
+        self._vllm_registry = CollectorRegistry()
         self._engine = None
         # The engine is built on the driver thread, the one that then makes every engine call:
         # a platform's worker may set per-thread state (OpenMP threads, affinity) on the thread
@@ -186,7 +194,9 @@ class LLMStageEngine(StageDriver):
 
     def _run(self, engine_cls, engine_args, started: Future) -> None:
         try:
-            self._engine = engine_cls.from_engine_args(engine_args)
+            self._engine = engine_cls.from_engine_args(
+                engine_args, stat_loggers=[stage_stat_logger(self._vllm_registry)]
+            )
             self._step_lock = _step_guard(self._engine)
             if self.validator is not None:
                 self.validator.compute_dtype = lora_compute_dtype(self._engine.vllm_config)
@@ -295,14 +305,21 @@ class LLMStageEngine(StageDriver):
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validate then register an adapter in the engine's CPU cache."""
         self._require_lora()
-        self._validate_adapter(lora_request)
-        return self._call(lambda: self._engine.add_lora(lora_request))
+        try:
+            self._validate_adapter(lora_request)
+            return self._call(lambda: self._load_adapter(lora_request, self._loaded_ids()))
+        except Exception:
+            self.recorder.count(self._lora_name(lora_request), "registration_failures")
+            raise
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self._require_lora()
         self._valid_adapters.pop(lora_int_id, None)
         self.validator.forget(lora_int_id)
-        return self._call(lambda: self._engine.remove_lora(lora_int_id))
+        removed = self._call(lambda: self._engine.remove_lora(lora_int_id))
+        if removed:
+            self.recorder.unloaded(self._lora_names.get(lora_int_id, str(lora_int_id)))
+        return removed
 
     def list_loras(self) -> set[int]:
         self._require_lora()
@@ -310,7 +327,17 @@ class LLMStageEngine(StageDriver):
 
     def pin_lora(self, lora_int_id: int) -> bool:
         self._require_lora()
-        return self._call(lambda: self._engine.pin_lora(lora_int_id))
+        pinned = self._call(lambda: self._engine.pin_lora(lora_int_id))
+        if pinned:
+            self.recorder.pinned(self._lora_names.get(lora_int_id, str(lora_int_id)))
+        return pinned
+
+    def stats(self) -> StageStats:
+        """The stage's statistics with the engine's own ``vllm:`` metric families (never waits
+        for the driver thread)."""
+        snap = self.recorder.snapshot()
+        snap.vllm = collect_families(self._vllm_registry)
+        return snap
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the driver thread and release the engine; pending requests fail with ``StageEngineError``.
@@ -359,6 +386,28 @@ class LLMStageEngine(StageDriver):
         self.validator.validate(lora_request)
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
 
+    def _lora_name(self, lora: LoRARequest) -> str:
+        name = self._lora_names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
+        return name
+
+    def _loaded_ids(self) -> set[int]:
+        """Ids in the engine's adapter cache (driver thread; ``set()`` without LoRA)."""
+        return set(self._engine.list_loras()) if self.validator is not None else set()
+
+    def _load_adapter(self, lora: LoRARequest, loaded: set[int]) -> bool:
+        """``engine.add_lora`` on the driver thread, noting its seconds and the adapters the
+        engine's LRU cache dropped for it; ``loaded`` (the cached ids before) is updated."""
+        start = time.perf_counter()
+        added = self._engine.add_lora(lora)
+        seconds = time.perf_counter() - start
+        now = self._loaded_ids()
+        self.recorder.loaded(self._lora_name(lora), seconds if lora.lora_int_id not in loaded else None)
+        for lora_int_id in loaded - now:
+            self.recorder.unloaded(self._lora_names.get(lora_int_id, str(lora_int_id)), evicted=True)
+        loaded.clear()
+        loaded.update(now)
+        return added
+
     def _note_cancel(self, request_id: str, future: Future) -> None:
         """Done-callback of every request future: remember the cancelled ones for the driver."""
         if future.cancelled():
@@ -388,10 +437,13 @@ class LLMStageEngine(StageDriver):
             try:
                 if has_lora:
                     if loaded is None:
-                        loaded = set(self._engine.list_loras())
-                    if item.lora_request.lora_int_id not in loaded:
-                        self._engine.add_lora(item.lora_request)
-                        loaded.add(item.lora_request.lora_int_id)
+                        loaded = self._loaded_ids()
+                    hit = item.lora_request.lora_int_id in loaded
+                    self.recorder.count(
+                        self._lora_name(item.lora_request), "cache_hits" if hit else "cache_misses"
+                    )
+                    if not hit:
+                        self._load_adapter(item.lora_request, loaded)
                 # outputs carry this external id (add_request returns an internal one)
                 self._engine.add_request(
                     item.request_id, item.prompt, item.params, lora_request=item.lora_request
@@ -456,6 +508,12 @@ class LLMStageEngine(StageDriver):
                 if item.on_partial is not None:
                     out = self._stream_piece(item, out)
                 if out is not None and out.finished:
+                    lora = item.lora_request
+                    self.recorder.request_done(
+                        [] if lora is None else [self._lora_names.get(lora.lora_int_id, lora.lora_name)],
+                        time.monotonic() - item.submitted,
+                        True,
+                    )
                     with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
                         item.future.set_result(out)
 

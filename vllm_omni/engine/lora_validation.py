@@ -56,7 +56,7 @@ from vllm_omni.lora.adapter_files import (
     read_safetensors,
     update_range_problem,
 )
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, public_adapter_name
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -189,7 +189,7 @@ class LLMAdapterValidator:
                 f"got {type(request).__name__}: {request!r:.200}"
             )
         path = request.lora_path
-        name = f"adapter {request.lora_name!r} (id {request.lora_int_id}, path {path!r})"
+        name = f"adapter {public_adapter_name(request.lora_name)!r} (id {request.lora_int_id}, path {path!r})"
         lora_id = request.lora_int_id
         if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
             raise InvalidAdapterError(f"{name}: lora_int_id must be a positive integer")
@@ -223,9 +223,9 @@ class LLMAdapterValidator:
 
     def _check(self, path: str, name: str) -> None:
         files = locate_adapter(path, shown=name, directory_only=True)
-        read_adapter_config(files.config, source=name)
-        try:
-            helper = PEFTHelper.from_local_dir(path, max_position_embeddings=None)
+        _, raw = read_adapter_config(files.config, source=name)
+        try:  # vLLM's helper from the JSON read above (from_local_dir would read the file again)
+            helper = PEFTHelper.from_dict({**raw, "vllm_max_position_embeddings": None})
             helper.validate_legal(self.lora_config)
         except ValueError as exc:
             raise InvalidAdapterError(f"{name} cannot be served by {self.stage_label}: {exc}") from exc

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm import SamplingParams
@@ -37,8 +37,13 @@ from vllm_omni.errors import (
 )
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.stats import StageStats
 
 logger = logging.getLogger(__name__)
+
+
+# Statistics calls of the stages, in parallel; a stuck one costs a thread, never a scrape's time.
+_STATS_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="omni-stats")
 
 
 def _stage_text(output: Any, stage_label: str) -> str:
@@ -377,6 +382,25 @@ class Orchestrator:
             failed = getattr(runtime, "failed_loras", dict)()  # inline runtimes never restart
             if failed:
                 out[stage.stage_id] = failed
+        return out
+
+    def stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
+        """``{stage_id: snapshot}`` of every stage, asked in parallel (``stats()`` of each runtime).
+
+        A stage that cannot answer within ``timeout`` seconds (its worker restarting, dead or
+        stuck) maps to ``None``; this never raises for a stage's sake.
+        """
+        self.check_open()
+        pairs = list(zip(self.config.stages, self.runtimes))
+        futures = {stage.stage_id: _STATS_POOL.submit(runtime.stats) for stage, runtime in pairs}
+        deadline = time.monotonic() + timeout
+        out: dict[int, StageStats | None] = {}
+        for stage_id, fut in futures.items():
+            try:
+                out[stage_id] = fut.result(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                logger.debug("stage %d: no statistics: %s", stage_id, exc)
+                out[stage_id] = None
         return out
 
     def check_open(self) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
     from vllm_omni.lora.request import LoRARequest
+    from vllm_omni.stats import StageStats
 
 #: The LoRA management calls the orchestrator fans out to stages (``Orchestrator.lora_call``).
 LoRAMethod = Literal["add_lora", "remove_lora", "list_loras", "pin_lora"]
@@ -69,6 +70,11 @@ class StageRuntime(Protocol):
 
     def pin_lora(self, lora_int_id: int) -> bool:
         """Never evict this loaded adapter."""
+        ...
+
+    def stats(self) -> StageStats:
+        """A snapshot of the stage's statistics (plain data; see :mod:`vllm_omni.stats`), without
+        waiting for a running step or batch."""
         ...
 
     def health(self) -> str:

@@ -26,6 +26,7 @@ from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.protocols import StageRuntime
 from vllm_omni.errors import AdapterRestoreError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.stats import StageStats, merge_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +280,20 @@ class ReplicatedStageRuntime:
             for lora_int_id, error in getattr(runtime, "failed_loras", dict)().items():
                 out.setdefault(lora_int_id, f"replica {index}: {error}")
         return out
+
+    def stats(self) -> StageStats:
+        """The replicas' statistics summed (:func:`~vllm_omni.stats.merge_replicas`); a replica that
+        cannot answer (restarting) is left out, and with none the error of the first is raised."""
+        snaps, indexes, errors = [], [], []
+        for index, runtime in enumerate(self.runtimes):
+            try:
+                snaps.append(runtime.stats())
+                indexes.append(index)
+            except Exception as exc:
+                errors.append(exc)
+        if not snaps:
+            raise errors[0]
+        return merge_replicas(snaps, indexes)
 
     # ---------------------------------------------------------------- shutdown
     def health(self) -> str:

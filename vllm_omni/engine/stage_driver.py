@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from vllm_omni.errors import StageEngineError
+from vllm_omni.stats import StageStats, StatsRecorder
 
 
 class StageDriver:
@@ -35,6 +36,13 @@ class StageDriver:
         self._holds = 0
         self._dead: BaseException | None = None
         self._closed = False
+        #: what ``stats()`` reports; fed by the runtime (never by the driver loop's callers)
+        self.recorder = StatsRecorder(self.stage.stage_id, self.stage.stage_type)
+
+    def stats(self) -> StageStats:
+        """A snapshot of the stage's statistics (:class:`~vllm_omni.stats.StageStats`). Never waits
+        for the driver thread: callable while a batch or a step runs."""
+        return self.recorder.snapshot()
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:

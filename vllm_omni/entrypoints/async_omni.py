@@ -12,6 +12,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.lora.request import LoRARequest, RequestAdapter
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.stats import StageStats
 
 # Submitting validates the request's adapter (file reads) before anything is queued: never on
 # the event loop. A few threads, so that one stuck file system call does not stop the others.
@@ -93,13 +94,10 @@ class AsyncOmni(OmniBase):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         params = self._stage_params(sampling_params)
-        lora_request, stage_loras = self._split_stage_loras(lora_request)
-        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
-        [lora_kwargs] = self._entry_lora_kwargs(
-            [lora_request], params[0], lora_scale, lora_requests, lora_scales, adapters=adapters
-        )
+        forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
+        forms.update(lora_scales=lora_scales, adapters=adapters)
+        [(lora_kwargs, stage_loras)] = self._request_loras(1, params[0], **forms)
         entry_kwargs = {**lora_kwargs, **entry_kwargs}
-        stage_loras = {**stage_loras, **adapter_stage_loras}
         streamed = self._streamed_stages(params)
 
         def put(out: OmniRequestOutput) -> None:
@@ -138,24 +136,46 @@ class AsyncOmni(OmniBase):
             if s.is_llm and s.final_output and getattr(p, "output_kind", None) == RequestOutputKind.DELTA
         }
 
+    def _submit_versioned(
+        self, prompt: Any, params: Any, *, stage_loras: dict[int, Any], **kwargs: Any
+    ) -> Future:
+        """The request's adapters in their per-version form (files are checked), then ``Orchestrator.submit``."""
+        kwargs, stage_loras = self._versioned(kwargs, stage_loras)
+        return self._orchestrator.submit(prompt, params, stage_loras=stage_loras, **kwargs)
+
     async def _submit(self, *args: Any, **kwargs: Any) -> Future:
-        """``Orchestrator.submit`` on a worker thread; a caller cancelled meanwhile cancels the request."""
-        submitted = _SUBMIT_POOL.submit(self._orchestrator.submit, *args, **kwargs)
+        """:meth:`_submit_versioned` on a worker thread; a caller cancelled meanwhile cancels the request."""
+        submitted = _SUBMIT_POOL.submit(self._submit_versioned, *args, **kwargs)
         try:
             return await asyncio.wrap_future(submitted)
         except asyncio.CancelledError:
             submitted.add_done_callback(_cancel_submitted)
             raise
 
-    async def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
-        """Register an adapter on every stage that has LoRA enabled (or on ``stage_id``); see ``Omni.add_lora``."""
-        return await asyncio.to_thread(self._add_lora, lora_request, stage_id)
+    async def add_lora(
+        self,
+        lora_request: LoRARequest,
+        stage_id: int | list[int] | None = None,
+        *,
+        reload: bool = False,
+        denoiser: str | None = None,
+        replace: bool = True,
+    ) -> bool:
+        """Register an adapter (on a worker thread); see ``Omni.add_lora``."""
+        return await asyncio.to_thread(self._add_lora, lora_request, stage_id, reload, denoiser, replace)
 
     async def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        """Remove an adapter; see ``Omni.remove_lora``."""
         return await asyncio.to_thread(self._remove_lora, lora_int_id, stage_id)
 
     async def list_loras(self, stage_id: int | None = None) -> set[int]:
+        """Ids of the loaded adapters; see ``Omni.list_loras``."""
         return await asyncio.to_thread(self._list_loras, stage_id)
 
     async def pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
+        """Pin an adapter; see ``Omni.pin_lora``."""
         return await asyncio.to_thread(self._pin_lora, lora_int_id, stage_id)
+
+    async def get_stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
+        """:meth:`stage_stats` off the event loop (the HTTP ``/metrics`` route calls this)."""
+        return await asyncio.to_thread(self.stage_stats, timeout)

@@ -72,19 +72,15 @@ class Omni(OmniBase):
         """
         prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
-        loras, adapters, stage_loras = self._per_prompt_loras(lora_request, len(prompt_list), adapters)
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
         params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
-        one_adapter = not isinstance(lora_request, list)  # a list: lora_scale only where there is one
-        per_prompt_kwargs = self._entry_lora_kwargs(
-            loras,
-            params[0],
-            lora_scale,
-            lora_requests,
-            lora_scales,
-            scale_needs_adapter=one_adapter,
-            adapters=adapters,
-        )
+        forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
+        forms.update(lora_scales=lora_scales, adapters=adapters)
+        versioned = [
+            self._versioned(kw, later)
+            for kw, later in self._request_loras(len(prompt_list), params[0], **forms)
+        ]
+        per_prompt_kwargs, stage_loras = [kw for kw, _ in versioned], [later for _, later in versioned]
         entry = self._orchestrator.runtimes[0]
         for p, kw, later in zip(prompt_list, per_prompt_kwargs, stage_loras):  # all checked first
             entry.validate_request(p, params[0], **kw, **entry_kwargs)
@@ -102,28 +98,54 @@ class Omni(OmniBase):
             results.extend(fut.result())
         return results
 
-    def add_lora(self, lora_request: LoRARequest, stage_id: int | None = None) -> bool:
-        """Register an adapter on every stage that has LoRA enabled (validated first).
+    def add_lora(
+        self,
+        lora_request: LoRARequest,
+        stage_id: int | list[int] | None = None,
+        *,
+        reload: bool = False,
+        denoiser: str | None = None,
+        replace: bool = True,
+    ) -> bool:
+        """Register an adapter in the engine's adapter registry and load it on the stages it targets
+        (validated first; all-or-nothing over those stages and their replicas).
 
-        LLM stages need ``enable_lora``; diffusion stages always take adapters (loaded into
-        every tensor-parallel worker's host cache). ``stage_id`` limits the call to one stage
-        (needed when a pipeline mixes LLM and diffusion stages: an adapter fits one model).
+        Args:
+            lora_request: ``LoRARequest(name, int_id, path)``; ``path`` is a PEFT folder (LLM stages) or
+                a PEFT folder / ``.safetensors`` file (diffusion stages).
+            stage_id: the target stage(s); default: where ``name`` is registered already, else the entry
+                stage (an adapter fits one model). LLM stages need ``enable_lora``.
+            reload: re-read the files even if their size and mtime did not change.
+            denoiser: the denoiser it targets on a two-denoiser diffusion stage.
+            replace: ``False`` refuses a name that is registered already (``InvalidAdapterError``).
+
+        Returns:
+            ``True`` if the registry changed (a new adapter, a new version of its content, a new target);
+            ``False`` for the same name, id and content registered there already (a stage that evicted
+            it loads it again).
+            The same name with other content (new files at the same path, another path) is a new version:
+            no stage serves the old weights afterwards (see ``docs/user_guide/adapter_registry.md``).
+
+        Raises:
+            InvalidAdapterError (a ValueError): a stage refuses it (nothing stays loaded on any stage),
+                or its id names another adapter; AdapterNotFoundError (also a FileNotFoundError): no such path;
+            LoRANotEnabledError: a target stage without LoRA.
         """
-        return self._add_lora(lora_request, stage_id)
+        return self._add_lora(lora_request, stage_id, reload, denoiser, replace)
 
     def remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        """Remove an adapter from every LoRA stage; True if any stage held it.
+        """Remove an adapter (every version of it) from every stage, or from ``stage_id``; True if a stage held it.
 
         On a diffusion stage this waits for a running batch that uses the adapter.
         """
         return self._remove_lora(lora_int_id, stage_id)
 
     def list_loras(self, stage_id: int | None = None) -> set[int]:
-        """Ids of the adapters registered on any LoRA stage (or on ``stage_id``)."""
+        """Ids of the adapters loaded on any LoRA stage (or on ``stage_id``), as the caller gave them."""
         return self._list_loras(stage_id)
 
     def pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        """Pin an adapter (never evicted) on every LoRA stage (or on ``stage_id``)."""
+        """Pin an adapter (never evicted) on the stages it is registered on (or on ``stage_id``)."""
         return self._pin_lora(lora_int_id, stage_id)
 
     def __enter__(self) -> Omni:

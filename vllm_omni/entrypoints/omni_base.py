@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -18,10 +18,13 @@ from vllm_omni.config.pipeline_registry import (
 )
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.stage_registry import stage_params_type
+from vllm_omni.entrypoints.request_adapters import request_loras
 from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage
 from vllm_omni.errors import ConfigError, InvalidRequestError
-from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
+from vllm_omni.lora.registry import AdapterRegistry
+from vllm_omni.lora.request import startup_lora_request
 from vllm_omni.stages import register_stage_runtimes
+from vllm_omni.stats import StageStats
 
 
 def build_omni_config(
@@ -101,6 +104,18 @@ class OmniBase:
         self.config = config
         register_stage_runtimes()  # the runtimes of vllm_omni.stages, before the engine looks them up
         self._orchestrator = Orchestrator(config)
+        #: every adapter of this engine and its state per stage (:mod:`vllm_omni.lora.registry`)
+        self.adapter_registry = AdapterRegistry(
+            self._orchestrator.lora_call,
+            config.entry_stage.stage_id,
+            {stage.stage_id: stage.label for stage in config.stages},
+            check=self._check_stage_adapter,
+        )
+        for stage in config.stages:  # the adapters diffusion stages pre-loaded (lora_path, peft backend)
+            dcfg = getattr(stage, "diffusion_config", None) if not stage.is_llm else None
+            if dcfg is not None and dcfg.lora_backend == "peft":
+                for path in dcfg.startup_lora_paths:
+                    self.adapter_registry.adopt(startup_lora_request(path), stage.stage_id)
 
     @property
     def stage_configs(self):
@@ -159,195 +174,70 @@ class OmniBase:
                 )
         return out
 
-    def _entry_lora_kwargs(
-        self,
-        loras: list[Any],
-        entry_params: Any,
-        lora_scale: Any,
-        lora_requests: Any,
-        lora_scales: Any,
-        *,
-        scale_needs_adapter: bool = True,
-        adapters: Sequence[RequestAdapter] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Per-prompt adapter keyword arguments of the entry stage: the request-adapter boundary.
+    def _request_loras(
+        self, n: int, entry_params: Any, **forms: Any
+    ) -> list[tuple[dict[str, Any], dict[int, Any]]]:
+        """Per prompt: (entry-stage adapter arguments, ``{later stage id: LoRARequest}``) from every public
+        adapter form (:func:`~vllm_omni.entrypoints.request_adapters.request_loras`)."""
+        return request_loras(self.config, n, entry_params, **forms)
 
-        For a diffusion entry stage every public form (``lora_request`` / ``lora_scale``,
-        ``lora_requests`` / ``lora_scales``, the fields of ``entry_params``) becomes one
-        ``{"adapters": tuple[RequestAdapter, ...]}`` per prompt, validated once
-        (:func:`~vllm_omni.lora.request.gather_request_adapters`) and carried unchanged to the
-        diffusion worker. An LLM entry stage takes ``{"lora_request": ...}``.
-
-        Args:
-            loras: one ``lora_request`` (or ``None``) per prompt.
-            entry_params: the entry stage's sampling params.
-            lora_scale: scale of each prompt's ``lora_request``.
-            lora_requests / lora_scales: one list for every prompt, or one list per prompt.
-            scale_needs_adapter: ``False`` drops ``lora_scale`` for prompts without an adapter
-                (``lora_request`` given per prompt) instead of refusing it.
-            adapters: the request's adapters already as ``RequestAdapter`` (the HTTP layer's form);
-                the other adapter arguments must then be absent.
+    def _check_stage_adapter(self, stage_id: int, lora: Any) -> None:
+        """What stage ``stage_id`` would refuse of ``lora``, loading nothing: no LoRA there (or no such
+        stage), or, on a vLLM stage, the adapter gate (files, rank, modules; cached per adapter).
 
         Raises:
-            InvalidRequestError: these arguments on an LLM entry stage, per-prompt lists of the
-                wrong length, or a rule of :func:`~vllm_omni.lora.request.validate_request_adapters`.
+            LoRANotEnabledError / ConfigError / InvalidAdapterError: naming the stage.
         """
-        n_prompts = len(loras)
-        entry = self.config.entry_stage
-        if adapters is not None:
-            if (
-                lora_scale is not None
-                or lora_requests is not None
-                or lora_scales is not None
-                or any(lr is not None for lr in loras)
-            ):
-                raise InvalidRequestError(
-                    "pass a request's adapters either as adapters or as lora_request / lora_requests, not both"
-                )
-            return [self._entry_adapter_kwargs(adapters, entry_params)] * n_prompts
-        if entry.is_llm:
-            if lora_scale is not None or lora_requests is not None or lora_scales is not None:
-                raise InvalidRequestError(
-                    f"lora_scale / lora_requests / lora_scales apply to diffusion stages; the entry stage is "
-                    f"{entry.label}, which takes one adapter per request through lora_request"
-                )
-            return [{"lora_request": lr} for lr in loras]
-        nested = bool(lora_requests) and all(isinstance(x, list | tuple) for x in lora_requests)
-        if nested:
-            if len(lora_requests) != n_prompts:
-                raise InvalidRequestError(
-                    f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts"
-                )
-            scales = lora_scales if lora_scales is not None else [None] * n_prompts
-            if len(scales) != n_prompts or not all(s is None or isinstance(s, list | tuple) for s in scales):
-                raise InvalidRequestError(
-                    "with one lora_requests list per prompt, pass one lora_scales list per prompt"
-                )
-            per = list(zip(lora_requests, scales, strict=True))
-        else:
-            per = [(lora_requests, lora_scales)] * n_prompts
-        params_loras = (entry_params.lora_requests, entry_params.lora_scales)
-        return [
-            {
-                "adapters": gather_request_adapters(
-                    params_loras,
-                    lr,
-                    lora_scale if lr is not None or scale_needs_adapter else None,
-                    reqs,
-                    scales,
-                )
-            }
-            for lr, (reqs, scales) in zip(loras, per, strict=True)
-        ]
+        self._orchestrator.lora_call("list_loras", stage_id=stage_id)
+        stage = self.config.stage_by_id(stage_id)
+        if stage.is_llm and stage_params_type(stage) is None:  # a vLLM stage taking SamplingParams
+            index = [s.stage_id for s in self.config.stages].index(stage_id)
+            self._orchestrator.runtimes[index].validate_request(None, SamplingParams(), lora)
 
-    def _entry_adapter_kwargs(self, adapters: Sequence[RequestAdapter], entry_params: Any) -> dict[str, Any]:
-        """Entry-stage keyword arguments for adapters given as ``RequestAdapter`` (see above).
+    def _versioned(
+        self, kwargs: dict[str, Any], stage_loras: dict[int, Any]
+    ) -> tuple[dict[str, Any], dict[int, Any]]:
+        """A request's entry-stage adapter arguments and later-stage adapters in the per-version form the
+        stages get (:meth:`AdapterRegistry.resolve <vllm_omni.lora.registry.AdapterRegistry.resolve>`).
 
         Raises:
-            InvalidRequestError: a list rule, adapters also in ``entry_params``, or (LLM entry
-                stage) more than one adapter or a scale other than 1.0.
+            InvalidAdapterError: an id that names another adapter, or a changed adapter a stage refuses.
         """
-        entry = self.config.entry_stage
-        adapters = validate_request_adapters(tuple(adapters), field="adapters")
-        if entry.is_llm:
-            if len(adapters) > 1 or any(a.scale not in (None, 1.0) for a in adapters):
-                raise InvalidRequestError(
-                    f"{entry.label} is an LLM stage: one adapter per request, applied at scale 1.0 only"
-                )
-            return {"lora_request": adapters[0].lora if adapters else None}
-        if entry_params.lora_requests:
-            raise InvalidRequestError(
-                "pass a request's adapters either as adapters or as OmniDiffusionSamplingParams.lora_requests"
-            )
-        return {"adapters": adapters}
-
-    def _per_prompt_loras(
-        self, lora_request: Any, n: int, adapters: Sequence[RequestAdapter] | None
-    ) -> tuple[list[Any], Sequence[RequestAdapter] | None, list[dict[int, Any]]]:
-        """``Omni.generate``'s adapters per prompt: (entry-stage ``lora_request`` per prompt,
-        the entry stage's ``adapters``, ``{later stage id: adapter}`` per prompt).
-
-        Raises:
-            InvalidRequestError: a ``lora_request`` list whose length is not ``n``, or a rule of
-                :meth:`_split_stage_loras` / :meth:`_split_stage_adapters`.
-        """
-        if isinstance(lora_request, list):
-            if len(lora_request) != n:
-                raise InvalidRequestError(f"got {len(lora_request)} lora_request entries for {n} prompts")
-            split = [self._split_stage_loras(lr) for lr in lora_request]
-        else:
-            split = [self._split_stage_loras(lora_request)] * n
-        adapters, adapter_stage_loras = self._split_stage_adapters(adapters)
-        return (
-            [entry for entry, _ in split],
-            adapters,
-            [{**later, **adapter_stage_loras} for _, later in split],
-        )
-
-    def _split_stage_loras(self, lora_request: Any) -> tuple[Any, dict[int, Any]]:
-        """``lora_request`` as (the entry stage's adapter, ``{later stage id: adapter}``).
-
-        A ``LoRARequest`` (or ``None``) keeps its meaning: the entry stage's adapter. A dict
-        keyed by stage id (per-stage request adapters, an opt-in extension) gives each named
-        stage its own adapter; the entry stage's key is its id (0). The later stages are checked
-        by ``Orchestrator.check_stage_loras`` when the request is submitted.
-
-        Raises:
-            InvalidRequestError: a key that is not a stage id of this pipeline.
-        """
-        if not isinstance(lora_request, dict):
-            return lora_request, {}
-        entry_id = self.config.entry_stage.stage_id
-        later: dict[int, Any] = {}
-        for stage_id, lora in lora_request.items():
-            if isinstance(stage_id, bool) or not isinstance(stage_id, int):
-                raise InvalidRequestError(
-                    f"lora_request keys must be stage ids (int), got {stage_id!r:.50}; "
-                    f"pipeline {self.config.pipeline.name!r} has stages 0..{len(self.config.stages) - 1}"
-                )
-            if stage_id != entry_id and lora is not None:
-                later[stage_id] = lora
-        return lora_request.get(entry_id), later
-
-    def _split_stage_adapters(
-        self, adapters: Sequence[RequestAdapter] | None
-    ) -> tuple[Sequence[RequestAdapter] | None, dict[int, Any]]:
-        """``adapters`` (the HTTP layer's form) as (the entry stage's, ``{later stage id: LoRARequest}``).
-
-        Raises:
-            InvalidRequestError: two adapters for one later stage, or one with a scale other than 1.0
-                (an LLM stage applies one adapter per request, at scale 1.0).
-        """
-        if adapters is None:
-            return None, {}
-        entry_id = self.config.entry_stage.stage_id
-        entry = [a for a in adapters if a.stage_id in (None, entry_id)]
-        later: dict[int, Any] = {}
-        for a in adapters:
-            if a.stage_id in (None, entry_id):
-                continue
-            if a.stage_id in later or a.scale not in (None, 1.0):
-                raise InvalidRequestError(
-                    f"stage {a.stage_id}: an LLM stage applies one adapter per request, at scale 1.0"
-                )
-            later[a.stage_id] = a.lora
-        return tuple(entry), later
+        resolve = self.adapter_registry.resolve
+        out = dict(kwargs)
+        if out.get("lora_request") is not None:
+            out["lora_request"] = resolve(out["lora_request"])
+        if out.get("adapters"):
+            out["adapters"] = tuple(dataclasses.replace(a, lora=resolve(a.lora)) for a in out["adapters"])
+        return out, {stage_id: resolve(lora) for stage_id, lora in stage_loras.items()}
 
     # ---------------------------------------------------------------- LoRA management
-    def _add_lora(self, lora_request, stage_id: int | None = None) -> bool:
-        return all(self._orchestrator.lora_call("add_lora", lora_request, stage_id=stage_id).values())
+    def _add_lora(
+        self,
+        lora_request,
+        stage_id=None,
+        reload: bool = False,
+        denoiser: str | None = None,
+        replace: bool = True,
+    ) -> bool:
+        return self.adapter_registry.add(
+            lora_request, stage_id, reload=reload, denoiser=denoiser, replace=replace
+        )
 
     def _remove_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        return any(self._orchestrator.lora_call("remove_lora", lora_int_id, stage_id=stage_id).values())
+        return self.adapter_registry.remove(lora_int_id, stage_id)
 
     def _list_loras(self, stage_id: int | None = None) -> set[int]:
-        out: set[int] = set()
-        for ids in self._orchestrator.lora_call("list_loras", stage_id=stage_id).values():
-            out |= set(ids)
-        return out
+        return self.adapter_registry.list_ids(stage_id)
 
     def _pin_lora(self, lora_int_id: int, stage_id: int | None = None) -> bool:
-        return all(self._orchestrator.lora_call("pin_lora", lora_int_id, stage_id=stage_id).values())
+        return self.adapter_registry.pin(lora_int_id, stage_id)
+
+    def stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
+        """``{stage_id: StageStats}``: each stage's statistics now (plain data, see
+        :mod:`vllm_omni.stats`), gathered from its process or actor; ``None`` for a stage that
+        did not answer within ``timeout`` seconds (restarting, dead)."""
+        return self._orchestrator.stage_stats(timeout)
 
     def stage_health(self) -> dict[int, str]:
         """``{stage_id: "starting" | "ready" | "restarting" | "dead"}``: whether each stage serves now

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from vllm_omni.config.diffusion import IN_TREE_PIPELINES
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.engine.stage_registry import default_stage_params, stage_params_type
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, startup_lora_request
 from vllm_omni.stages import register_stage_runtimes
 from vllm_omni.stages.qwen2_5_omni.code2wav import load_speakers
 
@@ -146,8 +146,6 @@ def describe_entry_stage(config: VllmOmniConfig) -> EntryStageInfo:
             tokenizer=(options.get("tokenizer") or entry.model) if entry.model else None,
             trust_remote_code=bool(options.get("trust_remote_code", False)),
         )
-    from vllm_omni.diffusion.worker_lora import startup_lora_request
-
     dcfg = entry.diffusion_config
     paths = tuple(dcfg.startup_lora_paths)
     peft = dcfg.lora_backend == "peft"

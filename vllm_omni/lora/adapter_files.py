@@ -14,6 +14,8 @@ adapter registry (:mod:`vllm_omni.entrypoints.openai.lora`).
 * :func:`pair_lora_tensors`: ``lora_A`` / ``lora_B`` grouped per module, floating-point and finite.
 * :func:`update_range_problem`: whether one module's update ``s * B @ A`` stays representable in the
   dtype a stage computes in (each gate calls it with its own compute dtype).
+* :func:`file_signature` / :func:`fingerprint_files`: an adapter's ``(inode, size, mtime)`` and the SHA-256
+  of its bytes (its version, for :mod:`vllm_omni.lora.registry`).
 * :func:`declared_rank_alpha`: a module's ``r`` / ``lora_alpha`` after ``rank_pattern`` /
   ``alpha_pattern``, matched with peft's ``get_pattern_key``.
 
@@ -23,6 +25,7 @@ message starts with the file or adapter it is about and names the offending modu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -48,6 +51,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
 _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 _SHOWN = 12
+_HASH_CHUNK = 1 << 20
 
 # Config fields whose non-default value changes the math in ways this runtime does not implement.
 _UNSUPPORTED_FIELDS: tuple[tuple[str, str], ...] = (
@@ -143,6 +147,34 @@ def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, di
                 f"{shown}: {name} is not a regular file (a FIFO, socket or device is never opened)"
             )
     return AdapterFiles(weights, config, True)
+
+
+def file_signature(files: AdapterFiles) -> tuple:
+    """``((path, inode, size, mtime_ns), ...)`` of the config (when present) and weights files.
+
+    Raises:
+        OSError: a file is gone.
+    """
+    out = []
+    for path in (files.config, files.weights):
+        if path is not None:
+            st = os.stat(path)
+            out.append((path, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def fingerprint_files(files: AdapterFiles) -> str:
+    """SHA-256 (hex) of ``b"config\\0" + config bytes`` (empty without a config) ``+ b"weights\\0" +
+    weights bytes``, read in 1 MiB chunks (the bytes are hashed, not parsed)."""
+    digest = hashlib.sha256()
+    for label, path in (("config", files.config), ("weights", files.weights)):
+        digest.update(label.encode() + b"\0")
+        if path is None:
+            continue
+        with open(path, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- configuration

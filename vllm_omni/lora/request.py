@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,11 @@ __all__ = [
     "LoRARequest",
     "LoRAScaleSchedule",
     "RequestAdapter",
+    "engine_adapter_name",
     "gather_request_adapters",
+    "public_adapter_name",
     "stable_lora_int_id",
+    "startup_lora_request",
     "to_request_adapters",
     "validate_request_adapters",
 ]
@@ -49,6 +53,36 @@ def stable_lora_int_id(path: str) -> int:
     digest = hashlib.sha256(key.encode("utf-8")).digest()
     value = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
     return value or 1
+
+
+def startup_lora_request(path: str) -> LoRARequest:
+    """The ``LoRARequest`` under which a diffusion stage pre-loads a ``lora_path`` adapter: named after
+    the file or folder, id :func:`stable_lora_int_id` of the path.
+
+    A local path is held as its real path, the spelling the id is derived from and the one an HTTP
+    request naming the same adapter resolves to: a relative ``lora_path`` and a request's absolute path
+    then name one cache entry, not two that clash on one id.
+    """
+    name = os.path.basename(os.path.normpath(path)) or "startup"
+    location = path if "://" in path else os.path.realpath(path)
+    return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(location), lora_path=location)
+
+
+#: ``<name>@<12 hex digits>.<engine id>``: the per-version name stages get (see :mod:`vllm_omni.lora.registry`).
+_ENGINE_NAME = re.compile(r"^(?P<name>.*)@[0-9a-f]{12}\.[0-9]+$", re.DOTALL)
+
+
+def engine_adapter_name(name: str, fingerprint: str, engine_id: int) -> str:
+    """The lora name a stage gets for one version of adapter ``name``: ``"<name>@<fingerprint[:12]>.<id>"``
+    (vLLM keys its prefix cache by lora name and path and compares adapters by name, so every version
+    and every engine id gets its own name)."""
+    return f"{name}@{fingerprint[:12]}.{engine_id}"
+
+
+def public_adapter_name(lora_name: str) -> str:
+    """``lora_name`` without the version suffix of :func:`engine_adapter_name` (for messages)."""
+    match = _ENGINE_NAME.match(lora_name or "")
+    return match["name"] if match else lora_name
 
 
 @dataclass(frozen=True)

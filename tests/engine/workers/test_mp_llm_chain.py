@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from tests.waiting import wait_until
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageDeadError
 from vllm_omni.lora.request import LoRARequest
 
@@ -100,6 +100,10 @@ def test_errors_keep_their_class_across_the_process(omni, tiny_llm_assets):
         omni.add_lora(LoRARequest("big", 9, str(tiny_llm_assets.adapter_rank64)), stage_id=0)
     with pytest.raises(LoRANotEnabledError, match=r"Stage 1"):
         omni.add_lora(LoRARequest("a", 1, str(tiny_llm_assets.adapter_a)), stage_id=1)
+    # refused by stage 1: rolled back in stage 0's worker process (issue 21, rule 2)
+    with pytest.raises(LoRANotEnabledError, match=r"adapter 'both' .*Stage 1"):
+        omni.add_lora(LoRARequest("both", 5, str(tiny_llm_assets.adapter_b)), stage_id=[0, 1])
+    assert 5 not in omni.list_loras(stage_id=0) and omni.adapter_registry.get("both") is None
     bad_seed = SamplingParams(max_tokens=2, seed=2**70)
     with pytest.raises(InvalidRequestError, match="int64"):
         omni.generate("hi", [bad_seed, GREEDY], use_tqdm=False)
@@ -124,7 +128,7 @@ def _stream(runtime, prompt: str, max_tokens: int, on_piece=None):
 
 def test_streaming_pieces_add_up_to_the_output(omni):
     fut, pieces = _stream(omni._orchestrator.runtimes[1], "hello world", N)
-    final = fut.result(timeout=60)
+    final = fut.result(timeout=300)
     assert len(pieces) >= 2 and pieces[-1].finished
     assert [t for p in pieces for t in p.outputs[0].token_ids] == list(final.outputs[0].token_ids)
     assert len(final.outputs[0].token_ids) == N
@@ -133,14 +137,15 @@ def test_streaming_pieces_add_up_to_the_output(omni):
 def test_cancel_aborts_the_request_in_the_worker(omni):
     started = threading.Event()
     fut, pieces = _stream(omni._orchestrator.runtimes[1], "hello world", 240, lambda _: started.set())
-    assert started.wait(60)
+    assert started.wait(600)
     assert fut.cancel()
-    time.sleep(1.0)  # the abort reaches the engine at its next step
+    # progress, not time: a whole request through both stages goes after the abort, so the engine
+    # has stepped many times since; a request still running would have streamed pieces meanwhile
+    assert omni.generate("hi", [GREEDY, GREEDY], use_tqdm=False)  # the stage still serves
     seen = len(pieces)
-    time.sleep(1.0)
+    assert omni.generate("hello", [GREEDY, GREEDY], use_tqdm=False)
     assert len(pieces) == seen < 240  # no more pieces: the engine dropped the request
     assert not any(p.finished for p in pieces)
-    assert omni.generate("hi", [GREEDY, GREEDY], use_tqdm=False)  # the stage still serves
 
 
 def _pin_probe(omni, tiny_llm_assets) -> tuple[str, set[int]]:
@@ -168,23 +173,22 @@ def test_kill_9_fails_in_flight_then_the_stage_recovers(omni, reference, adapter
     started = threading.Event()
     doomed = [_stream(rt0, p, 240, lambda _: started.set())[0] for p in PROMPTS]
     survivor, _ = _stream(rt1, "the other stage", 64)
-    assert started.wait(60)
+    assert started.wait(600)
     pid = rt0.pid
     os.kill(pid, signal.SIGKILL)
     for fut in doomed:
         with pytest.raises(StageDeadError, match=rf"Stage 0 \(llm_ar\).*pid {pid}, killed by signal SIGKILL"):
-            fut.result(timeout=30)
-    assert len(survivor.result(timeout=60).outputs[0].token_ids) == 64  # stage 1 kept serving
+            fut.result(timeout=300)
+    assert len(survivor.result(timeout=300).outputs[0].token_ids) == 64  # stage 1 kept serving
     # while stage 0 is down: no hang, a clear error, and health says so
     assert omni.stage_health()[0] == "restarting" and omni.stage_health()[1] == "ready"
-    t0 = time.monotonic()
     with pytest.raises(StageDeadError, match=r"Stage 0 \(llm_ar\) is restarting"):
         omni.generate("hi", [GREEDY, GREEDY], use_tqdm=False)
-    assert time.monotonic() - t0 < 1.0
+    # no hang: the refusal came back before the restart (a whole engine start) finished
+    assert omni.stage_health()[0] == "restarting"
 
-    deadline = time.monotonic() + 300
-    while omni.stage_health()[0] != "ready" and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: omni.stage_health()[0] == "ready", "stage 0 to come back", cap_s=900,
+               describe=omni.stage_health)  # fmt: skip
     assert omni.stage_health() == {0: "ready", 1: "ready"}
     assert rt0.pid != pid and rt0.restarts == 1
     assert omni.list_loras(stage_id=0) == loras  # the run-time adapters came back

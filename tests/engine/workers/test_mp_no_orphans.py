@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
 import pytest
 
+from tests.waiting import wait_gone, wait_until
 from vllm_omni import process_guard
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -37,15 +37,12 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _alive(procs: list[psutil.Process]) -> list[int]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+def _cpu_s(pid: int) -> float:
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return t.user + t.system
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
@@ -67,17 +64,14 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
             line = driver.stdout.readline()
             assert line, "the driver exited before its pipeline started"
         worker = int(line.split()[1])
-        time.sleep(1.0)  # requests in flight
+        # requests in flight: the worker has computed for a while (progress, not a fixed sleep)
+        cpu0 = _cpu_s(worker)
+        wait_until(lambda: _cpu_s(worker) - cpu0 > 1.0, "the worker to run the requests", cap_s=900)
         procs = psutil.Process(driver.pid).children(recursive=True)
         assert worker in [p.pid for p in procs]
         driver.send_signal(sig)
-        driver.wait(timeout=60)
-        deadline = time.monotonic() + process_guard.POLL_S + process_guard.GRACE_S + 15
-        while _alive(procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _alive(procs) == [], (
-            f"{len(_alive(procs))} of {len(procs)} processes outlived the driver ({sig.name})"
-        )
+        driver.wait(timeout=600)
+        wait_gone(procs, f"the driver's {len(procs)} descendants to exit after its {sig.name}")
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -31,7 +30,6 @@ import torch
 from diffusers import AutoencoderKL
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
@@ -39,6 +37,7 @@ from vllm_omni.diffusion.forward_context import denoising_step, set_forward_cont
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.diffusion.pipelines.base import check_image_side
+from vllm_omni.diffusion.progress import step_progress
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -292,10 +291,10 @@ class ZImagePipeline:
         sigmas = torch.linspace(1.0, 1.0 / steps, steps).tolist()
         scheduler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
         scheduler.set_begin_index(0)
-        show = self.od_config.enable_progress_bar and sys.stderr.isatty()
         with adapters, set_forward_context():
             timesteps = scheduler.timesteps
-            for i, t in enumerate(tqdm(timesteps, total=steps, disable=not show, desc="denoise")):
+            progress = step_progress(timesteps, len(timesteps), "denoise", self.od_config.enable_progress_bar)
+            for i, t in enumerate(progress):
                 t_model = (1000 - t.expand(batch)) / 1000
                 x = latents.to(self.transformer.dtype)
                 if cfg:

@@ -26,6 +26,10 @@ from vllm_omni.engine.workers import protocol as P
 
 logger = logging.getLogger(__name__)
 
+#: Runtime calls answered on the receiving thread: they never wait for the engine (a statistics
+#: scrape must not queue behind an adapter call that waits for a running batch).
+_IMMEDIATE_CALLS = frozenset({"stats"})
+
 
 class _Worker:
     """Serves one runtime over one pipe."""
@@ -58,6 +62,8 @@ class _Worker:
                 fut = self._requests.get(msg.rid)
                 if fut is not None:
                     fut.cancel()
+            elif isinstance(msg, P.Call) and msg.method in _IMMEDIATE_CALLS:
+                self._call(msg)
             elif isinstance(msg, P.Call):
                 self._calls.submit(self._call, msg)
             elif isinstance(msg, P.Hold):

@@ -365,3 +365,7 @@ class SupervisedStageRuntime:
 
     def list_loras(self) -> set[int]:
         return set(self._call("list_loras"))
+
+    def stats(self) -> Any:
+        """The worker runtime's statistics snapshot (:class:`~vllm_omni.stats.StageStats`)."""
+        return self._call("stats")

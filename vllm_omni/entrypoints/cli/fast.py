@@ -9,7 +9,11 @@ full parser. The cache lives in ``$VLLM_OMNI_CACHE_ROOT`` (default
 ``$XDG_CACHE_HOME/vllm_omni`` or ``~/.cache/vllm_omni``); a failure to read or write it
 only costs time.
 
-Only stdlib and :mod:`vllm_omni.errors` are imported here.
+Before any of that, a ``serve`` command line's start-up inputs (adapter paths, deploy YAML,
+the port) are checked by :mod:`vllm_omni.entrypoints.cli.preflight`, so a missing adapter
+folder or a port in use is refused at once, not after vLLM is imported and the engines load.
+
+Only stdlib, :mod:`vllm_omni.errors` and the stdlib-only preflight module are imported here.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.errors import did_you_mean
+from vllm_omni.entrypoints.cli import preflight
+from vllm_omni.errors import ConfigError, did_you_mean
 
 # Sources whose content changes the parser (the flags and their help texts).
 _SOURCES = (
@@ -142,12 +147,19 @@ def unknown_flags(argv: list[str], options: dict[str, Any]) -> list[str]:
 
 
 def try_fast(argv: list[str]) -> int | None:
-    """Answer ``argv`` from the cache when it is ``--help`` or has unknown flags.
+    """Answer ``argv`` from the cache when it is ``--help`` or has unknown flags, and refuse a
+    ``serve`` command line whose start-up inputs are wrong (:func:`preflight.check_argv`).
 
     Returns:
-        The exit status when answered (help: 0, unknown flags: 2, printed as argparse
-        does); ``None`` when the full parser must run.
+        The exit status when answered (help: 0, unknown flags or a bad input: 2, printed as
+        argparse does); ``None`` when the full parser must run.
     """
+    if argv and argv[0] == "serve" and not any(a in _HELP for a in argv[1:]):
+        try:
+            preflight.check_argv(argv[1:])
+        except ConfigError as exc:
+            sys.stderr.write(f"vllm-omni serve: error: {exc}\n")
+            return 2
     data = _load()
     if data is None:
         return None

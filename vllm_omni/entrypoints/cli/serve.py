@@ -30,9 +30,11 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.config.diffusion import LORA_BACKENDS
 from vllm_omni.config.omni_config import WORKER_BACKENDS
+from vllm_omni.entrypoints.cli import preflight
 from vllm_omni.entrypoints.cli.fast import unknown_flags_message
 from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, OmniLaunch, ServerSettings
-from vllm_omni.errors import ConfigError
+from vllm_omni.errors import ConfigError, LoRAFormatError
+from vllm_omni.lora.adapter_files import locate_adapter
 
 USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
 
@@ -178,8 +180,10 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
     """Turn a parsed ``serve`` namespace into (what to build, how to serve it).
 
     Raises:
-        ServeArgsError: ``--lora-backend distill`` without ``--lora-path``, a missing
-            ``--lora-dirs`` directory, or no model.
+        ServeArgsError: ``--lora-backend distill`` without ``--lora-path``, or no model.
+        ConfigError: a missing or unreadable ``--lora-modules`` / ``--lora-path`` adapter or
+            ``--lora-dirs`` directory (named as given). Those paths come back absolute, with
+            symlinks resolved, as does ``--deploy-config``: resolved once, here.
     """
     ns = vars(args)
     engine = {k: ns[k] for k in ns.get("_engine_dests", ()) if k in ns}
@@ -199,8 +203,9 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
             "--lora-backend distill fuses adapter weights at start-up and needs --lora-path "
             "<file.safetensors> [...]; pass --lora-path, or use --lora-backend peft for request-time adapters"
         )
-    if args.lora_path:
-        options["lora_path"] = args.lora_path[0] if len(args.lora_path) == 1 else list(args.lora_path)
+    lora_paths = [_startup_adapter("--lora-path", p, p) for p in args.lora_path or []]
+    if lora_paths:
+        options["lora_path"] = lora_paths[0] if len(lora_paths) == 1 else lora_paths
     if args.lora_backend is not None:
         options["lora_backend"] = args.lora_backend
     if args.lora_scale is not None:
@@ -209,9 +214,11 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         raise ServeArgsError("no model given: vllm serve <model> --omni (or --deploy-config naming one)")
     if not shutdown_timeout >= 0:  # also refuses nan
         raise ServeArgsError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
-    for root in args.lora_dirs or []:
-        if not os.path.isdir(root):
-            raise ServeArgsError(f"--lora-dirs: {root!r} is not a directory")
+    lora_dirs = [preflight.resolve_local("--lora-dirs", r, r, directory=True) for r in args.lora_dirs or []]
+    lora_modules = [
+        (m.name, _startup_adapter("--lora-modules", f"{m.name}={m.path}", m.path))
+        for m in args.lora_modules or []
+    ]
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("VLLM_API_KEY"):
         api_keys = [os.environ["VLLM_API_KEY"]]
@@ -220,8 +227,8 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         port=args.port,
         api_keys=api_keys,
         served_model_names=list(served),
-        lora_modules=[(m.name, m.path) for m in (args.lora_modules or [])],
-        lora_dirs=list(args.lora_dirs or []),
+        lora_modules=lora_modules,
+        lora_dirs=lora_dirs,
         allow_remote_lora=bool(args.allow_remote_lora),
         chat_template=args.chat_template,
         response_role=args.response_role,
@@ -229,10 +236,24 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         disable_uvicorn_access_log=bool(args.disable_uvicorn_access_log),
         shutdown_timeout=float(shutdown_timeout),
     )
-    launch = OmniLaunch(
-        model=model, pipeline=args.pipeline, deploy_config=args.deploy_config, options=options
-    )
+    deploy = os.path.abspath(os.path.expanduser(args.deploy_config)) if args.deploy_config else None
+    launch = OmniLaunch(model=model, pipeline=args.pipeline, deploy_config=deploy, options=options)
     return launch, settings
+
+
+def _startup_adapter(flag: str, value: str, path: str) -> str:
+    """A start-up adapter's location, absolute with symlinks resolved (the spelling request paths
+    and adapter ids use), after checking it is a readable safetensors adapter.
+
+    Raises:
+        ConfigError: ``<flag> <value>: ...`` missing, unreadable, or not an adapter.
+    """
+    location = preflight.resolve_local(flag, value, path)
+    try:
+        locate_adapter(location, shown=f"{flag} {value}")
+    except (FileNotFoundError, LoRAFormatError) as exc:
+        raise ServeArgsError(str(exc)) from exc
+    return location
 
 
 def parse_serve_argv(argv: list[str]) -> tuple[OmniLaunch, ServerSettings]:
@@ -284,6 +305,11 @@ def run_serve(args: argparse.Namespace) -> None:
         config = launch.build_config()  # the typed config's errors, before any engine starts
     except (ValueError, KeyError) as exc:  # ConfigError (ServeArgsError included) is a ValueError
         _fail(str(exc))
+    if not getattr(args, "dry_run", False):
+        try:  # also checked before vLLM was imported (fast path); the port may have been taken since
+            preflight.check_bind(settings.host, settings.port)
+        except ConfigError as exc:
+            _fail(str(exc))
     if getattr(args, "dry_run", False):
         import json
 

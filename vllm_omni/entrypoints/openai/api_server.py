@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server over ``AsyncOmni``.
 
-Routes (one module per family under :mod:`.routes`): ``GET /health``, ``GET /v1/models``,
+Routes (one module per family under :mod:`.routes`): ``GET /health``, ``GET /metrics``,
+``GET /version``, ``GET|POST /ping``, ``GET /ui`` (a page to try the pipeline), ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/images/generations``,
 ``POST /v1/images/edits`` (multipart), ``POST /v1/videos/generations`` and, when vLLM's
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set, ``POST /v1/load_lora_adapter`` /
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers, log_client_error
 from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_body_bytes
-from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, videos
+from vllm_omni.entrypoints.openai.metrics import RegistrationFailures, metrics_registry
+from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, ops, videos
 from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.openai.state import ServerState, make_state, register_startup_adapters
 
@@ -52,6 +54,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1"):
             header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
             if header.removeprefix("Bearer ").strip() not in self.keys:
+                log_client_error(scope["method"], scope["path"], 401, "invalid or missing API key")
                 return await error_response("invalid or missing API key", 401)(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -60,11 +63,13 @@ def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application for one running ``AsyncOmni`` (see the module docstring)."""
     app = FastAPI(title="vllm-omni", version="0.1")
     app.state.omni_state = state
+    app.state.registration_failures = RegistrationFailures()
+    app.state.omni_metrics = metrics_registry(state.omni, app.state.registration_failures, state.base_name)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes())
     if state.settings.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=state.settings.api_keys)
-    for family in (models, chat, images, videos):
+    for family in (models, chat, images, videos, ops):
         app.include_router(family.router)
     if adapters.runtime_lora_updating_allowed():
         app.include_router(adapters.router)

@@ -135,11 +135,27 @@ def validation_message(exc: ValidationError | RequestValidationError, prefix: st
     return "invalid request: " + "; ".join(parts)
 
 
+def log_client_error(method: str, path: str, status: int, message: str, param: str | None = None) -> None:
+    """One INFO line per 4xx answer: ``400 POST /v1/images/generations: <message> (param lora)``.
+
+    A client error is the client's, not a fault of the server (hence INFO, not WARNING), but an
+    operator must be able to see why a request was refused without the client's copy.
+    """
+    text = " ".join(str(_printable(message)).split())
+    if len(text) > 500:
+        text = text[:500] + "..."
+    suffix = f" (param {_printable(param)})" if param else ""
+    logger.info("%d %s %s: %s%s", status, method, path, text, suffix)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every exception to an OpenAI-style error; unexpected ones are logged as 500s."""
+    """Map every exception to an OpenAI-style error; 4xx answers are logged with their reason
+    (:func:`log_client_error`), unexpected errors as 500s with their traceback."""
 
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError):
+    async def _openai(request: Request, exc: OpenAIError):
+        if exc.status < 500:
+            log_client_error(request.method, request.url.path, exc.status, exc.message, exc.param)
         return error_response(exc.message, exc.status, exc.param)
 
     @app.exception_handler(ClientDisconnected)
@@ -147,11 +163,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        return error_response(validation_message(exc), 400)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message = validation_message(exc)
+        log_client_error(request.method, request.url.path, 400, message)
+        return error_response(message, 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code < 500:
+            log_client_error(request.method, request.url.path, exc.status_code, str(exc.detail))
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from vllm_omni.entrypoints.openai.errors import log_client_error
+
 DEFAULT_MAX_BODY_MB = 32
 
 
@@ -25,11 +27,13 @@ class BodySizeLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def _reject(self, send) -> None:
+    async def _reject(self, scope, send) -> None:
+        message = f"request body exceeds {self.max_bytes} bytes (VLLM_OMNI_MAX_REQUEST_BODY_MB)"
+        log_client_error(scope.get("method", ""), scope.get("path", ""), 413, message)
         body = json.dumps(
             {
                 "error": {
-                    "message": f"request body exceeds {self.max_bytes} bytes (VLLM_OMNI_MAX_REQUEST_BODY_MB)",
+                    "message": message,
                     "type": "RequestTooLargeError",
                     "param": None,
                     "code": 413,
@@ -58,7 +62,7 @@ class BodySizeLimitMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    return await self._reject(send)
+                    return await self._reject(scope, send)
         seen = 0
         rejected = False
 
@@ -76,7 +80,7 @@ class BodySizeLimitMiddleware:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
             if rejected:
-                await self._reject(send)
+                await self._reject(scope, send)
 
 
 class _BodyTooLarge(Exception):

@@ -1,4 +1,4 @@
-"""The ``lora`` request field: parsing, the adapter-path allow-list and the adapter registry.
+"""The ``lora`` request field: parsing, the adapter-path allow-list, and the server's view of the adapter registry.
 
 ``lora`` is an object or a list of objects with the keys
 
@@ -11,13 +11,14 @@
   <multiplier>}}`` (:mod:`vllm_omni.lora.schedule`);
 - ``int_id``: optional adapter id; by default a stable function of the path
   (:func:`~vllm_omni.lora.request.stable_lora_int_id`), so the same name with another
-  path is another adapter and never reuses the old weights.
+  path is another adapter and never reuses the old weights (the engine's registry versions every
+  adapter by its content as well: :mod:`vllm_omni.lora.registry`).
 - ``stage``: optional stage id (per-stage request adapters, an opt-in extension); unset is the
   entry stage, as before. A later stage must be an LLM stage with LoRA enabled, and takes one
   adapter at scale 1.0; otherwise the request is refused before it starts.
 
-A bare ``{"name": ...}`` selects an adapter the server already knows (``--lora-modules``
-or ``/v1/load_lora_adapter``).
+A bare ``{"name": ...}`` selects an adapter the engine's registry knows (``--lora-modules``,
+``/v1/load_lora_adapter``, ``--lora-path`` or ``AsyncOmni.add_lora``).
 
 Paths in requests are served only when they are inside a ``--lora-dirs`` root after
 ``realpath`` (so ``..`` and symlinks leading out are refused) or were registered at
@@ -35,6 +36,7 @@ from typing import Any
 from vllm_omni.entrypoints.openai.errors import OpenAIError, bad_request, not_found
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
+from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
 from vllm_omni.lora.schedule import LoRAScaleSchedule, coerce_scale
 
@@ -141,22 +143,36 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-class AdapterRegistry:
-    """What the server knows about adapters, and the rules for request paths.
+class ServerAdapters:
+    """The server's view of the engine's adapter registry, and the rules for request paths.
+
+    The adapters themselves (names, ids, versions, where they are loaded) live in the engine's
+    :class:`~vllm_omni.lora.registry.AdapterRegistry` (``AsyncOmni.adapter_registry``), whatever added
+    them (``--lora-modules``, ``/v1/load_lora_adapter``, ``AsyncOmni.add_lora`` from Python); this class
+    adds only what is the server's own: the ``--lora-dirs`` allow-list, the served model's names (reserved
+    in the registry) and the ``lora`` field's forms.
 
     Args:
+        registry: the engine's adapter registry.
         lora_dirs: roots whose adapters requests may name by path.
         allow_remote: accept hub ids / URLs in requests.
         base_names: names of the base model (``model`` values that select no adapter).
     """
 
-    def __init__(self, lora_dirs: list[str], allow_remote: bool, base_names: list[str]):
+    def __init__(
+        self, registry: AdapterRegistry, lora_dirs: list[str], allow_remote: bool, base_names: list[str]
+    ):
+        self.core = registry
         self.roots = [os.path.realpath(d) for d in lora_dirs]
         self.allow_remote = allow_remote
         self.base_names = list(base_names)
-        self.named: dict[str, LoRARequest] = {}  # --lora-modules + runtime-loaded, by name
         self.startup_paths: set[str] = set()
-        self._paths_by_id: dict[int, str] = {}
+        registry.reserve_names(self.base_names, "a name of the served model; choose another adapter name")
+
+    @property
+    def named(self) -> dict[str, LoRARequest]:
+        """``{name: LoRARequest(name, int_id, path)}`` of every registered adapter (a view, in registration order)."""
+        return {record.name: record.request for record in self.core.records()}
 
     # ------------------------------------------------------------ registration
     def register_startup_path(self, path: str) -> str:
@@ -173,27 +189,9 @@ class AdapterRegistry:
         """
         if name in self.base_names:
             return f"'{name}' is a name of the served model; choose another adapter name"
-        if name in self.named and not replace:
+        if self.core.get(name) is not None and not replace:
             return f"The lora adapter '{name}' has already been loaded."
         return None
-
-    def add_named(self, request: LoRARequest, *, replace: bool = False) -> None:
-        """Name an adapter (``model=<name>`` selects it; ``/v1/models`` lists it).
-
-        Raises:
-            OpenAIError: (400, ``param`` ``lora_name``) the name clashes (:meth:`name_clash`).
-        """
-        clash = self.name_clash(request.lora_name, replace=replace)
-        if clash is not None:
-            raise bad_request(clash, "lora_name")
-        self.named[request.lora_name] = request
-        self._paths_by_id[request.lora_int_id] = request.lora_path
-
-    def remove_named(self, name: str) -> LoRARequest:
-        request = self.named.pop(name, None)
-        if request is None:
-            raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name")
-        return request
 
     # ------------------------------------------------------------ paths
     def _refused(self, path: str) -> OpenAIError:
@@ -266,17 +264,25 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------ requests
     def lookup(self, name: str) -> LoRARequest:
-        request = self.named.get(name)
-        if request is None:
-            raise not_found(f"The adapter `{name}` does not exist (not loaded on this server).", "lora")
-        return request
-
-    def to_request(self, spec: LoRASpec) -> LoRARequest:
-        """Turn one parsed entry into a ``LoRARequest`` the engine can load.
+        """The registered adapter called ``name`` (public form).
 
         Raises:
-            OpenAIError: 404 for an unknown bare name; 400 for a refused/invalid path or an
-                ``int_id`` that already names an adapter at another path.
+            OpenAIError: 404 when no adapter has that name.
+        """
+        record = self.core.get(name)
+        if record is None:
+            raise not_found(f"The adapter `{name}` does not exist (not loaded on this server).", "lora")
+        return record.request
+
+    def to_request(self, spec: LoRASpec) -> LoRARequest:
+        """Turn one parsed entry into a ``LoRARequest`` (public form; the engine's registry versions it).
+
+        A path without a name is named after the adapter registered at that path (whose id it then takes),
+        else the path as given; the name is what the reply's ``model`` field says.
+
+        Raises:
+            OpenAIError: 404 for an unknown bare name; 400 for a refused/invalid path, or an ``int_id``
+                other than the named adapter's.
         """
         if spec.path is None:
             known = self.lookup(spec.name)
@@ -288,32 +294,31 @@ class AdapterRegistry:
         location = self.resolve_path(spec.path)
         if spec.name is not None:
             self._check_request_name(spec.name, location)
-        int_id = spec.int_id if spec.int_id is not None else stable_lora_int_id(location)
-        self.claim_id(int_id, location)
-        return LoRARequest(spec.name or f"adapter-{int_id}", int_id, location)
-
-    def _check_request_name(self, name: str, location: str) -> None:
-        """A request's ``name`` beside a ``path`` must not take a served name or another adapter's."""
-        if name in self.base_names:
-            raise bad_request(f"lora: {self.name_clash(name)}", "lora")
-        known = self.named.get(name)
-        if known is not None and os.path.realpath(known.lora_path) != location:
-            raise bad_request(
-                f"lora: the name {name!r} belongs to a loaded adapter at another path; "
-                f"omit 'name', choose another, or pass only the name to use that adapter",
-                "lora",
-            )
-
-    def claim_id(self, int_id: int, location: str) -> None:
-        """Bind ``int_id`` to ``location``; an id never silently switches to other weights."""
-        owner = self._paths_by_id.get(int_id)
-        if owner is not None and owner != location:
+        registered = None
+        if spec.int_id is None:  # the path of a registered adapter selects that adapter
+            registered = next((r for r in self.core.records() if r.location == location), None)
+        int_id = spec.int_id or (registered.int_id if registered else stable_lora_int_id(location))
+        record = self.core.by_id(int_id)
+        if record is not None and record.location != location:
             raise bad_request(
                 f"lora: int_id {int_id} already names another adapter on this server; "
                 f"omit int_id to get the path's own id",
                 "lora",
             )
-        self._paths_by_id[int_id] = location
+        named = registered or (record if record is not None and record.registered else None)
+        return LoRARequest(spec.name or (named.name if named else spec.path), int_id, location)
+
+    def _check_request_name(self, name: str, location: str) -> None:
+        """A request's ``name`` beside a ``path`` must not take a served name or another adapter's."""
+        if name in self.base_names:
+            raise bad_request(f"lora: {self.name_clash(name)}", "lora")
+        known = self.core.get(name)
+        if known is not None and known.location != location:
+            raise bad_request(
+                f"lora: the name {name!r} belongs to a loaded adapter at another path; "
+                f"omit 'name', choose another, or pass only the name to use that adapter",
+                "lora",
+            )
 
 
 def check_adapter_files(location: str, shown: str) -> AdapterFiles:

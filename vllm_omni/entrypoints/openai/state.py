@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import Request
 
-from vllm_omni.entrypoints.openai.lora import AdapterRegistry
+from vllm_omni.entrypoints.openai.lora import ServerAdapters
 from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.stage_info import EntryStageInfo
 from vllm_omni.errors import ConfigError
@@ -28,7 +28,7 @@ class ServerState:
     Attributes:
         omni: the running ``AsyncOmni`` (``generate``, ``add_lora``, ``remove_lora``).
         settings: the HTTP settings.
-        registry: adapters the server knows and the request-path rules.
+        registry: the server's view of the engine's adapter registry and the request-path rules.
         base_name: the name ``/v1/models`` lists first (``--served-model-name`` or the model).
         info: the pipeline's :class:`~vllm_omni.entrypoints.stage_info.EntryStageInfo`.
         created: start time (epoch seconds) shown on model cards.
@@ -39,7 +39,7 @@ class ServerState:
 
     omni: Any
     settings: ServerSettings
-    registry: AdapterRegistry
+    registry: ServerAdapters
     base_name: str
     info: EntryStageInfo
     created: int = field(default_factory=lambda: int(time.time()))
@@ -58,7 +58,7 @@ def make_state(omni: Any, settings: ServerSettings) -> ServerState:
     served = settings.served_model_names
     base = served[0] if served else (info.model or "model")
     names = list(dict.fromkeys([base, *served, *([info.model] if info.model else [])]))
-    registry = AdapterRegistry(settings.lora_dirs, settings.allow_remote_lora, names)
+    registry = ServerAdapters(omni.adapter_registry, settings.lora_dirs, settings.allow_remote_lora, names)
     state = ServerState(omni=omni, settings=settings, registry=registry, base_name=base, info=info)
     if info.tokenizer is not None:
         from transformers import AutoTokenizer
@@ -71,34 +71,28 @@ def make_state(omni: Any, settings: ServerSettings) -> ServerState:
 
 
 async def register_startup_adapters(state: ServerState) -> None:
-    """Allow ``--lora-path`` paths in requests, name their pre-loaded adapters, and load ``--lora-modules``.
+    """Allow ``--lora-path`` paths in requests, check the names of the adapters the stages pre-loaded, and
+    register ``--lora-modules`` (on the entry stage, the default target of the engine's registry).
 
     Raises:
-        ConfigError: a ``--lora-modules`` adapter that cannot be served (the server does not start).
+        ConfigError: a start-up adapter whose name clashes, or a ``--lora-modules`` adapter that cannot be
+            served (the server does not start).
     """
     reg = state.registry
     for path in state.info.startup_lora_paths:
         reg.register_startup_path(path)
-    for lora in state.info.startup_adapters:  # pre-loaded and pinned by the stage under this name and id
-        _name_startup_adapter(reg, lora, f"--lora-path {lora.lora_path}")
+    for record in reg.core.records():  # pre-loaded and pinned by their stage under this name and id
+        if record.source == "lora_path" and record.name in reg.base_names:
+            raise ConfigError(
+                f"--lora-path {record.location}: adapter name {record.name!r}: {reg.name_clash(record.name)}"
+            )
     for name, path in state.settings.lora_modules:
         location = reg.register_startup_path(path)
         lora = LoRARequest(name, stable_lora_int_id(location), location)
-        _check_startup_name(reg, name, f"--lora-modules {name}={path}")  # before loading anything
+        clash = reg.name_clash(name)  # before loading anything
+        if clash is not None:
+            raise ConfigError(f"--lora-modules {name}={path}: adapter name {name!r}: {clash}")
         try:
-            await state.omni.add_lora(lora)
+            await state.omni.add_lora(lora, replace=False)
         except Exception as exc:
             raise ConfigError(f"--lora-modules {name}={path}: {exc}") from exc
-        reg.add_named(lora)
-
-
-def _check_startup_name(reg: AdapterRegistry, name: str, flag: str) -> None:
-    """A start-up adapter's name under the registry's one rule; a clash stops the server (``ConfigError``)."""
-    clash = reg.name_clash(name)
-    if clash is not None:
-        raise ConfigError(f"{flag}: adapter name {name!r}: {clash}")
-
-
-def _name_startup_adapter(reg: AdapterRegistry, lora: LoRARequest, flag: str) -> None:
-    _check_startup_name(reg, lora.lora_name, flag)
-    reg.add_named(lora)

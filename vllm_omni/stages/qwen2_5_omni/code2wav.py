@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,7 @@ class _Pending:
     codes: torch.Tensor
     params: AudioParams
     future: Future
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class Code2WavStageEngine(StageDriver):
@@ -191,7 +192,11 @@ class Code2WavStageEngine(StageDriver):
             if item is None or not item.future.set_running_or_notify_cancel():
                 continue
             try:
-                item.future.set_result(self.synthesize(item.codes, item.params))
+                wav = self.synthesize(item.codes, item.params)
             except Exception as exc:
                 logger.warning("%s: synthesis failed: %s", self.stage.label, exc)
+                self.recorder.request_done((), time.monotonic() - item.submitted, False)
                 item.future.set_exception(StageEngineError(f"{self.stage.label}: synthesis failed: {exc}"))
+                continue
+            self.recorder.request_done((), time.monotonic() - item.submitted, True)
+            item.future.set_result(wav)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors
+from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors, not_found
 from vllm_omni.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import read_json
 from vllm_omni.entrypoints.openai.state import get_state
@@ -26,33 +26,40 @@ def runtime_lora_updating_allowed() -> bool:
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> Response:
-    """Load an adapter on every LoRA stage and name it (``model=<lora_name>`` selects it).
+    """Register an adapter in the engine's registry (on the entry stage) and name it
+    (``model=<lora_name>`` selects it).
+
+    ``load_inplace`` re-reads the files: new content is a new version (requests after this answer get
+    it, never the old weights); the same content changes nothing.
 
     Errors: 400 for the base model's name, a name already loaded (unless ``load_inplace``),
-    a refused path or an adapter the stages refuse (``param``: ``lora_path``).
+    a refused path or an adapter a stage refuses (``param``: ``lora_path``); nothing stays loaded then.
     """
     state = get_state(request)
     req = parse_body(LoadLoRAAdapterRequest, await read_json(request))
     reg = state.registry
-    clash = reg.name_clash(req.lora_name, replace=req.load_inplace)
-    if clash is not None:
-        raise bad_request(clash, "lora_name")
-    location = reg.resolve_path(req.lora_path)
-    int_id = stable_lora_int_id(location)
-    reg.claim_id(int_id, location)
-    lora = LoRARequest(req.lora_name, int_id, location)
+    try:  # refusals of the server itself (the stages count their own): /metrics, stage="server"
+        clash = reg.name_clash(req.lora_name, replace=req.load_inplace)
+        if clash is not None:
+            raise bad_request(clash, "lora_name")
+        location = reg.resolve_path(req.lora_path)
+    except Exception:
+        request.app.state.registration_failures.note(req.lora_name)
+        raise
+    lora = LoRARequest(req.lora_name, stable_lora_int_id(location), location)
     with engine_errors("lora_path", "lora_path"):
-        await state.omni.add_lora(lora)  # False only means "already cached"
-    reg.add_named(lora, replace=req.load_inplace)
+        await state.omni.add_lora(lora, reload=req.load_inplace, replace=req.load_inplace)
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> Response:
-    """Forget a named adapter and remove it from the stages (404 for an unknown name)."""
+    """Unregister a named adapter and remove it from the stages (404 for an unknown name)."""
     state = get_state(request)
     req = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
-    lora = state.registry.remove_named(req.lora_name)
+    record = state.registry.core.get(req.lora_name)
+    if record is None:
+        raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
     with engine_errors("lora_name", "lora_name"):
-        await state.omni.remove_lora(lora.lora_int_id)
+        await state.omni.remove_lora(record.int_id)
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

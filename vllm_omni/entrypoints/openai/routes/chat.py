@@ -30,6 +30,7 @@ from vllm_omni.entrypoints.openai.routes.common import (
     read_json,
     resolve_adapters,
     run_pipeline,
+    served_model,
     sse,
     stage_params,
     text_output,
@@ -76,7 +77,7 @@ async def chat_completions(request: Request) -> Response:
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": req.model or state.base_name,
+        "model": served_model(state, req.model, adapters),
     }
     if text and req.stream:
         spec = TextStream(
@@ -227,7 +228,7 @@ async def completions(request: Request) -> Response:
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": req.model or state.base_name,
+        "model": served_model(state, req.model, adapters),
     }
     if req.stream:
         spec = TextStream(head, req.n, include_usage=req.include_usage, return_token_ids=req.return_token_ids)

@@ -120,9 +120,10 @@ def resolve_adapters(
     limit = info.max_adapters_per_request
     chosen: list[RequestAdapter] = []
     if model is not None and model not in state.registry.base_names:
-        if model not in state.registry.named:
+        record = state.registry.core.get(model)
+        if record is None:
             raise not_found(f"The model `{model}` does not exist.", "model")
-        chosen.append(RequestAdapter(state.registry.named[model]))
+        chosen.append(RequestAdapter(record.request))
     # entries with a later "stage" (one each) come on top of the entry stage's limit
     specs = parse_lora_field(lora, max_items=limit + len(info.stage_is_llm) - 1)
     chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage) for s in specs)
@@ -134,6 +135,16 @@ def resolve_adapters(
     with engine_errors("lora"):
         validate_request_adapters(entry, limit, field="lora", num_steps=num_steps)
         return validate_request_adapters(chosen, field="lora", num_steps=num_steps)
+
+
+def served_model(state: ServerState, model: str | None, adapters: Adapters) -> str:
+    """The ``model`` field of a reply: the entry stage's adapter(s) that served it, however they were
+    chosen (``model``: the registered name; ``lora.name``; ``lora.path``: the name registered at that
+    path, else the path; several joined by ``+``), else the requested served name, else the first one."""
+    entry = [a for a in adapters if a.stage_id in (None, 0)]
+    if entry:
+        return "+".join(a.lora.lora_name for a in entry)
+    return model or state.base_name
 
 
 def stage_params(

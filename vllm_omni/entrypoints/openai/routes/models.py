@@ -25,12 +25,13 @@ async def health(request: Request) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     """OpenAI model list, each name once: every served name of the base model (``root``: its path),
-    then each adapter (``parent``: the first served name). Names are one namespace (an adapter
+    then each adapter of the engine's registry, however it was added (``root``: its files;
+    ``parent``: the first served name). Names are one namespace (an adapter
     never takes a served name), so every listed id routes ``model`` to what it lists."""
     state = get_state(request)
     served = list(dict.fromkeys(state.settings.served_model_names)) or [state.base_name]
     data = [model_card(state, name, state.info.model, None) for name in served]
-    data += [model_card(state, n, r.lora_path, state.base_name) for n, r in state.registry.named.items()]
+    data += [model_card(state, r.name, r.location, state.base_name) for r in state.registry.core.records()]
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -1,0 +1,93 @@
+"""A name is a version on a real LLM stage (issue 21, rule 1): registering a name again with other
+weights never serves state of the old ones, not even from vLLM's prefix cache.
+
+vLLM keys cached KV blocks by the adapter's lora name and path. Before the registry, removing an
+adapter, rewriting its files and adding it again under the same name, id and path made a prompt of a
+few hundred tokens reuse the old adapter's KV (tokens of neither adapter). Every output here is
+compared token for token with transformers+peft on the weights that are on disk at that moment.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from vllm import SamplingParams
+
+from tests.llm_reference import hf_greedy
+from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.lora.request import LoRARequest
+
+N = 6
+PROMPT_IDS = [10 + (i * 37) % 480 for i in range(300)]  # ~300 tokens: several full prefix-cache blocks
+
+pytestmark = pytest.mark.engine
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+
+
+def _copy_over(src: Path, dst: Path) -> None:
+    """Rewrite the adapter folder ``dst`` in place with ``src``'s files (same path, new content)."""
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(src / name, dst / name)
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_llm_assets):
+    from vllm_omni import Omni
+
+    engine = Omni(
+        str(tiny_llm_assets.model_dir),
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=2,
+        enable_prefix_caching=True,
+        max_model_len=512,
+        dtype="float32",
+        max_num_seqs=4,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_a_rewritten_adapter_never_serves_the_old_weights(omni, tiny_llm_assets, tmp_path):
+    model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
+    ref_a, ref_b = hf_greedy(model, PROMPT_IDS, N, a), hf_greedy(model, PROMPT_IDS, N, b)
+    assert ref_a != ref_b
+    path = tmp_path / "v"
+    shutil.copytree(a, path)
+    lora = LoRARequest("v", 1, str(path))
+    assert omni.add_lora(lora)
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=lora)[0].token_ids == ref_a
+    # remove, rewrite the files at the same path, add again under the same name and id
+    assert omni.remove_lora(1)
+    _copy_over(b, path)
+    assert omni.add_lora(lora)
+    assert omni.list_loras() == {1}
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=lora)[0].token_ids == ref_b
+    # rewritten again with no call at all: the next request gets what is on disk
+    _copy_over(a, path)
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=lora)[0].token_ids == ref_a
+    assert omni.adapter_registry.get("v").version == 2 and omni.list_loras() == {1}
+    # reload=True (HTTP load_inplace) with unchanged files changes nothing
+    assert omni.add_lora(lora, reload=True) is False
+
+
+def test_a_new_path_under_a_registered_name_is_a_new_version(omni, tiny_llm_assets, tmp_path):
+    model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
+    first, second = shutil.copytree(a, tmp_path / "first"), shutil.copytree(b, tmp_path / "second")
+    assert omni.add_lora(LoRARequest("w", 21, str(first)))
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=LoRARequest("w", 21, str(first)))[
+        0
+    ].token_ids == (hf_greedy(model, PROMPT_IDS, N, a))
+    assert omni.add_lora(LoRARequest("w", 22, str(second)))  # same name, new path: replaces it
+    assert 21 not in omni.list_loras() and 22 in omni.list_loras()
+    out = omni.generate(PROMPT_IDS, greedy(), lora_request=LoRARequest("w", 22, str(second)))[0].token_ids
+    assert out == hf_greedy(model, PROMPT_IDS, N, b)
+    # the old id is free again only for its own files; a refused id changes nothing
+    with pytest.raises(InvalidAdapterError, match="lora_int_id 22 already names adapter 'w'"):
+        omni.add_lora(LoRARequest("other", 22, str(first)))
+    assert omni.adapter_registry.get("w").int_id == 22 and omni.remove_lora(22)

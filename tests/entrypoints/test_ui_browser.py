@@ -1,0 +1,236 @@
+"""The ``/ui`` page in a real headless browser (Debian's chromium + chromedriver, driven by selenium).
+
+One server per pipeline kind: the demo diffusion model with its ``warm`` and ``stripes`` adapters,
+and the tiny Qwen2 model with two adapters. The page must load the adapters from ``/v1/models``,
+send what its controls say (the images it shows equal the ones the API returns for the same
+request), fill an XY grid, show the server's refusals, and answer in the chat box with the
+chosen adapter (the same text as the API).
+
+``VLLM_OMNI_UI_SCREENSHOT=<png path>`` also writes a screenshot of the filled grid at 64x64 with
+8 steps (how ``docs/assets/ui.png`` is made).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+
+import httpx
+import pytest
+
+from tests.entrypoints.server_utils import REPO_ROOT, free_port, serve_command, server_env, start_server
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+DEMO = REPO_ROOT / "examples" / "demo_model"
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+SCREENSHOT = os.environ.get("VLLM_OMNI_UI_SCREENSHOT")
+#: generous caps on waits for progress (the page's own state), never a fixed pause
+WAIT_S = 900
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("chromium / chromedriver not installed (tools/setup.sh installs them as root)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in (
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1500,1100",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
+    ):  # fmt: skip
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    port = free_port()
+    adapters = DEMO / "adapters"
+    cmd = serve_command(
+        str(DEMO), port, "--served-model-name", "demo", "--max-loras", "2",
+        "--lora-modules", f"warm={adapters / 'warm'}", f"stripes={adapters / 'stripes'}",
+    )  # fmt: skip
+    srv = start_server(
+        cmd, port, tmp_path_factory.mktemp("ui_img") / "server.log", server_env(), timeout=WAIT_S
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm_server(tiny_llm_assets, tmp_path_factory):
+    port = free_port()
+    cmd = serve_command(
+        str(tiny_llm_assets.model_dir), port, "--served-model-name", "tiny",
+        "--enable-lora", "--max-lora-rank", "16", "--max-model-len", "256", "--dtype", "float32",
+        "--lora-modules", f"a={tiny_llm_assets.adapter_a}", f"b={tiny_llm_assets.adapter_b}",
+    )  # fmt: skip
+    srv = start_server(
+        cmd, port, tmp_path_factory.mktemp("ui_llm") / "server.log", server_env(), timeout=WAIT_S
+    )
+    yield srv
+    srv.stop()
+
+
+def wait(driver, what: str, condition):
+    """Wait for ``condition(driver)`` (the page's progress), failing with what the page showed."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.5).until(condition)
+    except TimeoutException:
+        status = driver.execute_script("return document.getElementById('status').textContent")
+        raise AssertionError(f"timed out waiting for {what}; page status: {status!r}") from None
+
+
+def open_page(driver, server) -> None:
+    driver.get(server.url("/ui"))
+    wait(
+        driver,
+        "the page to read the server",
+        lambda d: d.execute_script("return document.body.dataset.ready"),
+    )
+
+
+def set_value(driver, selector: str, value) -> None:
+    """Set a control's value as a user would (``input`` / ``change`` events fire)."""
+    driver.execute_script(
+        "const el = document.querySelector(arguments[0]); el.value = arguments[1];"
+        "el.dispatchEvent(new Event('input')); el.dispatchEvent(new Event('change'));",
+        selector,
+        str(value),
+    )
+
+
+def api_image(server, size: int, steps: int, seed: int, lora: list) -> str:
+    body = {
+        "model": "demo", "prompt": "a blue circle", "size": f"{size}x{size}",
+        "response_format": "b64_json", "num_inference_steps": steps, "guidance_scale": 0, "seed": seed,
+    }  # fmt: skip
+    if lora:
+        body["lora"] = lora
+    reply = httpx.post(server.url("/v1/images/generations"), json=body, timeout=600)
+    assert reply.status_code == 200, reply.text[:300]
+    return reply.json()["data"][0]["b64_json"]
+
+
+def shown_png(img) -> str:
+    src = img.get_attribute("src")
+    assert src.startswith("data:image/png;base64,")
+    return src.split(",", 1)[1]
+
+
+def settings(driver, size: int, steps: int) -> None:
+    for field, v in (("width", size), ("height", size), ("steps", steps), ("seed", 0)):
+        set_value(driver, f"#{field}", v)
+
+
+def test_page_loads_the_adapters_and_a_generation_shows_its_image(browser, image_server):
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, image_server)
+    rows = browser.find_elements(By.CSS_SELECTOR, "#adapters .adapter")
+    assert [r.get_attribute("data-adapter") for r in rows] == ["warm", "stripes"]
+    assert "demo" in browser.find_element(By.ID, "model-info").text
+    assert not browser.find_element(By.ID, "chat-mode").is_displayed()
+    settings(browser, 32, 3)
+    browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm] .use").click()
+    set_value(browser, "[data-adapter=warm] .scale", 0.5)
+    assert browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm] .scale-value").text == "0.5"
+    browser.find_element(By.ID, "generate").click()
+    img = wait(browser, "the generated image", lambda d: d.find_elements(By.CSS_SELECTOR, "#result img"))[0]
+    wait(browser, "the image to decode", lambda d: d.execute_script("return arguments[0].naturalWidth", img))
+    assert browser.execute_script("return arguments[0].naturalWidth", img) == 32
+    assert shown_png(img) == api_image(image_server, 32, 3, 0, [{"name": "warm", "scale": 0.5}])
+    assert shown_png(img) != api_image(image_server, 32, 3, 0, [])
+
+
+def test_a_schedule_reaches_the_server_and_bad_ones_are_explained(browser, image_server):
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, image_server)
+    settings(browser, 32, 3)
+    browser.find_element(By.CSS_SELECTOR, "[data-adapter=stripes] .use").click()
+    status = browser.find_element(By.ID, "status")
+    set_value(browser, "[data-adapter=stripes] .schedule", "[1, 2")
+    browser.find_element(By.ID, "generate").click()
+    wait(browser, "the JSON error", lambda d: "not valid JSON" in status.text)
+    set_value(browser, "[data-adapter=stripes] .schedule", "[1, 0.5]")  # 2 values for 3 steps
+    browser.find_element(By.ID, "generate").click()
+    wait(browser, "the server's refusal", lambda d: status.text.startswith("400"))
+    assert "lora[0].scale" in status.text and "stripes" in status.text
+    set_value(browser, "[data-adapter=stripes] .schedule", "1@0.5>0")
+    browser.find_element(By.ID, "generate").click()
+    wait(browser, "the scheduled image", lambda d: status.text.startswith("done"))
+    img = browser.find_element(By.CSS_SELECTOR, "#result img")
+    ranges = [{"start": 0, "end": 0.5, "scale": 1}, {"start": 0.5, "end": 1, "scale": 0}]
+    assert shown_png(img) == api_image(image_server, 32, 3, 0, [{"name": "stripes", "scale": ranges}])
+
+
+def test_the_xy_grid_fills_cell_by_cell(browser, image_server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    size, steps = (64, 8) if SCREENSHOT else (32, 3)
+    open_page(browser, image_server)
+    settings(browser, size, steps)
+    Select(browser.find_element(By.ID, "grid-x-kind")).select_by_value("scale:warm")
+    Select(browser.find_element(By.ID, "grid-y-kind")).select_by_value("scale:stripes")
+    set_value(browser, "#grid-x-values", "0, 0.5, 1")
+    set_value(browser, "#grid-y-values", "0, 0.5, 1" if SCREENSHOT else "0, 1")
+    browser.find_element(By.ID, "grid-run").click()
+    n = 9 if SCREENSHOT else 6
+    seen = set()
+
+    def progress(d):
+        done = d.find_elements(By.CSS_SELECTOR, "#grid td.done")
+        seen.add(len(done))
+        failed = d.find_elements(By.CSS_SELECTOR, "#grid td.failed")
+        assert not failed, failed[0].text
+        return len(done) == n
+
+    wait(browser, f"{n} grid cells", progress)
+    assert len(seen) > 2  # images appeared as they finished, not all at once
+    cells = browser.find_elements(By.CSS_SELECTOR, "#grid td.done img")
+    assert [c.get_attribute("alt") for c in cells[:2]] == ["0 / 0", "0.5 / 0"]
+    last = [{"name": "warm", "scale": 1}, {"name": "stripes", "scale": 1}]
+    assert shown_png(cells[-1]) == api_image(image_server, size, steps, 0, last)
+    if SCREENSHOT:
+        browser.execute_script("document.getElementById('grid').scrollIntoView()")
+        browser.save_screenshot(SCREENSHOT)
+        assert base64.b64decode(browser.get_screenshot_as_base64())[:4] == b"\x89PNG"
+
+
+def test_the_chat_box_answers_with_the_chosen_adapter(browser, llm_server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    open_page(browser, llm_server)
+    assert not browser.find_element(By.ID, "image-mode").is_displayed()
+    select = Select(browser.find_element(By.ID, "chat-adapter"))
+    assert [o.get_attribute("value") for o in select.options] == ["", "a", "b"]
+    select.select_by_value("a")
+    set_value(browser, "#chat-max-tokens", 8)
+    box = browser.find_element(By.ID, "chat-input")
+    box.send_keys("hello there")
+    browser.find_element(By.ID, "chat-send").click()
+    reply = wait(
+        browser, "the answer", lambda d: d.find_elements(By.CSS_SELECTOR, "#chat-log .msg.assistant")
+    )
+    body = {
+        "model": "a", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0,
+    }  # fmt: skip
+    api = httpx.post(llm_server.url("/v1/chat/completions"), json=body, timeout=300).json()
+    assert reply[0].text.removeprefix("model: ") == api["choices"][0]["message"]["content"]
+    base = httpx.post(
+        llm_server.url("/v1/chat/completions"), json={**body, "model": "tiny"}, timeout=300
+    ).json()
+    assert base["choices"][0]["message"]["content"] != api["choices"][0]["message"]["content"]

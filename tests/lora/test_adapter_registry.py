@@ -1,0 +1,181 @@
+"""The adapter registry's rules on stand-in stages (issue 21, rules 1 and 2): a name is a version, and
+registration is all-or-nothing and linearizable. Real engines check the same rules in
+``tests/engine/test_adapter_versions.py`` and over HTTP in ``tests/entrypoints/test_registry_server.py``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.lora.fake_stages import FakeStages
+from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError
+from vllm_omni.lora.registry import AdapterRegistry
+from vllm_omni.lora.request import LoRARequest, public_adapter_name
+
+
+def _adapter(folder: Path, weights: bytes) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8}')
+    _rewrite(folder, weights)
+    return str(folder)
+
+
+def _rewrite(folder: Path | str, weights: bytes) -> None:
+    path = Path(folder) / "adapter_model.safetensors"
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    path.write_bytes(weights)
+    os.utime(path, ns=(before + 10**9, before + 10**9))  # a new mtime even on a coarse clock
+
+
+def _registry(stages: FakeStages) -> AdapterRegistry:
+    return AdapterRegistry(stages.call, 0, {i: f"Stage {i}" for i in range(stages.n)})
+
+
+def test_remove_then_add_after_a_rewrite_is_a_new_version_on_every_cache(tmp_path):
+    stages = FakeStages(1)
+    reg = _registry(stages)
+    path = _adapter(tmp_path / "a", b"old")
+    assert reg.add(LoRARequest("a", 1, path))
+    first = reg.get("a").engine
+    assert first.lora_int_id == 1 and public_adapter_name(first.lora_name) == "a"
+    assert reg.remove(1) and stages.loaded[0] == {}
+    _rewrite(path, b"new")
+    assert reg.add(LoRARequest("a", 1, path))
+    second = reg.get("a").engine
+    # a fresh engine id (vLLM / diffusion caches key by id) and name (vLLM's prefix cache keys by name)
+    assert second.lora_int_id != 1 and second.lora_name != first.lora_name
+    assert set(stages.loaded[0]) == {second.lora_int_id}
+    assert reg.list_ids() == {1} and reg.get("a").version == 1  # the public id is still 1
+
+
+def test_same_content_is_a_no_op_and_new_content_replaces_the_old_version(tmp_path):
+    stages = FakeStages(1)
+    reg = _registry(stages)
+    path = _adapter(tmp_path / "a", b"v1")
+    assert reg.add(LoRARequest("a", 1, path)) is True
+    assert reg.pin(1) and stages.pinned[0] == {1}
+    assert reg.add(LoRARequest("a", 1, path)) is False
+    assert reg.add(LoRARequest("a", 1, path), reload=True) is False  # re-read: same bytes
+    _rewrite(path, b"v2")
+    assert reg.add(LoRARequest("a", 1, path), reload=True) is True  # HTTP load_inplace
+    record = reg.get("a")
+    assert record.version == 2 and set(stages.loaded[0]) == {record.engine.lora_int_id}
+    assert stages.pinned[0] == {record.engine.lora_int_id}  # the pin moved to the new version
+    other = _adapter(tmp_path / "b", b"other")
+    assert reg.add(LoRARequest("a", 2, other))  # a new path: a new version under a new id
+    assert reg.by_id(1) is None and reg.get("a").int_id == 2 and reg.get("a").version == 3
+    assert set(stages.loaded[0]) == {reg.get("a").engine.lora_int_id}
+
+
+def test_a_request_gets_the_new_version_after_the_files_changed(tmp_path):
+    stages = FakeStages(1)
+    reg = _registry(stages)
+    path = _adapter(tmp_path / "a", b"v1")
+    first = reg.resolve(LoRARequest("a", 5, path))
+    assert reg.resolve(LoRARequest("a", 5, path + "/")) == first and first.lora_int_id == 5
+    _rewrite(path, b"v2")
+    second = reg.resolve(LoRARequest("a", 5, path))
+    assert second.lora_int_id != 5 and second.lora_name != first.lora_name
+    assert reg.public_id(second.lora_int_id) == 5
+    # a registered adapter is re-registered (loaded anew, the old version dropped)
+    assert reg.add(LoRARequest("b", 6, _adapter(tmp_path / "b", b"b1")))
+    _rewrite(tmp_path / "b", b"b2")
+    engine = reg.resolve(LoRARequest("b", 6, str(tmp_path / "b")))
+    assert set(stages.loaded[0]) == {engine.lora_int_id} and reg.get("b").version == 2
+
+
+def test_an_id_never_switches_weights_until_removed(tmp_path):
+    reg = _registry(FakeStages(1))
+    a, b = _adapter(tmp_path / "a", b"a"), _adapter(tmp_path / "b", b"b")
+    reg.resolve(LoRARequest("a", 31, a))
+    with pytest.raises(InvalidAdapterError, match=r"adapter 'b'.*lora_int_id 31 already names adapter .*a'"):
+        reg.resolve(LoRARequest("b", 31, b))
+    with pytest.raises(InvalidAdapterError, match="lora_int_id 31 already names"):
+        reg.add(LoRARequest("b", 31, b))
+    reg.add(LoRARequest("named", 32, a))
+    with pytest.raises(InvalidAdapterError, match="lora_int_id 32 already names adapter 'named'"):
+        reg.add(LoRARequest("other", 32, a))
+    reg.remove(31)
+    engine = reg.resolve(LoRARequest("b", 31, b))
+    assert engine.lora_path == b and engine.lora_int_id != 31  # id 31 was issued for a's content
+
+
+def test_a_refusal_by_one_stage_rolls_back_the_others(tmp_path):
+    def refuse(stage, lora):
+        return "rank 16 > max_lora_rank 8" if stage == 1 and "new" in lora.lora_path else None
+
+    stages = FakeStages(2, refuse=refuse)
+    reg = _registry(stages)
+    old = _adapter(tmp_path / "old", b"old")
+    assert reg.add(LoRARequest("a", 1, old), stage_id=[0, 1])
+    before = {s: dict(v) for s, v in stages.loaded.items()}
+    new = _adapter(tmp_path / "new", b"new")
+    with pytest.raises(InvalidAdapterError) as info:
+        reg.add(LoRARequest("a", 2, new), stage_id=[0, 1])
+    assert "adapter 'a'" in str(info.value) and "Stage 1" in str(info.value) and "new" in str(info.value)
+    assert "max_lora_rank" in str(info.value)
+    assert stages.loaded == before  # stage 0 dropped the new version again; the old one is untouched
+    assert reg.get("a").int_id == 1 and reg.by_id(2) is None
+    with pytest.raises(InvalidAdapterError):
+        reg.add(LoRARequest("b", 3, new), stage_id=[0, 1])
+    assert reg.get("b") is None and stages.loaded == before
+
+
+def test_the_default_target_is_the_entry_stage(tmp_path):
+    stages = FakeStages(2, lora_stages=(0,))
+    reg = _registry(stages)
+    assert reg.add(LoRARequest("a", 1, _adapter(tmp_path / "a", b"a")))
+    assert reg.get("a").targets == (0,) and set(stages.loaded[0]) == {1}
+    with pytest.raises(LoRANotEnabledError, match="adapter 'b'.*Stage 1"):
+        reg.add(LoRARequest("b", 2, _adapter(tmp_path / "b", b"b")), stage_id=1)
+    assert reg.get("b") is None
+
+
+def test_bad_input_names_the_adapter_and_changes_nothing(tmp_path):
+    stages = FakeStages(1)
+    reg = _registry(stages)
+    reg.reserve_names(["base"], "a name of the served model")
+    assert reg.add(LoRARequest("a", 1, _adapter(tmp_path / "a", b"a")))
+    with pytest.raises(FileNotFoundError, match="adapter 'm'.*no such"):
+        reg.add(LoRARequest("m", 2, str(tmp_path / "missing")))
+    with pytest.raises(InvalidAdapterError, match="'base': a name of the served model"):
+        reg.add(LoRARequest("base", 3, str(tmp_path / "a")))
+    with pytest.raises(InvalidAdapterError, match="positive lora_int_id"):
+        reg.add("not an adapter")
+    assert [r.name for r in reg.records()] == ["a"] and set(stages.loaded[0]) == {1}
+
+
+def test_concurrent_registrations_of_one_name_have_one_outcome(tmp_path):
+    stages = FakeStages(2, delay=0.002)
+    reg = _registry(stages)
+    paths = [_adapter(tmp_path / f"v{i}", f"weights {i}".encode()) for i in range(4)]
+    results: list[bool] = []
+
+    def same():
+        results.append(reg.add(LoRARequest("x", 7, paths[0]), stage_id=[0, 1]))
+
+    threads = [threading.Thread(target=same) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 7 + [True]
+
+    def churn(i: int):
+        if i % 3 == 2:
+            reg.remove_name("y")
+        else:
+            reg.add(LoRARequest("y", 100 + i % 4, paths[i % 4]), stage_id=[0, 1])
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    record = reg.get("y")
+    engine_ids = {reg.get("x").engine.lora_int_id} | ({record.engine.lora_int_id} if record else set())
+    for stage in (0, 1):  # the stages hold exactly what the registry says, nothing half-done
+        assert set(stages.loaded[stage]) == engine_ids

@@ -1,0 +1,187 @@
+"""Start-up inputs checked before anything heavy is imported or any engine starts.
+
+``vllm-omni serve`` refuses, naming the flag and the value as given, an input it can tell is
+wrong from the file system and the network alone:
+
+* ``--lora-modules name=path`` / ``--lora-path`` / ``--lora-dirs``: a local path that does not
+  exist or cannot be read (``--lora-dirs``: is not a directory);
+* ``--deploy-config``: a file that cannot be read, is not YAML or is not a mapping (its schema is
+  checked by the full parser, still before any engine starts);
+* ``--host`` / ``--port``: an address this process cannot bind (in use, not permitted).
+
+:func:`check_argv` runs on the raw command line before vLLM is imported
+(:func:`vllm_omni.entrypoints.cli.fast.try_fast`): these answers take well under a second.
+:func:`resolve_local` and :func:`check_bind` are used by the full parser too, so a command line
+that reaches it (or a caller of :func:`~vllm_omni.entrypoints.cli.serve.parse_serve_argv`)
+gets the same errors, and paths are made absolute there, once, so the server, its stages and
+request paths all see one spelling of each adapter location.
+
+Only stdlib, PyYAML and :mod:`vllm_omni.errors` are imported here.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from collections.abc import Iterable
+
+from vllm_omni.errors import ConfigError
+
+#: Our value-taking flags this module checks: flag -> how many values ("+": one or more).
+CHECKED_FLAGS = {
+    "--lora-modules": "+",
+    "--lora-path": "+",
+    "--lora-dirs": "+",
+    "--deploy-config": 1,
+    "--host": 1,
+    "--port": 1,
+}
+
+
+def resolve_local(flag: str, value: str, path: str, *, directory: bool = False) -> str:
+    """``path`` made absolute (symlinks resolved) after checking it exists and can be read.
+
+    Args:
+        flag: the flag as the user wrote it (for the message).
+        value: the value as given (for the message), e.g. ``name=path``.
+        path: the local path inside ``value``.
+        directory: the path must be a directory (``--lora-dirs``).
+
+    Raises:
+        ConfigError: ``<flag> <value>: <what is wrong>``.
+    """
+    expanded = os.path.expanduser(path)
+    if not os.path.exists(expanded):
+        raise ConfigError(f"{flag} {value}: no such file or directory ({os.path.abspath(expanded)})")
+    if directory and not os.path.isdir(expanded):
+        raise ConfigError(f"{flag} {value}: not a directory")
+    need = os.R_OK | (os.X_OK if os.path.isdir(expanded) else 0)
+    if not os.access(expanded, need):
+        raise ConfigError(f"{flag} {value}: permission denied (cannot read it as user {os.getuid()})")
+    return os.path.realpath(expanded)
+
+
+def parse_lora_module(value: str) -> tuple[str, str]:
+    """``name=path`` or JSON ``{"name": ..., "path": ...}`` -> ``(name, path)`` (vLLM's two forms).
+
+    Raises:
+        ConfigError: neither form.
+    """
+    if value.lstrip().startswith("{"):
+        try:
+            data = json.loads(value)
+            return str(data["name"]), str(data["path"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"--lora-modules {value}: expected 'name=path' or JSON with name and path"
+            ) from exc
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-modules {value}: expected 'name=path' or JSON with name and path")
+    return name, path
+
+
+def check_deploy_yaml(path: str) -> None:
+    """The deploy YAML can be read and is a mapping (its schema is checked later, still before engines).
+
+    Raises:
+        ConfigError: naming the file: unreadable, not UTF-8, not YAML, or not a mapping.
+    """
+    import yaml  # ~20 ms; only when a deploy config is given
+
+    name = f"--deploy-config {path}"
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read it: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"{name}: not valid YAML: {where}{what}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: must be a mapping with a 'stages:' list, got {type(data).__name__}")
+
+
+def check_bind(host: str | None, port: int) -> None:
+    """This process can listen on ``host:port`` now (the server binds it after the engines load).
+
+    Binds with ``SO_REUSEADDR`` as uvicorn does, so a port in ``TIME_WAIT`` is not refused.
+
+    Raises:
+        ConfigError: ``--port <port>: address already in use`` (or not permitted, or a bad host).
+    """
+    where = f"{host or '0.0.0.0'}:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, OverflowError) as exc:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc})") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise ConfigError(
+                f"--port {port}: cannot listen on {where}: {reason}; stop the process using it or pick "
+                f"another --port"
+            ) from exc
+
+
+def _values(argv: list[str]) -> dict[str, list[str]]:
+    """The values of :data:`CHECKED_FLAGS` in ``argv`` (``--flag v``, ``--flag=v``, ``--flag_name``)."""
+    found: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            break
+        name, has_value, inline = token.partition("=")
+        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        count = CHECKED_FLAGS.get(name)
+        if count is None:
+            continue
+        if has_value:
+            found.setdefault(name, []).append(inline)
+            continue
+        taken = 0
+        while i < len(argv) and not argv[i].startswith("-") and (count == "+" or taken < count):
+            found.setdefault(name, []).append(argv[i])
+            i += 1
+            taken += 1
+    return found
+
+
+def check_argv(argv: Iterable[str]) -> None:
+    """Check the start-up inputs of a ``serve`` command line (without ``serve``) as given.
+
+    ``--dry-run`` skips the port check (nothing will listen). Start-up adapters are local
+    files (``--allow-remote-lora`` concerns request paths only).
+
+    Raises:
+        ConfigError: the first bad input, named as given.
+    """
+    argv = list(argv)
+    values = _values(argv)
+    for value in values.get("--lora-modules", []):
+        resolve_local("--lora-modules", value, parse_lora_module(value)[1])
+    for path in values.get("--lora-path", []):
+        resolve_local("--lora-path", path, path)
+    for path in values.get("--lora-dirs", []):
+        resolve_local("--lora-dirs", path, path, directory=True)
+    for path in values.get("--deploy-config", []):
+        check_deploy_yaml(path)
+    if "--dry-run" not in argv:
+        ports = values.get("--port", ["8000"])
+        try:
+            port = int(ports[-1])
+        except ValueError:
+            return  # the full parser reports the bad value
+        check_bind((values.get("--host") or [None])[-1], port)

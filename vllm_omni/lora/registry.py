@@ -1,0 +1,592 @@
+"""The adapter registry: the one owner of what an adapter is, where it acts and what state it has.
+
+``Omni`` / ``AsyncOmni`` own one :class:`AdapterRegistry`; every way an adapter enters goes through it:
+``add_lora`` / ``remove_lora`` / ``pin_lora`` / ``list_loras``, the adapters of a request (by name or by
+path), the server's ``--lora-modules`` / ``--lora-path`` and ``/v1/load_lora_adapter``. Stages keep their own
+caches (vLLM's LoRA and prefix caches, the diffusion host cache and slots); the registry decides what they
+are handed, so those caches can never mix two versions of an adapter.
+
+Identity and versions
+    An adapter is a public ``(name, int_id)`` pair (what the caller gave: ``LoRARequest(name, id, path)``)
+    bound to its resolved files and a **content fingerprint**: the SHA-256 of ``adapter_config.json`` (when
+    present) and the weights file, in that order (:func:`fingerprint_files`). The fingerprint is the
+    adapter's version. Stages are handed a per-version identity, :attr:`AdapterRecord.engine`: the lora
+    name ``"<name>@<12 hex digits of the fingerprint>.<engine id>"`` (vLLM keys its prefix cache by lora
+    name and path, and compares ``LoRARequest`` s by name) and an engine id, the public id for the first
+    version issued under it and a fresh id for any other content (vLLM and the diffusion host cache key
+    adapters by id). An engine id is never reused for other content while the registry lives. Registering
+    a name again with the same files and content is a no-op; other content (new files at the same path,
+    another path, ``reload=True`` after a rewrite) is a new version: it is loaded on the stages first,
+    then the old version is dropped from them. A request naming an adapter whose files changed on disk
+    since they were fingerprinted gets the new version (files are re-read only when their
+    ``(inode, size, mtime)`` changed).
+
+Targets
+    A registered adapter acts on the stages it targets: ``stage_id`` (one id or a list), by default the
+    entry stage only, since an adapter fits one model. ``denoiser`` names the denoiser of a two-denoiser
+    diffusion stage when given (stored and reported; the stage applies it).
+
+Registration is all-or-nothing and linearizable
+    Calls on one name are serialised (one lock per name); a load is first made on every target stage
+    (a replicated stage is itself all-or-nothing over its replicas) and a refusal by one rolls back the
+    others, so a refused load leaves nothing behind. The registry's tables change only after every stage
+    accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from vllm_omni.errors import AdapterNotFoundError, InvalidAdapterError, OmniError, restate
+from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
+from vllm_omni.lora.request import LoRARequest, engine_adapter_name
+
+logger = logging.getLogger(__name__)
+
+#: ``call(method, *args, stage_id=None) -> {stage_id: result}``: a LoRA method on one stage (or on every
+#: stage with LoRA when ``stage_id`` is ``None``); raises ``LoRANotEnabledError`` when no such stage takes
+#: adapters (``Orchestrator.lora_call``).
+StageCall = Callable[..., dict[int, Any]]
+
+_INT_ID_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class StageState:
+    """An adapter's state on one stage (all its replicas): ``loaded``, ``pinned`` or ``failed`` (with
+    ``error``, e.g. set when a restarted worker could not load it again)."""
+
+    state: Literal["loaded", "pinned", "failed"]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """One adapter version as the registry knows it.
+
+    Attributes:
+        name / int_id: the public identity (what ``list_loras`` reports and ``remove_lora`` takes).
+        location: the resolved path (``realpath``) of the adapter (a PEFT folder or a ``.safetensors`` file).
+        files: its weights and config files.
+        fingerprint: SHA-256 (hex) of the config and weights bytes: the version.
+        engine: the ``LoRARequest`` the stages get (per-version name and id; see the module docstring).
+        targets: the stage ids it is registered on (``()`` for an adapter only seen in requests).
+        denoiser: the denoiser it targets on a two-denoiser stage, when given.
+        registered: added by ``add_lora`` / a start-up flag / the HTTP route (listed in ``/v1/models``);
+            ``False`` for an adapter a request named by path (loaded by its stage on demand).
+        stages: ``{stage_id: StageState}`` for the target stages.
+        source: how it entered (``"add_lora"``, ``"lora_path"``, ``"request"``).
+        version: 1 for the first content registered under ``name``, +1 per new content.
+    """
+
+    name: str
+    int_id: int
+    location: str
+    files: AdapterFiles
+    fingerprint: str
+    engine: LoRARequest
+    targets: tuple[int, ...] = ()
+    denoiser: str | None = None
+    registered: bool = True
+    stages: Mapping[int, StageState] = field(default_factory=dict)
+    source: str = "add_lora"
+    version: int = 1
+    signature: tuple = ()  # (path, inode, size, mtime_ns) of each file when fingerprinted
+
+    @property
+    def request(self) -> LoRARequest:
+        """The public form ``LoRARequest(name, int_id, location)``."""
+        return LoRARequest(self.name, self.int_id, self.location)
+
+
+def _location(path: str) -> str:
+    return os.path.realpath(path) if "://" not in path else path
+
+
+def _derived_id(int_id: int, key: tuple[str, str]) -> int:
+    digest = hashlib.sha256(f"{int_id}|{key[0]}|{key[1]}".encode()).digest()
+    return (int.from_bytes(digest[:4], "big") & _INT_ID_MAX) or 1
+
+
+def _describe(lora: LoRARequest) -> str:
+    return f"adapter {lora.lora_name!r} (id {lora.lora_int_id}, path {lora.lora_path!r})"
+
+
+class AdapterRegistry:
+    """Every adapter of one engine client and its state on the stages (thread-safe).
+
+    Args:
+        call: runs a LoRA method on the stages (:data:`StageCall`).
+        entry_stage_id: the default target.
+        stage_labels: ``{stage_id: label}`` for messages.
+        check: ``check(stage_id, engine_request)`` raises what a stage would refuse, loading nothing
+            (run on every target before any loads, so that a refusal does not even evict another
+            adapter from a cache); ``None``: refusals are only rolled back.
+    """
+
+    def __init__(
+        self,
+        call: StageCall,
+        entry_stage_id: int = 0,
+        stage_labels: Mapping[int, str] | None = None,
+        check: Callable[[int, LoRARequest], None] | None = None,
+    ):
+        self._call = call
+        self._check = check
+        self.entry_stage_id = entry_stage_id
+        self._labels = dict(stage_labels or {})
+        self._lock = threading.RLock()  # the tables below; never held across a stage call
+        self._name_locks: dict[str, threading.Lock] = {}
+        self._by_id: dict[int, AdapterRecord] = {}
+        self._names: dict[str, int] = {}  # registered names -> int_id, in registration order
+        self._claims: dict[int, str] = {}  # ids being registered -> name
+        self._engine_owner: dict[int, tuple[str, str]] = {}  # engine id -> (location, fingerprint)
+        self._engine_public: dict[int, int] = {}  # engine id -> public id
+        self._reserved: dict[str, str] = {}
+        self._fingerprints: dict[tuple, str] = {}
+
+    # ------------------------------------------------------------------ lookups
+    def get(self, name: str) -> AdapterRecord | None:
+        """The registered adapter called ``name``, or ``None``."""
+        with self._lock:
+            int_id = self._names.get(name)
+            return None if int_id is None else self._by_id.get(int_id)
+
+    def by_id(self, int_id: int) -> AdapterRecord | None:
+        """The adapter (registered or seen in a request) with public id ``int_id``, or ``None``."""
+        with self._lock:
+            return self._by_id.get(int_id)
+
+    def records(self) -> list[AdapterRecord]:
+        """The registered adapters, in registration order."""
+        with self._lock:
+            return [self._by_id[i] for i in self._names.values()]
+
+    def public_id(self, engine_id: int) -> int:
+        """The public id of a stage's adapter id (``engine_id`` itself when unknown)."""
+        with self._lock:
+            return self._engine_public.get(engine_id, engine_id)
+
+    def reserve_names(self, names: Sequence[str], why: str) -> None:
+        """Refuse these names for adapters (e.g. the served model's names), saying ``why``."""
+        with self._lock:
+            self._reserved.update(dict.fromkeys(names, why))
+
+    def expected_on(self, stage_id: int) -> list[tuple[LoRARequest, bool]]:
+        """``(engine request, pinned)`` of every registered adapter targeting ``stage_id`` (what a
+        restarted stage must hold), in registration order."""
+        out = []
+        for record in self.records():
+            if stage_id in record.targets:
+                out.append(
+                    (record.engine, record.stages.get(stage_id, StageState("loaded")).state == "pinned")
+                )
+        return out
+
+    def mark_failed(self, int_id: int, stage_id: int, error: str) -> None:
+        """Record that ``stage_id`` lost adapter ``int_id`` (e.g. a restart could not load it again)."""
+        with self._lock:
+            record = self._by_id.get(int_id)
+            if record is not None:
+                stages = {**record.stages, stage_id: StageState("failed", error)}
+                self._by_id[int_id] = replace(record, stages=stages)
+
+    # ------------------------------------------------------------------ identity
+    @contextmanager
+    def _name_lock(self, name: str) -> Iterator[None]:
+        with self._lock:
+            lock = self._name_locks.setdefault(name, threading.Lock())
+        with lock:
+            yield
+
+    def _identity(self, lora: LoRARequest, fresh: bool = False) -> tuple[str, AdapterFiles, str, tuple]:
+        """``(location, files, fingerprint, signature)`` of ``lora``'s files (hashed once per signature).
+
+        Raises:
+            AdapterNotFoundError (an ``InvalidAdapterError`` and a ``FileNotFoundError``) / InvalidAdapterError:
+                the files cannot be found or read (naming the adapter).
+        """
+        location = _location(str(lora.lora_path))
+        try:
+            files = locate_adapter(location, shown=_describe(lora))
+            signature = file_signature(files)
+        except FileNotFoundError:
+            raise AdapterNotFoundError(f"{_describe(lora)}: no such adapter file or folder") from None
+        except OSError as exc:
+            raise InvalidAdapterError(f"{_describe(lora)}: cannot read its files: {exc}") from exc
+        digest = None if fresh else self._fingerprints.get(signature)
+        if digest is None:
+            try:
+                digest = fingerprint_files(files)
+            except OSError as exc:
+                raise InvalidAdapterError(f"{_describe(lora)}: cannot read its files: {exc}") from exc
+            with self._lock:
+                self._fingerprints[signature] = digest
+        return location, files, digest, signature
+
+    def _engine_request(self, name: str, int_id: int, location: str, digest: str) -> LoRARequest:
+        """The per-version ``LoRARequest`` stages get; its id is ``int_id`` unless that id was issued for
+        other content, then a fresh one (never one issued for other content)."""
+        key = (location, digest)
+        with self._lock:
+            engine_id = int_id
+            while self._engine_owner.get(engine_id, key) != key:
+                engine_id = _derived_id(engine_id, key)
+            self._engine_owner[engine_id] = key
+            self._engine_public[engine_id] = int_id
+        return LoRARequest(engine_adapter_name(name, digest, engine_id), engine_id, location)
+
+    def _id_conflict(self, lora: LoRARequest, location: str, allowed: AdapterRecord | None) -> str | None:
+        """Why ``lora``'s id cannot be used (``None``: it can); call with the table lock held."""
+        int_id = lora.lora_int_id
+        claim = self._claims.get(int_id)
+        if claim is not None and claim != lora.lora_name:
+            return f"lora_int_id {int_id} is being registered for adapter {claim!r}"
+        held = self._by_id.get(int_id)
+        if held is None or held is allowed:
+            return None
+        if held.registered and held.name != lora.lora_name:
+            return f"lora_int_id {int_id} already names adapter {held.name!r} ({held.location!r})"
+        if held.location != location:
+            return f"lora_int_id {int_id} already names adapter {held.location!r}"
+        return None
+
+    # ------------------------------------------------------------------ requests
+    def resolve(self, lora: Any) -> Any:
+        """The per-version form of one request adapter (anything that is not a usable ``LoRARequest`` is
+        returned unchanged for the stage to refuse; so is one whose files cannot be found).
+
+        Raises:
+            InvalidAdapterError: its id already names an adapter at another location (remove it first),
+                or its files changed on disk and the new version is refused by a stage.
+        """
+        if not isinstance(lora, LoRARequest) or not lora.lora_path or isinstance(lora.lora_int_id, bool):
+            return lora
+        location = _location(str(lora.lora_path))
+        record = self._by_id.get(lora.lora_int_id)
+        if record is not None and record.location == location:
+            try:
+                if file_signature(record.files) == record.signature:
+                    return record.engine
+            except OSError:  # files gone: the loaded version still serves (a stage may refuse a reload)
+                return record.engine
+            return self._refresh(record)
+        try:
+            identity = self._identity(lora)
+        except (FileNotFoundError, InvalidAdapterError):
+            return lora
+        with self._lock:
+            why = self._id_conflict(lora, location, None)
+            if why is not None:
+                raise InvalidAdapterError(
+                    f"{_describe(lora)}: {why}; give this adapter another id, or remove_lora({lora.lora_int_id}) first"
+                )
+            record = self._by_id.get(lora.lora_int_id)
+            if record is None:
+                record = self._new_record(lora, identity, registered=False, source="request")
+                self._by_id[lora.lora_int_id] = record
+        return record.engine
+
+    def _refresh(self, record: AdapterRecord) -> LoRARequest:
+        """A new version of ``record`` after its files changed on disk."""
+        if record.registered:
+            self.add(record.request, record.targets or None, denoiser=record.denoiser, reload=True)
+            return self._by_id[record.int_id].engine
+        identity = self._identity(record.request, fresh=True)
+        with self._lock:
+            current = self._by_id.get(record.int_id)
+            if current is not None and current.fingerprint == identity[2]:
+                return current.engine
+            new = self._new_record(record.request, identity, registered=False, source="request")
+            self._by_id[record.int_id] = replace(new, version=record.version + 1)
+        return new.engine
+
+    def _new_record(self, lora: LoRARequest, identity: tuple, **fields: Any) -> AdapterRecord:
+        location, files, digest, signature = identity
+        engine = self._engine_request(lora.lora_name, lora.lora_int_id, location, digest)
+        return AdapterRecord(
+            lora.lora_name, lora.lora_int_id, location, files, digest, engine, signature=signature, **fields
+        )
+
+    # ------------------------------------------------------------------ registration
+    def _targets(self, stage_id: int | Sequence[int] | None, old: AdapterRecord | None) -> tuple[int, ...]:
+        if stage_id is None:
+            return old.targets if old is not None and old.targets else (self.entry_stage_id,)
+        if isinstance(stage_id, int) and not isinstance(stage_id, bool):
+            return (stage_id,)
+        ids = tuple(dict.fromkeys(stage_id))
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InvalidAdapterError(
+                f"stage_id must be a stage id or a non-empty list of them, got {stage_id!r}"
+            )
+        return ids
+
+    def add(
+        self,
+        lora: LoRARequest,
+        stage_id: int | Sequence[int] | None = None,
+        *,
+        denoiser: str | None = None,
+        reload: bool = False,
+        replace: bool = True,
+    ) -> bool:
+        """Register ``lora`` on its target stages (all-or-nothing); see the module docstring.
+
+        Args:
+            lora: ``LoRARequest(name, int_id, path)``.
+            stage_id: target stage(s); ``None``: where the name is registered already, else the entry stage.
+            denoiser: the denoiser of a two-denoiser stage it targets.
+            reload: re-read the files even when their ``(inode, size, mtime)`` did not change.
+            replace: ``False`` refuses a name that is registered already (checked under the name's lock,
+                so of concurrent calls exactly one registers it).
+
+        Returns:
+            ``True`` when something changed (a new adapter, version or target), ``False`` for the same
+            name, id, files and content already registered there (a no-op).
+
+        Raises:
+            InvalidAdapterError: a reserved name, a registered name with ``replace=False``, an id that
+                names another adapter, files a stage refuses
+                (message prefixed with the adapter and the stage; nothing stays loaded anywhere).
+            AdapterNotFoundError: no such file or folder (also a ``FileNotFoundError``).
+            LoRANotEnabledError / ConfigError: a target stage without LoRA / no such stage.
+        """
+        lora = _checked(lora)
+        if lora.lora_name in self._reserved:
+            raise InvalidAdapterError(f"adapter name {lora.lora_name!r}: {self._reserved[lora.lora_name]}")
+        with self._name_lock(lora.lora_name):
+            old = self.get(lora.lora_name)
+            if old is not None and not replace:
+                raise InvalidAdapterError(f"The lora adapter '{lora.lora_name}' has already been loaded.")
+            identity = self._identity(lora, fresh=reload)
+            targets = self._targets(stage_id, old)
+            same = old is not None and (old.int_id, old.location, old.fingerprint) == (
+                lora.lora_int_id,
+                identity[0],
+                identity[2],
+            )
+            with self._lock:
+                why = self._id_conflict(lora, identity[0], old)
+                if why is not None:
+                    raise InvalidAdapterError(
+                        f"{_describe(lora)}: {why}; choose another id, or remove it first"
+                    )
+                self._claims[lora.lora_int_id] = lora.lora_name
+            try:
+                return self._register(lora, identity, targets, old if same else None, old, denoiser)
+            finally:
+                with self._lock:
+                    self._claims.pop(lora.lora_int_id, None)
+
+    def _register(
+        self,
+        lora: LoRARequest,
+        identity: tuple,
+        targets: tuple[int, ...],
+        same: AdapterRecord | None,
+        old: AdapterRecord | None,
+        denoiser: str | None,
+    ) -> bool:
+        """Load the version on ``targets`` (pinned where ``old`` was), then swap it in and drop ``old``'s
+        version from its stages. ``same``: ``old`` when the content is unchanged (its stages are asked
+        again, which reloads only what they evicted). Returns whether the registry changed (a new
+        adapter, version, target or denoiser)."""
+        if same is not None:
+            record = same
+        else:
+            record = self._new_record(lora, identity, denoiser=denoiser, source="add_lora")
+        pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned"}
+        states = self._load_on(record, targets, pinned, repin=same is None)
+        new_targets = tuple(dict.fromkeys(record.targets + targets))
+        changed = same is None or new_targets != record.targets or denoiser not in (None, record.denoiser)
+        record = replace(
+            record,
+            targets=new_targets,
+            stages={**record.stages, **states},
+            denoiser=denoiser or record.denoiser,
+            registered=True,
+            version=(old.version + 1) if old is not None and same is None else record.version,
+        )
+        with self._lock:
+            if old is not None and old.int_id != record.int_id:
+                self._by_id.pop(old.int_id, None)
+            self._names.pop(lora.lora_name, None)
+            self._names[lora.lora_name] = record.int_id
+            self._by_id[record.int_id] = record
+        if old is not None and same is None and old.engine.lora_int_id != record.engine.lora_int_id:
+            self._unload(old.engine, old.targets)
+        return changed
+
+    def _load_on(
+        self, record: AdapterRecord, targets: tuple[int, ...], pinned: set[int], repin: bool
+    ) -> dict[int, StageState]:
+        """``check`` on every target, then ``add_lora`` of ``record.engine`` on each, in order, and ``pin_lora`` on the ``pinned``
+        ones (where it was loaded anew, or everywhere with ``repin``); on a refusal the stages already done
+        drop what this call loaded, and the error is raised prefixed with the adapter and the stage.
+        Returns the stage states."""
+        done: list[tuple[int, bool]] = []
+        states: dict[int, StageState] = {}
+        engine = record.engine
+        for stage in targets if self._check is not None else ():
+            try:
+                self._check(stage, engine)
+            except OmniError as exc:
+                raise restate(exc, self._where(record, stage)) from exc
+        for stage in targets:
+            try:
+                new = bool(self._call("add_lora", engine, stage_id=stage).get(stage, False))
+                done.append((stage, new))
+                if stage in pinned and (new or repin):
+                    self._call("pin_lora", engine.lora_int_id, stage_id=stage)
+                states[stage] = StageState("pinned" if stage in pinned else "loaded")
+            except Exception as exc:
+                self._roll_back(engine, done)
+                if isinstance(exc, OmniError):
+                    raise restate(exc, self._where(record, stage)) from exc
+                exc.add_note(self._where(record, stage))
+                raise
+        return states
+
+    def _where(self, record: AdapterRecord, stage: int) -> str:
+        return f"adapter {record.name!r} ({record.location}) on {self._labels.get(stage, f'stage {stage}')}"
+
+    def _roll_back(self, engine: LoRARequest, done: list[tuple[int, bool]]) -> None:
+        for stage, new in reversed(done):
+            if new:
+                try:
+                    self._call("remove_lora", engine.lora_int_id, stage_id=stage)
+                except Exception:
+                    logger.exception("rolling back %s on stage %d failed", engine.lora_name, stage)
+
+    def _unload(self, engine: LoRARequest, targets: tuple[int, ...]) -> bool:
+        """Best effort: drop an engine id from ``targets`` (every LoRA stage when empty)."""
+        removed = False
+        for stage in targets or (None,):
+            try:
+                removed |= any(self._call("remove_lora", engine.lora_int_id, stage_id=stage).values())
+            except Exception:
+                if targets:
+                    logger.exception("dropping %s from stage %s failed", engine.lora_name, stage)
+                else:
+                    raise
+        return removed
+
+    def adopt(
+        self, lora: LoRARequest, stage_id: int, *, pinned: bool = True, source: str = "lora_path"
+    ) -> None:
+        """Register an adapter a stage loaded by itself at start-up under ``lora`` (its id and name as the
+        stage uses them). A name taken already keeps its adapter (the new one is known by id only).
+
+        Raises:
+            InvalidAdapterError / FileNotFoundError: its files cannot be read.
+        """
+        identity = self._identity(lora)
+        with self._lock:
+            self._engine_owner[lora.lora_int_id] = (identity[0], identity[2])
+            self._engine_public[lora.lora_int_id] = lora.lora_int_id
+            state = {stage_id: StageState("pinned" if pinned else "loaded")}
+            record = AdapterRecord(
+                lora.lora_name, lora.lora_int_id, identity[0], identity[1], identity[2], lora,
+                targets=(stage_id,), stages=state, source=source, signature=identity[3],
+            )  # fmt: skip
+            self._by_id[lora.lora_int_id] = record
+            if lora.lora_name not in self._names:
+                self._names[lora.lora_name] = lora.lora_int_id
+            else:
+                logger.warning("start-up adapter %s: the name is taken; known by id only", _describe(lora))
+
+    # ------------------------------------------------------------------ management
+    def remove(self, int_id: int, stage_id: int | None = None) -> bool:
+        """Drop adapter ``int_id`` (every version of it) from ``stage_id`` or from every stage, and forget
+        it once no target is left. ``True`` if a stage held it.
+
+        Raises:
+            LoRANotEnabledError: no (selected) stage takes adapters.
+        """
+        record = self.by_id(int_id)
+        if record is None:
+            return any(self._call("remove_lora", int_id, stage_id=stage_id).values())
+        with self._name_lock(record.name):
+            with self._lock:
+                record = self._by_id.get(int_id)
+                engine_ids = [e for e, p in self._engine_public.items() if p == int_id]
+            removed = False
+            for engine_id in engine_ids or [int_id]:
+                removed |= any(self._call("remove_lora", engine_id, stage_id=stage_id).values())
+            if record is None:
+                return removed
+            with self._lock:
+                left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
+                if left:
+                    stages = {s: st for s, st in record.stages.items() if s != stage_id}
+                    self._by_id[int_id] = replace(record, targets=left, stages=stages)
+                elif self._by_id.get(int_id) is record:
+                    del self._by_id[int_id]
+                    if self._names.get(record.name) == int_id:
+                        del self._names[record.name]
+            return removed
+
+    def remove_name(self, name: str) -> AdapterRecord | None:
+        """Unregister the adapter called ``name`` from every stage; the record, or ``None`` if unknown."""
+        record = self.get(name)
+        if record is not None:
+            self.remove(record.int_id)
+        return record
+
+    def pin(self, int_id: int, stage_id: int | None = None) -> bool:
+        """Pin adapter ``int_id`` (never evicted) on ``stage_id``, or on its target stages (every LoRA stage
+        for one only seen in requests). ``True`` when every stage pinned it.
+
+        Raises:
+            the stage's error (e.g. not loaded there), naming the adapter.
+        """
+        record = self.by_id(int_id)
+        if record is None:
+            return all(self._call("pin_lora", int_id, stage_id=stage_id).values())
+        with self._name_lock(record.name):
+            stages = (stage_id,) if stage_id is not None else (record.targets or (None,))
+            results: dict[int, Any] = {}
+            for stage in stages:
+                results.update(self._call("pin_lora", record.engine.lora_int_id, stage_id=stage))
+            with self._lock:
+                current = self._by_id.get(int_id)
+                if current is not None:
+                    pinned = {s: StageState("pinned") for s in results if s in current.targets}
+                    self._by_id[int_id] = replace(current, stages={**current.stages, **pinned})
+            return all(results.values())
+
+    def list_ids(self, stage_id: int | None = None) -> set[int]:
+        """Public ids of the adapters the stages hold (``stage_id``, or every LoRA stage)."""
+        held: set[int] = set()
+        for ids in self._call("list_loras", stage_id=stage_id).values():
+            held |= set(ids)
+        return {self.public_id(i) for i in held}
+
+
+def _checked(lora: Any) -> LoRARequest:
+    """``lora`` if it is a ``LoRARequest`` with a positive id and a path.
+
+    Raises:
+        InvalidAdapterError: naming what is wrong.
+    """
+    lora_id = getattr(lora, "lora_int_id", None)
+    if (
+        not isinstance(lora, LoRARequest)
+        or isinstance(lora_id, bool)
+        or not isinstance(lora_id, int)
+        or lora_id < 1
+    ):
+        raise InvalidAdapterError(
+            f"an adapter must be a LoRARequest(lora_name, lora_int_id, lora_path) with a positive lora_int_id, "
+            f"got {lora!r:.200}"
+        )
+    if not lora.lora_path:
+        raise InvalidAdapterError(f"adapter {lora.lora_name!r} (id {lora_id}) has no lora_path")
+    return lora
