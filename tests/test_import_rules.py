@@ -26,8 +26,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_omni"
 #: ``Omni`` / ``AsyncOmni`` on first use) is the top layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "errors, process guard, stats",
-        ("vllm_omni.errors", "vllm_omni.process_guard", "vllm_omni.stats", "vllm_omni.version"),
+        "errors, process guard, stats, ipc",
+        (
+            "vllm_omni.errors",
+            "vllm_omni.process_guard",
+            "vllm_omni.stats",
+            "vllm_omni.version",
+            "vllm_omni.ipc",
+        ),
     ),
     ("lora: request types, adapter files", ("vllm_omni.lora",)),
     ("config", ("vllm_omni.config",)),

@@ -85,6 +85,12 @@ class InvalidAdapterError(OmniUserError):
     """An adapter that a stage cannot serve; the message names the adapter and the reason."""
 
 
+class AdapterRestoreError(InvalidAdapterError):
+    """An adapter a stage held could not be loaded again when the stage's worker restarted (its
+    files deleted or unreadable); the stage serves its other adapters and refuses requests
+    naming this one (HTTP 400). The message names the stage, the adapter and its path."""
+
+
 class AdapterNotFoundError(InvalidAdapterError, FileNotFoundError):
     """An adapter's file or folder does not exist (also a ``FileNotFoundError``); the message names the adapter."""
 

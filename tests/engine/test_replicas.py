@@ -17,7 +17,13 @@ from vllm_omni.config.stage_config import make_stage_config
 from vllm_omni.engine.protocols import StageDescription, StageRuntime
 from vllm_omni.engine.replicas import ReplicatedStageRuntime
 from vllm_omni.engine.stage_factory import make_stage_runtime
-from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRACacheError, StageEngineError
+from vllm_omni.errors import (
+    AdapterRestoreError,
+    InvalidAdapterError,
+    InvalidRequestError,
+    LoRACacheError,
+    StageEngineError,
+)
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stats import MetricFamily, StatsRecorder
 
@@ -335,3 +341,24 @@ def test_health_is_ready_while_any_replica_is(stage):
     assert runtime.health() == "restarting"
     fakes[1].state = "dead"
     assert runtime.health() == "dead"
+
+
+def test_a_replica_that_lost_the_adapter_in_a_restart_is_skipped(stage):
+    """Issue 21 rule 4 per replica: the replica whose restart could not restore an adapter refuses
+    requests naming it (``AdapterRestoreError``); another replica that holds it serves them, and the
+    stage lists the loss naming the replica."""
+    fakes = [FakeRuntime(stage, i) for i in range(3)]
+    runtime = ReplicatedStageRuntime(stage, fakes)
+    lost = AdapterRestoreError("Stage 0 (llm_ar): adapter 'a1' (id 1) could not be restored: /adapters/a1")
+    fakes[0].refuse = lost
+    fakes[0].failed_loras = lambda: {1: str(lost)}
+    runtime.submit("p", None, lora_request=_req(1))
+    assert [len(r.submitted) for r in fakes] == [0, 1, 0]
+    assert runtime.failed_loras() == {1: f"replica 0: {lost}"}
+    for fake in fakes:
+        fake.refuse = lost
+    with pytest.raises(AdapterRestoreError, match="/adapters/a1"):
+        runtime.submit("p", None, lora_request=_req(1))
+    fakes[1].state, fakes[2].state = "starting", "dead"
+    fakes[0].state = "dead"
+    assert runtime.health() == "starting"

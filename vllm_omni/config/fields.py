@@ -35,6 +35,8 @@ STAGE_META_KEYS = frozenset(
         "devices",
         "replicas",
         "ray_resources",
+        "max_restarts",
+        "restart_backoff_s",
     }
 )
 

@@ -372,4 +372,5 @@ class VllmOmniConfig:
             origins=origins,
             devices=meta.get("devices"),
             replicas=meta.get("replicas", 1),
+            **{k: meta[k] for k in ("max_restarts", "restart_backoff_s") if k in meta},
         )

@@ -27,6 +27,12 @@ from vllm_omni.config.fields import LLM_STAGE_TYPES, LORA_FIELD_ALIASES, STAGE_T
 from vllm_omni.config.lora import OmniStageLoRAConfig
 from vllm_omni.config.overrides import validation_problems
 from vllm_omni.config.placement import check_device_count, check_replicas, parse_devices
+from vllm_omni.config.supervision import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_RESTART_BACKOFF_S,
+    check_max_restarts,
+    check_restart_backoff_s,
+)
 from vllm_omni.errors import ConfigError
 
 
@@ -73,6 +79,10 @@ class BaseVllmOmniStageConfig:
             comma-separated string is accepted and split), ``None`` for wherever the backend puts
             them; split in order into one group of :meth:`parallel_size` devices per replica.
         replicas: copies of the stage that share its requests (``>= 1``).
+        max_restarts: restart attempts its worker may get over the runtime's life (``mp`` /
+            ``ray``; per replica); see :mod:`vllm_omni.config.supervision`.
+        restart_backoff_s: seconds before the first restart attempt after a death (doubled per
+            attempt that failed in a row).
 
     Raises:
         ConfigError: (on construction) an unknown stage type, a bad ``devices`` / ``replicas``
@@ -90,6 +100,8 @@ class BaseVllmOmniStageConfig:
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     devices: list[str] | None = None
     replicas: int = 1
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
 
     def __post_init__(self) -> None:
         if self.stage_type not in STAGE_TYPES:
@@ -97,7 +109,13 @@ class BaseVllmOmniStageConfig:
                 f"stage {self.stage_id}: unknown stage_type {self.stage_type!r}; allowed: {STAGE_TYPES}"
             )
         self.options = _plain(dict(self.options))
-        for key, check in (("devices", parse_devices), ("replicas", check_replicas)):
+        checks = (
+            ("devices", parse_devices),
+            ("replicas", check_replicas),
+            ("max_restarts", check_max_restarts),
+            ("restart_backoff_s", check_restart_backoff_s),
+        )
+        for key, check in checks:
             try:
                 setattr(self, key, check(getattr(self, key)))
             except ConfigError as exc:

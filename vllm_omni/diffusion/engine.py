@@ -8,12 +8,16 @@
 ``tensor_parallel_size == 1`` keeps the pipeline in this process (``engine.pipeline``);
 larger sizes spawn one worker process per rank (``torch.multiprocessing`` ``spawn``,
 gloo on CPU / NCCL on CUDA) and everything that must touch the pipelines — LoRA loading
-included — goes through :meth:`DiffusionEngine.collective_rpc`.
+included — goes through :meth:`DiffusionEngine.collective_rpc`. The ranks speak the messages
+and error convention of every worker of ours (:mod:`vllm_omni.ipc`): :class:`~vllm_omni.ipc.Ready`
+or :class:`~vllm_omni.ipc.Failed` at start-up, :class:`~vllm_omni.ipc.Call` answered by
+:class:`~vllm_omni.ipc.CallResult` (errors keep their class), :class:`~vllm_omni.ipc.Shutdown`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -27,6 +31,7 @@ from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
 from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.ipc import Call, CallResult, Failed, Ready, Shutdown, decoder, dump, encode, load, load_error
 from vllm_omni.process_guard import mark_owner, watch_parent
 
 __all__ = ["DiffusionEngine", "DiffusionOutput"]
@@ -35,6 +40,8 @@ __all__ = ["DiffusionEngine", "DiffusionOutput"]
 _WORKER_EXIT_S = 30.0
 #: Seconds between SIGTERM and SIGKILL of a rank that did not exit in time.
 _KILL_AFTER_S = 2.0
+
+_from_rank = decoder(Ready | Failed | CallResult)
 
 
 def _guarded_worker_main(*args) -> None:
@@ -65,6 +72,7 @@ class DiffusionEngine:
         self._conns: list = []
         self._tmpdir: str | None = None
         self._closed = False
+        self._cids = itertools.count()
         world = od_config.tensor_parallel_size
         if world == 1:
             self._local = DiffusionWorker(od_config)
@@ -89,9 +97,11 @@ class DiffusionEngine:
                 self._procs.append(proc)
                 self._conns.append(parent)
             for rank, conn in enumerate(self._conns):
-                status, payload = self._recv(rank, conn)
-                if status != "ready":
-                    raise StageEngineError(f"diffusion worker {rank} failed to start") from payload
+                msg = self._recv(rank, conn)
+                if isinstance(msg, Failed):
+                    raise StageEngineError(f"diffusion worker {rank} failed to start") from load_error(
+                        msg.error
+                    )
         except BaseException:
             self.shutdown()
             raise
@@ -120,10 +130,10 @@ class DiffusionEngine:
         return self._local
 
     # ------------------------------------------------------------------ calls
-    def _recv(self, rank: int, conn):
+    def _recv(self, rank: int, conn) -> Ready | Failed | CallResult:
         try:
-            return conn.recv()
-        except EOFError as exc:
+            return _from_rank.decode(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
             code = self._procs[rank].exitcode if rank < len(self._procs) else None
             raise StageDeadError(f"diffusion worker {rank} exited unexpectedly (exit code {code})") from exc
 
@@ -146,13 +156,14 @@ class DiffusionEngine:
             raise StageEngineError("DiffusionEngine is shut down")
         if self._local is not None:
             return [self._local.execute_method(method, *args, **kwargs)]
+        frame = encode(Call(next(self._cids), "", dump((method, args, kwargs))))
         for conn in self._conns:
-            conn.send((method, args, kwargs))
+            conn.send_bytes(frame)
         replies = [self._recv(rank, conn) for rank, conn in enumerate(self._conns)]
-        for status, payload in replies:
-            if status == "error":
-                raise payload
-        return [payload for _, payload in replies]
+        for reply in replies:
+            if not reply.ok:
+                raise load_error(reply.payload)
+        return [load(reply.payload) for reply in replies]
 
     def generate(
         self, prompts: list[str] | str, sampling_params: OmniDiffusionSamplingParams | None = None
@@ -188,7 +199,7 @@ class DiffusionEngine:
         self._local = None
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(None)
+                conn.send_bytes(encode(Shutdown(timeout)))
         deadline = time.monotonic() + (_WORKER_EXIT_S if timeout is None else timeout)
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +33,24 @@ from vllm_omni.diffusion.pipelines.base import DiffusionPipeline
 from vllm_omni.diffusion.worker_lora import LoRASet, WorkerLoRA
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.ipc import (
+    Call,
+    CallResult,
+    Failed,
+    Ready,
+    Shutdown,
+    decoder,
+    dump,
+    dump_error,
+    encode,
+    load,
+    load_error,
+)
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.platform import request_amx_permission
 
 logger = logging.getLogger(__name__)
+_to_rank = decoder(Call | Shutdown)
 
 
 class DiffusionWorker:
@@ -260,42 +272,41 @@ def compile_denoisers(manager, od_config: OmniDiffusionConfig, rank: int, world_
 
 
 def _picklable_error(exc: BaseException) -> BaseException:
-    text = "".join(traceback.format_exception(exc))
-    try:
-        pickle.dumps(exc)
-    except Exception:
-        return RuntimeError(text)
-    exc.add_note(f"raised in diffusion worker:\n{text}")
-    return exc
+    """``exc`` as it crosses to the engine (:func:`vllm_omni.ipc.dump_error`: its class kept,
+    the rank's traceback attached as a note)."""
+    return load_error(dump_error(exc, "diffusion worker"))
 
 
 def worker_main(od_config: OmniDiffusionConfig, rank: int, world_size: int, init_method: str, conn) -> None:
     """Entry point of a spawned TP worker process.
 
-    Protocol on ``conn``: after start-up the worker sends ``("ready", None)`` or
-    ``("error", exception)``; then for every ``(method, args, kwargs)`` it receives it
-    replies ``("ok", result)`` or ``("error", exception)``; ``None`` ends the loop.
+    Messages on ``conn`` (:mod:`vllm_omni.ipc`, one frame each): after start-up the worker sends
+    :class:`~vllm_omni.ipc.Ready` or :class:`~vllm_omni.ipc.Failed` (``rid`` -1, the start-up
+    error); then every :class:`~vllm_omni.ipc.Call` (payload: pickled ``(method, args, kwargs)``)
+    is answered by a :class:`~vllm_omni.ipc.CallResult`; :class:`~vllm_omni.ipc.Shutdown` or the
+    end of the pipe ends the loop.
     """
     if od_config.resolved_device() == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         worker = DiffusionWorker(od_config, rank, world_size, init_method)
     except BaseException as exc:  # report start-up failures instead of hanging the engine
-        conn.send(("error", _picklable_error(exc)))
+        conn.send_bytes(encode(Failed(-1, dump_error(exc, f"diffusion worker {rank}"))))
         return
-    conn.send(("ready", None))
+    conn.send_bytes(encode(Ready(os.getpid(), torch.get_num_threads())))
     while True:
         try:
-            msg = conn.recv()
-        except EOFError:
+            msg = _to_rank.decode(conn.recv_bytes())
+        except (EOFError, OSError):
             break
-        if msg is None:
+        if isinstance(msg, Shutdown):
             break
-        method, args, kwargs = msg
         try:
-            conn.send(("ok", worker.execute_method(method, *args, **kwargs)))
+            method, args, kwargs = load(msg.payload)
+            reply = CallResult(msg.cid, True, dump(worker.execute_method(method, *args, **kwargs)))
         except BaseException as exc:
-            conn.send(("error", _picklable_error(exc)))
+            reply = CallResult(msg.cid, False, dump_error(exc, f"diffusion worker {rank}"))
+        conn.send_bytes(encode(reply))
     try:
         if dist.is_initialized():
             dist.destroy_process_group()

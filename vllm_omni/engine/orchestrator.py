@@ -396,14 +396,24 @@ class Orchestrator:
         return results
 
     def stage_health(self) -> dict[int, str]:
-        """``{stage_id: "ready" | "restarting" | "dead"}`` (every stage ``"dead"`` once shut down).
+        """``{stage_id: state}``, a state of ``supervisor.HEALTH_STATES`` (every stage ``"dead"`` once shut down).
 
         An ``mp`` / ``ray`` stage is ``"restarting"`` while its worker is being replaced and
-        ``"dead"`` when it could not be; an inline stage is ``"dead"`` after a fatal engine error.
+        ``"dead"`` when its restarts are exhausted; an inline stage is ``"dead"`` after a fatal engine error.
         """
         if self._closed:
             return {stage.stage_id: "dead" for stage in self.config.stages}
         return {stage.stage_id: runtime.health() for stage, runtime in zip(self.config.stages, self.runtimes)}
+
+    def failed_loras(self) -> dict[int, dict[int, str]]:
+        """``{stage_id: {lora_int_id: error}}`` of the adapters a worker restart could not restore
+        (stages with none are left out); requests naming one get its ``AdapterRestoreError``."""
+        out = {}
+        for stage, runtime in zip(self.config.stages, self.runtimes):
+            failed = getattr(runtime, "failed_loras", dict)()  # inline runtimes never restart
+            if failed:
+                out[stage.stage_id] = failed
+        return out
 
     def stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
         """``{stage_id: snapshot}`` of every stage, asked in parallel (``stats()`` of each runtime).

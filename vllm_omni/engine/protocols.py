@@ -142,7 +142,8 @@ class StageRuntime(Protocol):
         ...
 
     def health(self) -> str:
-        """``"ready"``, ``"restarting"`` (its worker died and is being replaced) or ``"dead"``."""
+        """``"starting"``, ``"ready"``, ``"restarting"`` (its worker died and is being replaced) or
+        ``"dead"`` (the vocabulary of ``vllm_omni.engine.workers.supervisor.HEALTH_STATES``)."""
         ...
 
     def describe(self) -> StageDescription:

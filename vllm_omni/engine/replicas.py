@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.protocols import StageDescription, StageRuntime
-from vllm_omni.errors import StageEngineError
+from vllm_omni.errors import AdapterRestoreError, StageEngineError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stats import StageStats, merge_replicas
 
@@ -111,8 +111,9 @@ class ReplicatedStageRuntime:
     ) -> Future:
         """Queue one request on the least-loaded replica (see :meth:`StageRuntime.submit`).
 
-        A replica that refuses with ``StageEngineError`` (shut down, dead) is skipped for the
-        next one; user errors are raised at once.
+        A replica that refuses with ``StageEngineError`` (shut down, dead) or
+        ``AdapterRestoreError`` (its last restart lost the adapter) is skipped for the next one;
+        other user errors are raised at once.
 
         Raises (synchronously): the replica's ``OmniUserError``; ``StageEngineError`` when this
         stage is shut down or no replica accepts the request (the last replica's error).
@@ -124,7 +125,7 @@ class ReplicatedStageRuntime:
             index = self._pick(tried)
             try:
                 future = self.runtimes[index].submit(prompt, params, lora_request=lora_request, **kwargs)
-            except StageEngineError as exc:
+            except (StageEngineError, AdapterRestoreError) as exc:
                 self._finished(index)
                 tried.append(index)
                 if len(tried) == len(self.runtimes):
@@ -275,6 +276,15 @@ class ReplicatedStageRuntime:
         """The first replica's description (every replica runs the same stage config)."""
         return self.runtimes[0].describe()
 
+    def failed_loras(self) -> dict[int, str]:
+        """``{lora_int_id: error}`` of adapters a replica's last restart could not restore
+        (the message names the replica; that replica refuses requests naming them)."""
+        out: dict[int, str] = {}
+        for index, runtime in enumerate(self.runtimes):
+            for lora_int_id, error in getattr(runtime, "failed_loras", dict)().items():
+                out.setdefault(lora_int_id, f"replica {index}: {error}")
+        return out
+
     def stats(self) -> StageStats:
         """The replicas' statistics summed (:func:`~vllm_omni.stats.merge_replicas`); a replica that
         cannot answer (restarting) is left out, and with none the error of the first is raised."""
@@ -292,9 +302,9 @@ class ReplicatedStageRuntime:
     # ---------------------------------------------------------------- shutdown
     def health(self) -> str:
         """``"ready"`` while at least one replica is ready (requests go to the ready ones),
-        else ``"restarting"`` if one is being replaced, else ``"dead"``."""
+        else ``"restarting"`` if one is being replaced, ``"starting"`` if one is starting, else ``"dead"``."""
         states = [runtime.health() for runtime in self.runtimes]
-        for state in ("ready", "restarting"):
+        for state in ("ready", "restarting", "starting"):
             if state in states:
                 return state
         return "dead"

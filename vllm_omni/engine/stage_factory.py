@@ -73,9 +73,9 @@ def make_stage_runtime(
             (a Ray actor per replica: ``RayStageRuntime``).
         make_one: builds replica ``i`` as ``make_one(stage, i)`` instead (tests).
         config: the whole pipeline config, read by registered stage runtimes
-            (:mod:`~vllm_omni.engine.stage_registry`: the Qwen2.5-Omni talker and code2wav).
-            Those run in this process whatever the backend (they drive engines of their own);
-            a log line says so.
+            (:mod:`~vllm_omni.engine.stage_registry`: the Qwen2.5-Omni talker reads its thinker
+            stage's options). It travels, with the stage's registered factory, to the stage's
+            worker process or actor, which run those stages like any other.
         ray_address: the Ray cluster (``ray`` only; default ``RAY_ADDRESS``, else a local one).
         thread_envs: ``mp`` only: the CPU thread variables of each replica's worker
             (:func:`~vllm_omni.engine.cpu_threads.plan_pipeline_threads`); ``None``: none.
@@ -85,15 +85,6 @@ def make_stage_runtime(
         StageEngineError: the stage failed to start (replicas already started are shut down).
     """
     check_worker_backend(worker_backend)
-    factory = runtime_factory(stage)
-    if make_one is None and factory is not None:
-        if worker_backend != "inline":
-            logger.info(
-                "%s runs in this process: worker_backend %r applies to vLLM and diffusion stages",
-                stage.label,
-                worker_backend,
-            )
-        return start_replicas(stage, lambda st, _index: make_inline_runtime(st, config, factory))
     if make_one is None:
         if worker_backend == "ray":
             require_ray()
@@ -107,7 +98,7 @@ def make_stage_runtime(
 
         def make_one(st: BaseVllmOmniStageConfig, index: int) -> StageRuntime:
             threads = thread_envs[index] if thread_envs else {}
-            return make_replica(st, index, worker_backend, ray_address, threads)
+            return make_replica(st, index, worker_backend, ray_address, threads, config)
 
     return start_replicas(stage, make_one)
 
@@ -118,11 +109,15 @@ def make_replica(
     worker_backend: str,
     ray_address: str | None,
     threads: dict[str, str] | None = None,
+    config: VllmOmniConfig | None = None,
 ) -> StageRuntime:
     """Replica ``index`` of ``stage`` on ``worker_backend`` (see :func:`make_stage_runtime`);
-    an ``mp`` worker gets ``threads`` and its device group's :func:`worker_env`."""
+    an ``mp`` worker gets ``threads`` and its device group's :func:`worker_env`; a worker or
+    actor gets ``config`` and the stage's registered runtime factory."""
+    factory = runtime_factory(stage)
     if worker_backend == "inline":
-        return make_inline_runtime(stage)
+        return make_inline_runtime(stage, config, factory)
     if worker_backend == "mp":
-        return WorkerStageRuntime(stage, env={**(threads or {}), **worker_env(stage, index)})
-    return RayStageRuntime(stage, address=ray_address)
+        env = {**(threads or {}), **worker_env(stage, index)}
+        return WorkerStageRuntime(stage, env=env, config=config, factory=factory)
+    return RayStageRuntime(stage, address=ray_address, config=config, factory=factory)

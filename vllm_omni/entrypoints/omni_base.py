@@ -240,9 +240,15 @@ class OmniBase:
         return self._orchestrator.stage_stats(timeout)
 
     def stage_health(self) -> dict[int, str]:
-        """``{stage_id: "ready" | "restarting" | "dead"}``: whether each stage serves now
+        """``{stage_id: "starting" | "ready" | "restarting" | "dead"}``: whether each stage serves now
         (an ``mp`` / ``ray`` stage is ``"restarting"`` while its dead worker is replaced)."""
         return self._orchestrator.stage_health()
+
+    def failed_loras(self) -> dict[int, dict[int, str]]:
+        """``{stage_id: {lora_int_id: error}}``: adapters a worker restart could not restore (their
+        files deleted or unreadable); requests naming one are refused with ``AdapterRestoreError``
+        until it is added again. ``{}`` when every adapter was restored."""
+        return self._orchestrator.failed_loras()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop every stage engine; with ``timeout``, within that many seconds (running requests are abandoned)."""

@@ -1,11 +1,15 @@
 """Stage workers: each stage's runtime in a process of its own (``worker_backend``).
 
+- :mod:`~vllm_omni.engine.workers.supervisor`: :class:`SupervisedStageRuntime`, what both
+  transports share (health, the stage's restart policy, adapter replay that restores what it
+  can, in-flight failures, reaping every worker started).
 - :mod:`~vllm_omni.engine.workers.protocol`: the typed messages between the orchestrator's
-  process and a worker (msgspec structs; Python payloads pickled with torch's
-  ``ForkingPickler``, so CPU tensors cross through shared memory).
+  process and a worker (msgspec structs on top of :mod:`vllm_omni.ipc`; Python payloads pickled
+  with torch's ``ForkingPickler``, so CPU tensors cross through shared memory).
 - :mod:`~vllm_omni.engine.workers.mp`: the worker process (the ordinary inline runtime).
 - :mod:`~vllm_omni.engine.workers.client`: :class:`WorkerStageRuntime`, the
-  :class:`~vllm_omni.engine.protocols.StageRuntime` of the ``mp`` backend (restart on death).
+  :class:`~vllm_omni.engine.protocols.StageRuntime` of the ``mp`` backend (the pipe transport).
+- :mod:`~vllm_omni.engine.workers.ray_backend`: ``RayStageRuntime`` (the Ray transport).
 - :mod:`~vllm_omni.engine.workers.lora_journal`: adapters and pins replayed into a restarted worker.
 """
 

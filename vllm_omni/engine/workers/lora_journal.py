@@ -6,6 +6,10 @@ journal re-adds the adapters that were added at run time (in the order they were
 and re-pins the pinned ones, so ``list_loras()`` answers what it did before. Adapters a stage
 loads at start-up come back with the stage itself; adapters an LLM stage loaded for requests
 (not through ``add_lora``) are loaded again by the next request that names them.
+
+A replay restores what it can: an adapter that fails to load again (its files deleted or
+unreadable) is returned with its error and the others are restored
+(:class:`~vllm_omni.engine.workers.supervisor.SupervisedStageRuntime` marks it failed).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from vllm_omni.errors import StageDeadError
 from vllm_omni.lora.request import LoRARequest
 
 
@@ -47,15 +52,40 @@ class LoRAJournal:
         with self._lock:
             return list(self._added.values()), sorted(self._pinned)
 
-    def replay(self, call: Callable[..., Any]) -> None:
-        """Re-add the recorded adapters, then re-pin the pinned ones.
+    def request(self, lora_int_id: int) -> LoRARequest | None:
+        """The recorded ``add_lora`` request of an adapter (``None`` when not recorded)."""
+        with self._lock:
+            return self._added.get(lora_int_id)
+
+    def replay(self, call: Callable[..., Any]) -> dict[int, BaseException]:
+        """Re-add the recorded adapters, then re-pin the pinned ones; restore what can be.
 
         Args:
-            call: ``call(method, *args)`` runs one LoRA method on the fresh runtime; its
-                errors propagate (the caller decides whether the restart failed).
+            call: ``call(method, *args)`` runs one LoRA method on the fresh runtime.
+
+        Returns:
+            ``{lora_int_id: error}`` of the adapters that could not be added (or pinned) again;
+            ``{}`` when everything was restored.
+
+        Raises:
+            StageDeadError: the fresh runtime died meanwhile (the restart itself failed).
         """
         added, pinned = self.entries()
+        failed: dict[int, BaseException] = {}
         for request in added:
-            call("add_lora", request)
+            self._try(call, failed, request.lora_int_id, "add_lora", request)
         for lora_int_id in pinned:
-            call("pin_lora", lora_int_id)
+            if lora_int_id not in failed:
+                self._try(call, failed, lora_int_id, "pin_lora", lora_int_id)
+        return failed
+
+    @staticmethod
+    def _try(
+        call: Callable[..., Any], failed: dict[int, BaseException], lora_int_id: int, *args: Any
+    ) -> None:
+        try:
+            call(*args)
+        except StageDeadError:
+            raise
+        except Exception as exc:  # this adapter only: the others are still restored
+            failed[lora_int_id] = exc

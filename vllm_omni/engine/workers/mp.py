@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vllm_omni.engine.inline_runtime import make_inline_runtime
+from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime
 from vllm_omni.engine.workers import protocol as P
 from vllm_omni.process_guard import watch_parent
 
@@ -122,13 +122,22 @@ class _Worker:
         self.runtime.shutdown(timeout)
 
 
-def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None) -> None:
+def worker_main(
+    conn: Connection,
+    stage: Any,
+    env: dict[str, str] | None = None,
+    config: Any = None,
+    factory: RuntimeFactory | None = None,
+) -> None:
     """Entry point of a stage worker process (``multiprocessing`` spawn target).
 
     Args:
         conn: this end of the pipe to the orchestrator's process.
         stage: the stage's resolved config (picklable).
         env: variables set before torch / vLLM are imported (e.g. ``CUDA_VISIBLE_DEVICES``).
+        config: the whole pipeline config (picklable), read by the stage runtimes that need it.
+        factory: the stage's registered runtime factory (``inline_runtime.runtime_factory``; a
+            top-level function, pickled by reference), ``None`` for vLLM / diffusion stages.
 
     Sends :class:`~.protocol.Ready` once the runtime runs, or :class:`~.protocol.Failed`
     (``rid`` -1, the start-up error) and exits.
@@ -138,10 +147,10 @@ def worker_main(conn: Connection, stage: Any, env: dict[str, str] | None = None)
 
     watch_parent()
     try:
-        runtime = make_inline_runtime(stage)
+        runtime = make_inline_runtime(stage, config, factory)
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            conn.send_bytes(P.encode(P.Failed(-1, P.dump_error(exc))))
+            conn.send_bytes(P.encode(P.Failed(-1, P.dump_error(exc, f"{stage.label} worker"))))
         return
     worker = _Worker(conn, runtime)
     torch = sys.modules.get("torch")  # imported by every runtime; not imported here otherwise

@@ -6,6 +6,10 @@ requests queued inside a ``hold()`` block are queued before it ends) and collect
 :meth:`StageActor.result`, or, when streaming, by the generator :meth:`StageActor.stream`.
 Calls that block on the stage's driver thread (LoRA management, shutdown) run in a thread.
 
+Errors raised by the runtime are returned as :class:`~vllm_omni.ipc.RemoteError` values
+(:func:`vllm_omni.ipc.dump_error`: their class and message), the convention every worker of
+ours uses; the driver raises them with :func:`vllm_omni.ipc.unwrap`.
+
 Outputs cross the object store with their CPU tensors as numpy arrays (cheaper than torch
 tensors: measured ~1.3 ms per 10 MB call): :func:`to_wire` on the actor, :func:`from_wire`
 on the driver.
@@ -21,7 +25,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni.engine.inline_runtime import make_inline_runtime
+from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime
+from vllm_omni.ipc import RemoteError
 
 
 @dataclasses.dataclass
@@ -73,9 +78,14 @@ class StageActor:
         stage: the resolved stage config.
         threads_from_driver: whether the driver set ``OMP_NUM_THREADS`` (forwarded to the
             actor); otherwise torch gets every core this process may use.
+        config: the whole pipeline config, for the stage runtimes that read it.
+        factory: the stage's registered runtime factory (``inline_runtime.runtime_factory``), passed
+            from the driver (this process may not have imported the package that registered it).
     """
 
-    def __init__(self, stage: Any, threads_from_driver: bool):
+    def __init__(
+        self, stage: Any, threads_from_driver: bool, config: Any = None, factory: RuntimeFactory | None = None
+    ):
         if not threads_from_driver:
             # Ray sets OMP_NUM_THREADS to the actor's CPU resource (1) when the driver set none;
             # the stage gets the cores this process may use, as the inline runtime does
@@ -83,15 +93,22 @@ class StageActor:
             os.environ["OMP_NUM_THREADS"] = str(cores)
             torch.set_num_threads(cores)
         self.stage = stage
-        self.runtime = make_inline_runtime(stage)
         self._futures: dict[str, Any] = {}
         self._holds: dict[int, contextlib.ExitStack] = {}
+        try:
+            self.runtime = make_inline_runtime(stage, config, factory)
+            self._start_error: RemoteError | None = None
+        except Exception as exc:  # answered by info(), with its class
+            self.runtime = None
+            self._start_error = RemoteError.of(exc, f"{stage.label} Ray actor")
 
     def info(self) -> dict[str, Any]:
         """Where the actor runs: ``node_id``, ``pid``, ``accelerator_ids`` (Ray's grant),
         ``cuda_visible_devices``, ``torch_threads``."""
         import ray  # the optional extra: this module is also imported where Ray is not installed
 
+        if self._start_error is not None:
+            return self._start_error
         ctx = ray.get_runtime_context()
         return {
             "node_id": ctx.get_node_id(),
@@ -114,8 +131,12 @@ class StageActor:
             }
         else:
             pieces = None
-        future = self.runtime.submit(prompt, params, lora_request, **kwargs)
+        try:
+            future = self.runtime.submit(prompt, params, lora_request, **kwargs)
+        except Exception as exc:
+            return RemoteError.of(exc)
         self._futures[request_id] = (future, pieces)
+        return None
 
     async def result(self, request_id: str) -> Any:
         """The output of a queued request (``None`` when it was cancelled)."""
@@ -124,6 +145,8 @@ class StageActor:
             return to_wire(await asyncio.wrap_future(future))
         except asyncio.CancelledError:
             return None
+        except Exception as exc:
+            return RemoteError.of(exc)
         finally:
             self._futures.pop(request_id, None)
 
@@ -141,7 +164,10 @@ class StageActor:
                 getter.cancel()
                 while not pieces.empty():
                     yield ("partial", pieces.get_nowait())
-                yield ("done", to_wire(waiter.result()))
+                try:
+                    yield ("done", to_wire(waiter.result()))
+                except Exception as exc:
+                    yield ("done", RemoteError.of(exc))
                 return
         finally:
             self._futures.pop(request_id, None)
@@ -155,21 +181,29 @@ class StageActor:
     async def validate_request(self, prompt: Any, params: Any, lora_request: Any, kwargs: dict) -> None:
         if lora_request is not None:
             kwargs = {**kwargs, "lora_request": lora_request}
-        await asyncio.to_thread(self.runtime.validate_request, prompt, params, **kwargs)
+        return await self.call("validate_request", prompt, params, **kwargs)
 
-    def hold_enter(self, token: int) -> None:
+    def hold_enter(self, token: int) -> Any:
         stack = contextlib.ExitStack()
-        stack.enter_context(self.runtime.hold())
+        try:
+            stack.enter_context(self.runtime.hold())
+        except Exception as exc:
+            return RemoteError.of(exc)
         self._holds[token] = stack
+        return None
 
     def hold_exit(self, token: int) -> None:
         stack = self._holds.pop(token, None)
         if stack is not None:
             stack.close()
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """A LoRA management call (``add_lora`` ... ``pin_lora``) or ``describe``, run off the actor's event loop."""
-        return await asyncio.to_thread(getattr(self.runtime, method), *args)
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A runtime call (LoRA management, checks), run off the actor's event loop; its error as a ``RemoteError``."""
+        try:
+            return await asyncio.to_thread(getattr(self.runtime, method), *args, **kwargs)
+        except Exception as exc:
+            return RemoteError.of(exc)
 
     async def shutdown(self, timeout: float | None) -> None:
-        await asyncio.to_thread(self.runtime.shutdown, timeout)
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.shutdown, timeout)

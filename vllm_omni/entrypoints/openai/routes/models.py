@@ -14,7 +14,7 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     """200 while every stage serves, 503 while any stage is down (its worker restarting or dead).
 
-    The body is ``{"stages": {"<stage_id>": "ready" | "restarting" | "dead"}}``.
+    The body is ``{"stages": {"<stage_id>": "starting" | "ready" | "restarting" | "dead"}}``.
     """
     stages = get_state(request).omni.stage_health()
     ok = all(state == "ready" for state in stages.values())

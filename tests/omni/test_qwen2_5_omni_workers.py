@@ -1,0 +1,129 @@
+"""Qwen2.5-Omni's talker and code2wav stages under the supervised worker runtime.
+
+With ``worker_backend="mp"`` every stage, the talker and code2wav included, runs in a worker
+process of its own; ``kill -9`` of the talker's or of code2wav's worker restarts it, and the
+next request's text, codec tokens and waveform equal those before the kill (and transformers'
+``generate``). Under ``"ray"`` code2wav runs in an actor of its own: killing the actor's
+process restarts it and the waveform of the same codes is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from test_qwen2_5_omni_audio import PROMPTS, _params, hf_reference
+
+from vllm_omni.engine.workers.client import WorkerStageRuntime
+from vllm_omni.errors import StageDeadError
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+LLM_OPTIONS = {"dtype": "float32", "max_model_len": 256, "enable_lora": True, "max_lora_rank": 16}
+OVERRIDES = {
+    "0": LLM_OPTIONS | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}},
+    "1": LLM_OPTIONS | {"restart_backoff_s": 0.1},
+    "2": {"restart_backoff_s": 0.1},
+}
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_omni_assets):
+    from vllm_omni import Omni
+
+    with Omni(
+        str(tiny_omni_assets.model_dir),
+        pipeline="qwen2_5_omni",
+        stage_overrides=OVERRIDES,
+        worker_backend="mp",
+    ) as engine:
+        yield engine
+
+
+def _run(omni):
+    text, audio = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params())
+    return text.token_ids, audio.stage_outputs[1].codes.tolist(), audio.audio
+
+
+def _wait_ready(omni, timeout: float = 900.0) -> None:
+    start = time.monotonic()
+    while set(omni.stage_health().values()) != {"ready"}:
+        assert time.monotonic() - start < timeout, f"stages did not come back: {omni.stage_health()}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def before(omni, tiny_omni_assets):
+    """Text, codes and waveform before any kill, checked against transformers."""
+    tokens, codes, wav = _run(omni)
+    ref_tokens, ref_codes, ref_wav = hf_reference(str(tiny_omni_assets.model_dir), PROMPTS[0])
+    assert tokens == ref_tokens and codes == ref_codes and len(codes) > 0
+    # code2wav's worker has its own CPU thread count (the pipeline's thread plan), so float32 sums
+    # are ordered differently than in this process: measured 5.7e-5 at most on a waveform of
+    # amplitude 1 (the inline test holds 1e-5)
+    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=2e-4)
+    return tokens, codes, wav
+
+
+def test_every_stage_runs_in_its_own_worker(omni):
+    pids = [runtime.pid for runtime in omni._orchestrator.runtimes]
+    assert all(isinstance(runtime, WorkerStageRuntime) for runtime in omni._orchestrator.runtimes)
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+
+
+@pytest.mark.parametrize("stage_id", [1, 2], ids=["talker", "code2wav"])
+def test_kill_9_restarts_the_stage_and_the_output_is_unchanged(omni, before, stage_id):
+    runtimes = omni._orchestrator.runtimes
+    runtime = runtimes[stage_id]
+    others = {i: r.pid for i, r in enumerate(runtimes) if i != stage_id}
+    pid, restarts = runtime.pid, runtime.restarts
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while omni.stage_health()[stage_id] == "ready" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert omni.stage_health()[stage_id] in ("restarting", "ready")
+    if omni.stage_health()[stage_id] == "restarting":  # the pipeline fails fast while the stage is down
+        with pytest.raises(StageDeadError, match=rf"Stage {stage_id} \(llm_"):
+            _run(omni)
+    _wait_ready(omni)
+    assert runtime.pid != pid and runtime.restarts == restarts + 1
+    assert {i: r.pid for i, r in enumerate(runtimes) if i != stage_id} == others  # the others never stopped
+    tokens, codes, wav = _run(omni)
+    assert tokens == before[0] and codes == before[1]
+    np.testing.assert_array_equal(wav, before[2])
+
+
+def test_code2wav_in_a_ray_actor_restarts_with_the_same_waveform(omni, before):
+    """code2wav's stage config in a Ray actor of its own, fed the talker's codes of the mp run."""
+    from vllm_omni.engine.inline_runtime import runtime_factory
+    from vllm_omni.engine.workers.ray_backend import RayStageRuntime
+    from vllm_omni.stages.qwen2_5_omni.pipeline import talker2code2wav
+
+    text, audio = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params())
+    params = _params()
+    payload = talker2code2wav(audio.stage_outputs[1], params, None)
+    stage = omni._orchestrator.config.stages[2]
+    runtime = RayStageRuntime(stage, config=omni._orchestrator.config, factory=runtime_factory(stage))
+    try:
+        assert runtime.info["pid"] != os.getpid()
+        first = runtime.submit(payload, params[2]).result(timeout=600)
+        # the actor's torch uses every core, the mp worker its share: sums ordered differently
+        np.testing.assert_allclose(first.waveform, before[2], rtol=0, atol=2e-4)
+        os.kill(runtime.info["pid"], signal.SIGKILL)
+        with pytest.raises(StageDeadError, match=r"Stage 2 \(llm_generation\)"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # Ray reports the death at the next call
+                runtime.submit(payload, params[2]).result(timeout=600)
+                time.sleep(0.2)
+        start = time.monotonic()
+        while runtime.health() != "ready":
+            assert time.monotonic() - start < 900, f"the actor did not come back: {runtime.health()}"
+            time.sleep(0.5)
+        assert runtime.restarts == 1
+        again = runtime.submit(payload, params[2]).result(timeout=600)
+        np.testing.assert_array_equal(again.waveform, first.waveform)
+    finally:
+        runtime.shutdown()
