@@ -59,7 +59,7 @@ _cluster = {"users": 0, "owned": False}
 def connect(address: str | None = None) -> None:
     """Connect this process to Ray once per user (see the module docstring); count the user."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
 
     with _cluster_lock:
         if not ray.is_initialized():
@@ -72,7 +72,7 @@ def connect(address: str | None = None) -> None:
 
 def disconnect() -> None:
     """Drop one user; the last one shuts down a local cluster started by :func:`connect`."""
-    import ray
+    import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
 
     with _cluster_lock:
         _cluster["users"] = max(0, _cluster["users"] - 1)
@@ -166,7 +166,7 @@ class RayStageRuntime(SupervisedStageRuntime):
         return f"actor pid {handle.info.get('pid')} on node {str(handle.info.get('node_id'))[:12]}"
 
     def _start_worker(self) -> _Actor:
-        import ray
+        import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -207,7 +207,7 @@ class RayStageRuntime(SupervisedStageRuntime):
 
     def _stop_worker(self, handle: _Actor, timeout: float | None) -> None:
         """Shut the actor's runtime down (at most ``timeout`` s), kill the actor, remove its placement group."""
-        import ray
+        import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
 
         with contextlib.suppress(Exception):
             ray.get(handle.actor.shutdown.remote(timeout), timeout=SHUTDOWN_S if timeout is None else timeout)
@@ -219,7 +219,7 @@ class RayStageRuntime(SupervisedStageRuntime):
 
     def _error(self, exc: BaseException, handle: _Actor) -> BaseException:
         """The error a caller sees for ``exc`` from a call on ``handle``'s actor."""
-        import ray
+        import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
 
         if isinstance(exc, ray.exceptions.RayActorError):
             self._worker_died(handle, f"{type(exc).__name__}")
@@ -229,7 +229,7 @@ class RayStageRuntime(SupervisedStageRuntime):
         return exc
 
     def _get(self, handle: _Actor, ref: Any) -> Any:
-        import ray
+        import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
 
         try:
             value = ray.get(ref)
@@ -293,7 +293,7 @@ class RayStageRuntime(SupervisedStageRuntime):
             fut.set_result(value)
 
     def _consume_stream(self, handle: _Actor, request_id: str, fut: Future, on_partial: Callable) -> None:
-        import ray
+        import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
 
         try:
             for ref in handle.actor.stream.options(num_returns="streaming").remote(request_id):
@@ -346,7 +346,7 @@ class RayStageRuntime(SupervisedStageRuntime):
 
 def _release(actor: Any, pg: Any) -> None:
     """Kill ``actor`` and remove ``pg`` (either may be ``None``; errors ignored)."""
-    import ray
+    import ray  # the optional `ray` extra: imported on use (stage_factory imports this module)
     from ray.util.placement_group import remove_placement_group
 
     if actor is not None:
