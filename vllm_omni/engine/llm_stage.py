@@ -40,7 +40,7 @@ from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
 from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, public_adapter_name
 from vllm_omni.models import register_omni_models
 from vllm_omni.platform import prepare_engine_process
 from vllm_omni.process_guard import mark_owner
@@ -400,7 +400,9 @@ class LLMStageEngine(StageDriver):
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
 
     def _lora_name(self, lora: LoRARequest) -> str:
-        name = self._lora_names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
+        name = self._lora_names[lora.lora_int_id] = public_adapter_name(lora.lora_name) or str(
+            lora.lora_int_id
+        )
         return name
 
     def _loaded_ids(self) -> set[int]:
