@@ -43,13 +43,6 @@ DURATIONS_RECORD = REPO_ROOT / "benchmarks" / "results" / "test_durations.json"
 UNKNOWN_TEST_CPU_S = 5.0
 
 
-def _shares_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module- or class-scoped fixture (a server, an engine built per module)."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(d[-1].scope in ("module", "class", "package") for d in defs if d)
-
-
 def _recorded_costs() -> dict[str, float]:
     try:
         tests = json.loads(DURATIONS_RECORD.read_text())["tests"]
@@ -58,15 +51,18 @@ def _recorded_costs() -> dict[str, float]:
     return {t["nodeid"]: t["cpu_s"] + t["child_cpu_s"] for t in tests}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist adds the group to the node ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N`` (``--dist loadgroup``, pyproject.toml): one worker per module-fixture owner.
+    """Under ``pytest -n N`` (``--dist loadscope``, pyproject.toml): modules ordered by recorded cost.
 
-    A module whose tests share a module-scoped fixture (a server, an engine) becomes one
-    ``xdist_group``, so the fixture is built once, not once per worker that gets some of its tests;
-    other tests stay free to go to either worker. Work units are then ordered by their recorded
-    CPU cost, most expensive first (``--no-loadscope-reorder``), so that no long unit starts last
-    and leaves one worker alone at the end. Order inside a module is kept.
+    ``--dist loadscope`` sends all tests of a module (a class: its own scope) to one worker, so a
+    module-scoped fixture (a server, an engine) is built once, not once per worker that gets some
+    of its tests. (``--dist loadgroup`` with ``xdist_group`` marks did this per fixture owner, but
+    pytest-xdist 3.8 marks a group by rewriting ``item._nodeid``, which pytest 9 no longer reads:
+    every test ended up its own unit and each worker built every module fixture.) Modules are
+    ordered by their recorded CPU cost, most expensive first (``--no-loadscope-reorder`` keeps
+    this order), so that no long module starts last and leaves one worker alone at the end.
+    Order inside a module is kept.
     """
     if not hasattr(config, "workerinput"):  # only the xdist workers schedule; plain runs are unchanged
         return
@@ -74,10 +70,8 @@ def pytest_collection_modifyitems(config, items):
     unit_cost: dict[str, float] = {}
     unit_of: dict[str, str] = {}
     for item in items:
-        unit = item.nodeid
-        if _shares_module_fixture(item):
-            unit = item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(unit))
+        parts = item.nodeid.split("::")
+        unit = "::".join(parts[:2]) if len(parts) > 2 else parts[0]  # xdist's scope: module or class
         unit_of[item.nodeid] = unit
         unit_cost[unit] = unit_cost.get(unit, 0.0) + costs.get(item.nodeid, UNKNOWN_TEST_CPU_S)
     position = {item.nodeid: i for i, item in enumerate(items)}

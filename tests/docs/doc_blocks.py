@@ -358,6 +358,11 @@ def run_curl(command: str, cwd: Path, expect_error: bool, where: str) -> list[An
     )
     if proc.returncode != 0:
         raise AssertionError(f"{where}: `{command}` failed ({proc.returncode}): {proc.stderr}")
+    if "|" in shlex.split(command):  # piped into a filter (e.g. `| grep` on /metrics): plain text
+        if not proc.stdout.strip():
+            raise AssertionError(f"{where}: `{command}` printed nothing")
+        print(f"{where}: {command} ->\n{proc.stdout.strip()[:500]}")
+        return [proc.stdout]
     docs = []
     decoder = json.JSONDecoder()
     text = proc.stdout.strip()

@@ -13,9 +13,9 @@ What makes a new graph (each compiled once per process, then found in the compil
   ``context_refiner`` blocks share one class but differ in a Python flag: two graphs);
 * an optional input being ``None`` or a tensor (Z-Image's attention mask is ``None`` when every
   sample of the batch has the same caption length);
-* a batch of one row versus more (dynamo specialises sizes 0 and 1); all leading dimensions of the
-  block inputs (rows, sequence length) are marked dynamic, so image sizes and caption lengths
-  never recompile;
+* a batch of one row versus more (dynamo specialises sizes 0 and 1); every dimension of the
+  block inputs is marked dynamic (rows, sequence lengths, the attention mask's length; feature
+  dimensions specialise to the weights' sizes), so image sizes and caption lengths never recompile;
 * LoRA off (no adapter with a non-zero scale in the batch) versus on: the LoRA layers read
   fixed-shape banks (:mod:`vllm_omni.diffusion.lora.banks`), so adapters, scales, schedules and
   mixed batches never recompile.
@@ -169,8 +169,12 @@ class RegionalCompiler:
         tensors = _tensors(args, kwargs)
         if self.check_rows is not None and tensors:
             self.check_rows(int(tensors[0].shape[0]))
+        # every dimension, the last included: a 2-D attention mask [rows, seq] has its sequence
+        # length last, and a static one pins the whole block to that length (SDPA broadcasts the
+        # mask against q/k). Feature dimensions meet the weights and specialise to constants,
+        # which never change, so marking them costs nothing.
         for t in tensors:
-            for dim in range(t.dim() - 1):
+            for dim in range(t.dim()):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         signature = (
             type(block).__name__,

@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def diffusion_tp_group():
-    """vLLM world / TP group of size 1 (gloo), needed to build vLLM linear layers."""
+    """vLLM world / TP group of size 1 (gloo), needed to build vLLM linear layers.
+
+    Per module, not per session: an in-process vLLM engine that another test module ran in the
+    same pytest worker tears vLLM's groups down when it shuts down. Idempotent while they exist.
+    """
     from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
 
     return init_diffusion_parallel_state(world_size=1, rank=0)

@@ -70,18 +70,28 @@ def init_diffusion_parallel_state(
     # it from the (shared) init method so every rank agrees and two process groups never
     # collide (a fixed or inherited name made concurrent/consecutive TP groups fail with
     # "create shm in SHMManager failed. errno: 17").
+    # The variable is read only while the groups are created; it is restored afterwards so that
+    # processes started later (LLM stage workers, servers) do not inherit it: vLLM warns about any
+    # VLLM_* variable it does not know, and this one is not in vllm.envs.
     digest = hashlib.sha1(distributed_init_method.encode()).hexdigest()[:16]
+    previous = os.environ.get("VLLM_DIST_IDENT")
     os.environ["VLLM_DIST_IDENT"] = f"omni-diffusion-{digest}"
     _VLLM_CONFIG = VllmConfig()
-    with set_current_vllm_config(_VLLM_CONFIG):
-        vllm_ps.init_distributed_environment(
-            world_size=world_size,
-            rank=rank,
-            distributed_init_method=distributed_init_method,
-            local_rank=rank,
-            backend=backend or default_backend(),
-        )
-        vllm_ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        with set_current_vllm_config(_VLLM_CONFIG):
+            vllm_ps.init_distributed_environment(
+                world_size=world_size,
+                rank=rank,
+                distributed_init_method=distributed_init_method,
+                local_rank=rank,
+                backend=backend or default_backend(),
+            )
+            vllm_ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_DIST_IDENT", None)
+        else:
+            os.environ["VLLM_DIST_IDENT"] = previous
     return _VLLM_CONFIG
 
 
