@@ -96,7 +96,8 @@ def test_full_parser_gives_the_same_errors_and_resolves_paths(tiny_llm_assets, t
         parse_serve_argv([model, "--lora-modules", "a=nowhere"])
     (tmp_path / "not_an_adapter").mkdir()
     with pytest.raises(
-        ConfigError, match=r"--lora-modules b=.*not_an_adapter: missing adapter_config.json and adapter_model.safetensors"
+        ConfigError,
+        match=r"--lora-modules b=.*not_an_adapter: missing adapter_config.json and adapter_model.safetensors",
     ):
         parse_serve_argv([model, "--lora-modules", f"b={tmp_path / 'not_an_adapter'}"])
     link = tmp_path / "adapters"

@@ -192,7 +192,9 @@ class RegionalCompiler:
         new = _unique_graphs() - before
         if new:  # a variant the signature does not tell apart (dynamo's guards decide): say so
             self.stats.graphs += new
-            logger.warning("%s: %s compiled %d more graph(s) for %s", self.label, signature[0], new, signature)
+            logger.warning(
+                "%s: %s compiled %d more graph(s) for %s", self.label, signature[0], new, signature
+            )
         return out
 
     def _first_call(self, signature, block, fn, args, kwargs):
