@@ -9,6 +9,7 @@ engine (diffusion stages).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from vllm_omni.config.omni_config import VllmOmniConfig
@@ -21,6 +22,24 @@ from vllm_omni.engine.stage_registry import stage_runtime_entry
 #: ``(stage, config) -> StageRuntime``: how a stage's runtime is built (a top-level function, so
 #: that it crosses into a worker process by reference).
 RuntimeFactory = Callable[[BaseVllmOmniStageConfig, "VllmOmniConfig | None"], StageRuntime]
+
+
+#: vLLM's switch for running an engine's core in a process of its own.
+ENGINE_CORE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def worker_process_defaults() -> None:
+    """Process defaults of a stage worker (an ``mp`` worker process or a Ray actor).
+
+    The worker is the stage's process boundary (restarts, kill -9, placement), so vLLM's engine
+    core runs inside it: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the user set the variable.
+    vLLM's default would add an engine-core process under the worker and, on CPU, an executor
+    worker process under that (vllm/platforms/cpu.py forces the ``mp`` executor whenever the core
+    has its own process): three processes that each import torch and vLLM, which made an idle
+    tiny-model server take 11 s to stop (the executor worker's exit, then the core's). Call before
+    the stage's engine is built.
+    """
+    os.environ.setdefault(ENGINE_CORE_PROCESS_ENV, "0")
 
 
 def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:

@@ -441,12 +441,32 @@ class Orchestrator:
             )
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Shut every stage down; with ``timeout``, all of them within that many seconds in total."""
+        """Shut every stage down; with ``timeout``, all of them within that many seconds in total.
+
+        Stages in worker processes or actors (``mp``, ``ray``) stop at the same time, each on a
+        thread of its own, so a pipeline stops in the time of its slowest stage, not their sum;
+        stages in this process (``inline``) stop one after the other (vLLM's engine teardown
+        releases process-wide state).
+        """
         self._closed = True
         deadline = None if timeout is None else time.monotonic() + timeout
-        for runtime in self.runtimes:
+
+        def stop(runtime: StageRuntime) -> None:
             try:
                 runtime.shutdown(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except Exception:  # best effort: keep shutting the others down
                 logger.exception("error while shutting down a stage")
-        self.runtimes = []
+
+        runtimes, self.runtimes = self.runtimes, []
+        if self.config.worker_backend == "inline" or len(runtimes) < 2:
+            for runtime in runtimes:
+                stop(runtime)
+            return
+        threads = [
+            threading.Thread(target=stop, args=(runtime,), name=f"omni-stop-{i}", daemon=True)
+            for i, runtime in enumerate(runtimes)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -21,7 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime
+from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime, worker_process_defaults
+from vllm_omni.engine.llm_stage import exit_follows_shutdown
 from vllm_omni.engine.workers import protocol as P
 from vllm_omni.process_guard import watch_parent
 
@@ -143,6 +145,8 @@ def worker_main(
     (``rid`` -1, the start-up error) and exits.
     """
     os.environ.update(env or {})
+    worker_process_defaults()
+    exit_follows_shutdown()  # this process ends right after its runtime shuts down (below)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which shuts us down
 
     watch_parent()
@@ -159,6 +163,10 @@ def worker_main(
     worker.close(timeout)
     # the runtime released everything it started; skip the interpreter's teardown (seconds of
     # module finalisation for torch / vLLM) so that shutdown is bounded by the runtime's own
+    # multiprocessing's exit finalizers still run: they unlink this process's named semaphores
+    # (tqdm's write lock, vLLM's), which the resource tracker would otherwise report as leaked
+    with contextlib.suppress(Exception):
+        multiprocessing.util._run_finalizers()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime
+from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime, worker_process_defaults
 from vllm_omni.ipc import RemoteError
 
 
@@ -92,6 +92,7 @@ class StageActor:
             cores = len(os.sched_getaffinity(0))
             os.environ["OMP_NUM_THREADS"] = str(cores)
             torch.set_num_threads(cores)
+        worker_process_defaults()
         self.stage = stage
         self._futures: dict[str, Any] = {}
         self._holds: dict[int, contextlib.ExitStack] = {}
