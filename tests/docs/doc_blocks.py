@@ -6,6 +6,7 @@ Conventions (also described in ``docs/contributing_docs.md``):
   directory the test builds from the tiny test assets (see :data:`PLACEHOLDERS`). A name that
   is not listed there fails the test, so the docs cannot use a path nobody checks.
   ``localhost:8000`` is rewritten to the address of the page's live server (``serve`` below).
+  Paths under ``examples/`` resolve as from the repository's root (the page folder links it).
 * **Languages.** ``python``: every block is a script of its own, run as a reader would run it
   (``python block.py`` in a fresh per-page folder, a new process, vLLM's default
   multiprocessing: ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset), so a block defines every name it
@@ -398,6 +399,10 @@ class PageRunner:
         self.page = page
         self.assets_root = assets_root
         self.workdir = workdir
+        # a reader runs the documented commands from the repository's root: its paths resolve
+        for top in ("examples",):
+            if not (workdir / top).exists():
+                (workdir / top).symlink_to(REPO_ROOT / top, target_is_directory=True)
         self.server: LiveServer | None = None
         self.ran: list[str] = []
         self.skipped: list[str] = []
