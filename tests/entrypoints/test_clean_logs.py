@@ -81,6 +81,9 @@ def test_serving_logs_only_allowed_warnings_and_each_4xx(server):
     assert (
         "INFO" in text and "404 POST /v1/completions: The model `nope` does not exist. (param model)" in text
     )
+    # worker start-up progress is in the log although stderr is a file (issue 23 item 5)
+    assert re.search(r"Stage 0 \(llm_ar\): worker process \d+ started; loading the stage", text), text[-3000:]
+    assert re.search(r"Stage 0 \(llm_ar\): worker \d+ ready in \d+\.\d s", text), text[-3000:]
     line_400 = next(line for line in text.splitlines() if "400 POST /v1/completions" in line)
     assert "max_tokens" in line_400, line_400
     assert _faults(text) == [], "\n".join(_faults(text))

@@ -3,8 +3,9 @@
 With ``worker_backend="mp"`` every stage, the talker and code2wav included, runs in a worker
 process of its own; ``kill -9`` of the talker's or of code2wav's worker restarts it, and the
 next request's text, codec tokens and waveform equal those before the kill (and transformers'
-``generate``). Under ``"ray"`` code2wav runs in an actor of its own: killing the actor's
-process restarts it and the waveform of the same codes is unchanged.
+``generate``). Under ``"ray"`` the talker and code2wav each run in an actor of their own:
+killing the actor's process restarts it, and the codes of the same thinker output / the
+waveform of the same codes are unchanged.
 """
 
 from __future__ import annotations
@@ -96,34 +97,50 @@ def test_kill_9_restarts_the_stage_and_the_output_is_unchanged(omni, before, sta
     np.testing.assert_array_equal(wav, before[2])
 
 
-def test_code2wav_in_a_ray_actor_restarts_with_the_same_waveform(omni, before):
-    """code2wav's stage config in a Ray actor of its own, fed the talker's codes of the mp run."""
+@pytest.mark.parametrize("stage_id", [1, 2], ids=["talker", "code2wav"])
+def test_kill_9_of_a_ray_actor_restarts_it_with_the_same_output(omni, before, stage_id):
+    """The talker's / code2wav's stage config in a Ray actor of its own, fed what the stage before
+    it produced in the mp run: its codes / waveform before and after the actor's process is killed."""
     from vllm_omni.engine.inline_runtime import runtime_factory
     from vllm_omni.engine.workers.ray_backend import RayStageRuntime
-    from vllm_omni.stages.qwen2_5_omni.pipeline import talker2code2wav
+    from vllm_omni.stages.qwen2_5_omni.pipeline import talker2code2wav, thinker2talker
 
     text, audio = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params())
     params = _params()
-    payload = talker2code2wav(audio.stage_outputs[1], params, None)
-    stage = omni._orchestrator.config.stages[2]
+    if stage_id == 1:
+        payload = thinker2talker(audio.stage_outputs[0], params, None)
+    else:
+        payload = talker2code2wav(audio.stage_outputs[1], params, None)
+    stage = omni._orchestrator.config.stages[stage_id]
+    label = r"Stage 1 \(llm_ar\)" if stage_id == 1 else r"Stage 2 \(llm_generation\)"
+
+    def output():
+        out = runtime.submit(payload, params[stage_id]).result(timeout=600)
+        return out.codes.tolist() if stage_id == 1 else out.waveform
+
     runtime = RayStageRuntime(stage, config=omni._orchestrator.config, factory=runtime_factory(stage))
     try:
         assert runtime.info["pid"] != os.getpid()
-        first = runtime.submit(payload, params[2]).result(timeout=600)
-        # the actor's torch uses every core, the mp worker its share: sums ordered differently
-        np.testing.assert_allclose(first.waveform, before[2], rtol=0, atol=2e-4)
+        first = output()
+        if stage_id == 1:
+            assert first == before[1]  # the same codes as the mp talker (and transformers)
+        else:  # the actor's torch uses every core, the mp worker its share: sums ordered differently
+            np.testing.assert_allclose(first, before[2], rtol=0, atol=2e-4)
         os.kill(runtime.info["pid"], signal.SIGKILL)
-        with pytest.raises(StageDeadError, match=r"Stage 2 \(llm_generation\)"):
+        with pytest.raises(StageDeadError, match=label):
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # Ray reports the death at the next call
-                runtime.submit(payload, params[2]).result(timeout=600)
+                output()
                 time.sleep(0.2)
         start = time.monotonic()
         while runtime.health() != "ready":
             assert time.monotonic() - start < 900, f"the actor did not come back: {runtime.health()}"
             time.sleep(0.5)
         assert runtime.restarts == 1
-        again = runtime.submit(payload, params[2]).result(timeout=600)
-        np.testing.assert_array_equal(again.waveform, first.waveform)
+        again = output()
+        if stage_id == 1:
+            assert again == first
+        else:
+            np.testing.assert_array_equal(again, first)
     finally:
         runtime.shutdown()

@@ -43,6 +43,8 @@ START_TIMEOUT_S = 900.0
 #: Seconds ``shutdown()`` waits for the worker when no timeout is given.
 SHUTDOWN_WAIT_S = 120.0
 
+#: Seconds between "still starting" log lines while a worker loads its stage.
+PROGRESS_EVERY_S = 30.0
 #: Held while a worker is spawned with its env in this process's environment.
 _SPAWN_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet[WorkerStageRuntime] = weakref.WeakSet()
@@ -295,9 +297,22 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         _reap(worker, SHUTDOWN_WAIT_S if timeout is None else timeout, self.stage.label)
 
     def _wait_ready(self, worker: _Worker) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        """Wait for the worker's ``Ready``; the log says when it started, every
+        :data:`PROGRESS_EVERY_S` seconds that it is still starting, and when it is ready."""
+        started = time.monotonic()
+        deadline = started + START_TIMEOUT_S
         label = self.stage.label
+        logger.info("%s: worker process %d started; loading the stage", label, worker.proc.pid)
+        next_note = started + PROGRESS_EVERY_S
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_note:
+                next_note += PROGRESS_EVERY_S
+                logger.info(
+                    "%s: worker %d still starting (%.0f s)",
+                    label,
+                    worker.proc.pid,
+                    time.monotonic() - started,
+                )
             if self._closed.is_set():
                 raise StageEngineError(f"{label}: shut down while its worker was starting")
             try:
@@ -314,7 +329,13 @@ class WorkerStageRuntime(SupervisedStageRuntime):
                 ) from None
             if isinstance(msg, P.Ready):
                 self.torch_threads = msg.torch_threads
-                logger.debug("%s: worker %d ready, %d torch thread(s)", label, msg.pid, msg.torch_threads)
+                logger.info(
+                    "%s: worker %d ready in %.1f s (%d torch thread(s))",
+                    label,
+                    msg.pid,
+                    time.monotonic() - started,
+                    msg.torch_threads,
+                )
                 return
             if isinstance(msg, P.Failed):
                 raise P.load_error(msg.error)
