@@ -48,6 +48,9 @@ def _parse(argv):
     p.add_argument("--ks", type=int, nargs="*", default=[1, 4])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--switches", type=int, default=200)
+    p.add_argument(
+        "--only-switches", action="store_true", help="only the random-switch recompile count (no timings)"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--assets", default=str(REPO / ".cache" / "bench_assets"))
     p.add_argument("--json", default="benchmarks/results/diffusion_compile.json")
@@ -246,6 +249,12 @@ def main(argv=None) -> int:
     bench = Bench(args, cache_dir)
     timer = Timer("cpu", "cpu")
     result = {"args": vars(args), "uptime": os.popen("uptime").read().strip()}
+    if args.only_switches:
+        result["switches"] = _switches(bench, args)
+        print("switches:", json.dumps(result["switches"]), flush=True)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        return 0
     result["compile"] = _compile_times(bench, cache_dir, args)
     print("compile:", json.dumps(result["compile"]), flush=True)
     result["lora"] = {}
