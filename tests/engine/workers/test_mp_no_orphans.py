@@ -57,6 +57,9 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
         stderr=subprocess.DEVNULL,
         text=True,
         env=env,
+        # a shell's background job (nohup, `&`) starts pytest with SIGINT ignored, and Python keeps an
+        # inherited SIG_IGN instead of raising KeyboardInterrupt: the driver must get the default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         line = ""
