@@ -94,3 +94,22 @@ def _register_fork_hook() -> None:
             return
         _fork_hook_registered = True
     os.register_at_fork(after_in_child=watch_parent)
+
+
+def join_exit(proc, timeout: float) -> bool:
+    """Wait at most ``timeout`` seconds for the ``multiprocessing`` process ``proc`` to exit.
+
+    ``Process.join(timeout)`` returns as soon as the child's end of its sentinel pipe closes, which
+    the kernel does while the process exits, before the process can be waited for: ``is_alive()``
+    then still holds for a few milliseconds (measured with a worker that ends with ``os._exit``),
+    and a caller that kills whatever is alive after ``join`` reported a clean stop as a hang. This
+    waits for the exit itself, within the same bound.
+
+    Returns:
+        ``True`` when the process has exited.
+    """
+    deadline = time.monotonic() + max(0.0, timeout)
+    proc.join(max(0.0, timeout))
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return not proc.is_alive()

@@ -58,7 +58,10 @@ def server(tiny_llm_assets, tmp_path_factory):
         "--max-lora-rank", "8", "--lora-modules", f"a={adapter}",
     )  # fmt: skip
     log = tmp_path_factory.mktemp("clean_logs") / "server.log"
-    srv = start_server(cmd, port, log, server_env(), timeout=900)
+    # as inherited from a process that ran a vLLM engine in-process (vLLM's CPU worker sets it there):
+    # the server and its workers must not pass it on to vLLM's environment check
+    env = server_env(VLLM_DIST_IDENT="stale-from-a-parent")
+    srv = start_server(cmd, port, log, env, timeout=900)
     yield srv
     srv.stop()
 

@@ -32,7 +32,7 @@ from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
 from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.ipc import Call, CallResult, Failed, Ready, Shutdown, decoder, dump, encode, load, load_error
-from vllm_omni.process_guard import mark_owner, watch_parent
+from vllm_omni.process_guard import join_exit, mark_owner, watch_parent
 
 __all__ = ["DiffusionEngine", "DiffusionOutput"]
 
@@ -202,7 +202,7 @@ class DiffusionEngine:
                 conn.send_bytes(encode(Shutdown(timeout)))
         deadline = time.monotonic() + (_WORKER_EXIT_S if timeout is None else timeout)
         for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            join_exit(proc, deadline - time.monotonic())
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()

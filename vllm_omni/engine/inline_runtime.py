@@ -40,6 +40,10 @@ def worker_process_defaults() -> None:
     the stage's engine is built.
     """
     os.environ.setdefault(ENGINE_CORE_PROCESS_ENV, "0")
+    # per-process state of vLLM's CPU worker (vllm/v1/worker/cpu_worker.py sets it in the process it
+    # runs in): inherited from a parent that ran an engine in-process, it is stale here, and vLLM
+    # warns "Unknown vLLM environment variable detected" about it at start-up
+    os.environ.pop("VLLM_DIST_IDENT", None)
 
 
 def check_stage_model_class(stage: BaseVllmOmniStageConfig) -> None:

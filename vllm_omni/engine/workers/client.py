@@ -34,7 +34,7 @@ from vllm_omni.engine.workers import protocol as P
 from vllm_omni.engine.workers.mp import worker_main
 from vllm_omni.engine.workers.supervisor import Pending, SupervisedStageRuntime
 from vllm_omni.errors import StageDeadError, StageEngineError
-from vllm_omni.process_guard import mark_owner
+from vllm_omni.process_guard import join_exit, mark_owner
 
 logger = logging.getLogger(__name__)
 
@@ -364,8 +364,7 @@ class WorkerStageRuntime(SupervisedStageRuntime):
 
 def _reap(worker: _Worker, wait_s: float, label: str = "") -> None:
     """Wait at most ``wait_s`` seconds for the worker to exit, kill it if it has not, close its pipe."""
-    worker.proc.join(wait_s)
-    if worker.proc.is_alive():
+    if not join_exit(worker.proc, wait_s):
         if wait_s:
             logger.warning("%s: worker %d did not stop in %.1f s; killing it", label, worker.proc.pid, wait_s)
         worker.proc.kill()

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_omni.entrypoints.cli.serve import run_serve  # (see make_parser: vLLM, torch)
 
         configure_logging()
+        # vLLM's CPU worker sets this in the process it runs in; inherited from a parent that ran an
+        # engine in-process it is stale, and vLLM warns about it as an unknown variable
+        os.environ.pop("VLLM_DIST_IDENT", None)
         run_serve(args)
         return 0
     parser.print_help()
