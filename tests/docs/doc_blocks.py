@@ -8,8 +8,8 @@ Conventions (also described in ``docs/contributing_docs.md``):
   ``localhost:8000`` is rewritten to the address of the page's live server (``serve`` below).
   Paths under ``examples/`` resolve as from the repository's root (the page folder links it).
 * **Languages.** ``python``: every block is a script of its own, run as a reader would run it
-  (``python block.py`` in a fresh per-page folder, a new process, vLLM's default
-  multiprocessing: ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset), so a block defines every name it
+  (``python block.py`` in a fresh per-page folder, a new process, ``VLLM_ENABLE_V1_MULTIPROCESSING``
+  unset as in a fresh shell), so a block defines every name it
   uses and guards engine code with ``if __name__ == "__main__":``. ``bash`` / ``sh`` /
   ``shell``: every command must be one this module can check (:meth:`PageRunner.run_bash`).
   ``yaml`` / ``json``: parsed. ``text``: literal output or synopsis, never run. Anything else
@@ -225,7 +225,7 @@ def dry_run(env: dict[str, str], argv: list[str], where: str) -> dict:
 
 # ------------------------------------------------------------------ processes
 def block_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """A reader's environment: vLLM's default multiprocessing, this checkout importable."""
+    """A reader's environment: the suite's vLLM settings unset, this checkout importable."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the test suite's in-process setting, not a reader's
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # as in a fresh shell: the KV budget is automatic

@@ -87,10 +87,20 @@ def test_concurrent_mixed_adapters_each_equal_their_solo_output(omni, adapters, 
         assert out.token_ids == _ref(tiny_llm_assets, prompt, name), (prompt, name)
 
 
-def test_entry_stage_without_lora_names_stage_and_option(tiny_llm_assets, adapters):
+def test_entry_stage_without_lora_names_stage_and_option(tiny_llm_assets, adapters, monkeypatch):
+    import multiprocessing
+
+    from vllm.v1.engine.core_client import InprocClient
+
     from vllm_omni import Omni
 
+    # as in a fresh shell: the engine core still runs in this process (the inline backend's
+    # default), and a value the user set is kept (test_mixed_lora_batch sets "1")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    children_before = {p.pid for p in multiprocessing.active_children()}
     with Omni(str(tiny_llm_assets.model_dir), **ENGINE_OPTS) as plain:
+        assert isinstance(plain._orchestrator.runtimes[0]._engine.engine_core, InprocClient)
+        assert {p.pid for p in multiprocessing.active_children()} <= children_before
         with pytest.raises(
             LoRANotEnabledError, match=r"Stage 0 \(llm_ar\) does not have LoRA enabled; set enable_lora=True"
         ):

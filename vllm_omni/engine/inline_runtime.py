@@ -15,7 +15,7 @@ from collections.abc import Callable
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.diffusion_stage import DiffusionStageEngine, check_pipeline_class
-from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
+from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class, engine_core_in_stage_process
 from vllm_omni.engine.protocols import StageRuntime
 from vllm_omni.engine.stage_registry import stage_runtime_entry
 
@@ -24,22 +24,16 @@ from vllm_omni.engine.stage_registry import stage_runtime_entry
 RuntimeFactory = Callable[[BaseVllmOmniStageConfig, "VllmOmniConfig | None"], StageRuntime]
 
 
-#: vLLM's switch for running an engine's core in a process of its own.
-ENGINE_CORE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
 def worker_process_defaults() -> None:
     """Process defaults of a stage worker (an ``mp`` worker process or a Ray actor).
 
     The worker is the stage's process boundary (restarts, kill -9, placement), so vLLM's engine
-    core runs inside it: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the user set the variable.
-    vLLM's default would add an engine-core process under the worker and, on CPU, an executor
-    worker process under that (vllm/platforms/cpu.py forces the ``mp`` executor whenever the core
-    has its own process): three processes that each import torch and vLLM, which made an idle
-    tiny-model server take 11 s to stop (the executor worker's exit, then the core's). Call before
-    the stage's engine is built.
+    core runs inside it (:func:`~vllm_omni.engine.llm_stage.engine_core_in_stage_process`, as for
+    every LLM stage). With vLLM's default, three processes per stage each imported torch and vLLM,
+    and an idle tiny-model server took 11 s to stop (the executor worker's exit, then the core's).
+    Call before the stage's runtime is built.
     """
-    os.environ.setdefault(ENGINE_CORE_PROCESS_ENV, "0")
+    engine_core_in_stage_process()
     # per-process state of vLLM's CPU worker (vllm/v1/worker/cpu_worker.py sets it in the process it
     # runs in): inherited from a parent that ran an engine in-process, it is stale here, and vLLM
     # warns "Unknown vLLM environment variable detected" about it at start-up
