@@ -181,6 +181,29 @@ def test_unknown_denoiser_is_refused_naming_the_adapter(omni, loras):
         omni.generate([PROMPT], _sp(), adapters=[RequestAdapter(loras["high"], denoiser="middle")])
 
 
+def test_denoiser_given_at_registration_places_the_adapter(omni, loras, reference):
+    """``add_lora(..., denoiser=...)``: a request that names no denoiser puts each adapter where it was
+    registered for, whatever its position (here Low first), equal to diffusers'
+    ``load_into_transformer_2`` placement; an unknown denoiser is refused at ``add_lora`` and
+    registers nothing."""
+    from vllm_omni.errors import InvalidAdapterError
+
+    before = omni.list_loras()
+    with pytest.raises(InvalidAdapterError, match=r"'extra'.*unknown denoiser 'middle'"):
+        omni.add_lora(loras["extra"], denoiser="middle")
+    assert omni.list_loras() == before
+    try:
+        assert omni.add_lora(loras["low"], denoiser="low_noise")
+        assert omni.add_lora(loras["high"], denoiser="transformer")
+        got = _latents(omni, lora_requests=[loras["low"], loras["high"]])
+        assert _err(got, reference["pair"]) <= TOL
+    finally:
+        omni.remove_lora(loras["low"].lora_int_id)
+        omni.remove_lora(loras["high"].lora_int_id)
+    # unregistered again: the position rule applies ([Low, High] = Low on the high-noise expert)
+    assert _err(_latents(omni, lora_requests=[loras["low"], loras["high"]]), reference["pair"]) > 1e-2
+
+
 def test_attention_kwargs_scale_acts_as_in_diffusers(omni, wan_moe_dir, loras, reference):
     """Issue 21 rule 6: ``attention_kwargs={"scale": s}`` in ``extra_args`` (where diffusers users give
     the LoRA scale of a Wan call) multiplies every adapter's scale, as diffusers' ``scale_lora_layers``

@@ -7,9 +7,11 @@ leaves the other working.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,9 +78,39 @@ def test_llm_text_prompts_diffusion_stage_with_stage_scoped_lora(tiny_llm_assets
         # stage-scoped runtime management: the LLM adapter goes to stage 0 only
         assert omni.add_lora(LoRARequest("b", 2, str(tiny_llm_assets.adapter_b)), stage_id=0)
         assert omni.list_loras() == {1, 2}
+        _later_stage_adapter_is_versioned(omni, llm_params, z_image_dir, tmp_path)
     after = solo.generate("a tiny robot", OmniDiffusionSamplingParams(**DIFF))[0]
     solo.shutdown()
     assert torch.equal(before.latents, after.latents)
+
+
+def _later_stage_adapter_is_versioned(omni, llm_params, z_image_dir, tmp_path):
+    """An adapter in a later diffusion stage's params (``lora_requests`` of stage 1's
+    ``OmniDiffusionSamplingParams``) is versioned like an entry-stage one (issue 21 rule 1): after its
+    files are rewritten in place, stage 1 serves the new weights, never the host cache's entry of the
+    old ones. Latents are compared with diffusers+peft on the files on disk."""
+    from tests.conftest import test_assets_root
+    from tests.diffusion.lora_oracle import reference_latents, reference_pipeline
+    from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+
+    loras = ensure_tiny_z_image_loras(z_image_dir, test_assets_root())
+    path = tmp_path / "later"
+    shutil.copytree(loras["attn"], path)
+    later = LoRARequest("later", 7, str(path))
+    params = OmniDiffusionSamplingParams(**DIFF, output_type="latent", lora_requests=[later])
+    kw = dict(seed=DIFF["seed"], steps=DIFF["num_inference_steps"], guidance=DIFF["guidance_scale"], height=32, width=32)
+
+    def run():
+        (out,) = omni.generate("hello world", [llm_params, params])
+        return out.prompt, out.latents
+
+    prompt, first = run()
+    ref = {n: reference_latents(reference_pipeline(z_image_dir, [(loras[n], 1.0)]), prompt, **kw) for n in ("attn", "ff")}
+    assert (ref["attn"] - ref["ff"]).abs().max() > 5e-3
+    assert (first - ref["attn"]).abs().max() <= 1e-4
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(Path(loras["ff"]) / name, path / name)
+    assert (run()[1] - ref["ff"]).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -179,3 +179,27 @@ def test_concurrent_registrations_of_one_name_have_one_outcome(tmp_path):
     engine_ids = {reg.get("x").engine.lora_int_id} | ({record.engine.lora_int_id} if record else set())
     for stage in (0, 1):  # the stages hold exactly what the registry says, nothing half-done
         assert set(stages.loaded[stage]) == engine_ids
+
+
+def test_a_registered_denoiser_is_checked_and_fills_requests_that_name_none(tmp_path):
+    """``add(..., denoiser=...)`` (issue 21 rule 3): aliases resolve, a name the target stage lacks is
+    refused naming the stage's denoisers and registers nothing, and a request adapter that names no
+    denoiser gets the registered one (one that names its own keeps it)."""
+    from vllm_omni.lora.request import RequestAdapter
+
+    stages = FakeStages(2)
+    denoisers = {0: ("transformer", "transformer_2"), 1: ("transformer",)}
+    reg = AdapterRegistry(stages.call, 0, {0: "Stage 0", 1: "Stage 1"}, denoisers=denoisers.get)
+    low = LoRARequest("low", 1, _adapter(tmp_path / "low", b"low"))
+    with pytest.raises(InvalidAdapterError, match=r"'low'.*unknown denoiser 'middle'"):
+        reg.add(low, denoiser="middle")
+    with pytest.raises(InvalidAdapterError, match=r"denoiser 'transformer_2' is not one of Stage 1's denoisers \['transformer'\]"):
+        reg.add(low, 1, denoiser="low_noise")
+    assert reg.list_ids() == set() and stages.loaded == {0: {}, 1: {}}
+    assert reg.add(low, denoiser="low_noise") and reg.get("low").denoiser == "transformer_2"
+    resolved = reg.resolve_adapter(RequestAdapter(low, scale=0.5))
+    assert resolved.denoiser == "transformer_2" and resolved.scale == 0.5
+    assert resolved.lora.lora_int_id == reg.get("low").engine.lora_int_id
+    assert reg.resolve_adapter(RequestAdapter(low, denoiser="transformer")).denoiser == "transformer"
+    other = LoRARequest("other", 2, _adapter(tmp_path / "other", b"other"))  # never registered
+    assert reg.resolve_adapter(RequestAdapter(other)).denoiser is None

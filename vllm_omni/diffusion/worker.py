@@ -214,7 +214,7 @@ class DiffusionWorker:
             "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],
             "output_kind": getattr(self.pipeline, "output_kind", "image"),
             "accepts_image": bool(getattr(self.pipeline, "accepts_image", False)),
-            "denoisers": [name for name in self.lora.manager.denoisers if name],
+            "denoisers": list(self.lora.denoisers),
         }
 
     def execute_method(self, method: str | Callable, *args, **kwargs) -> Any:

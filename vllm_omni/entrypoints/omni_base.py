@@ -110,6 +110,7 @@ class OmniBase:
             config.entry_stage.stage_id,
             {stage.stage_id: stage.label for stage in config.stages},
             check=self._check_stage_adapter,
+            denoisers=self._stage_denoisers,
         )
         for stage in config.stages:  # the adapters diffusion stages pre-loaded (lora_path, peft backend)
             dcfg = getattr(stage, "diffusion_config", None) if not stage.is_llm else None
@@ -194,6 +195,30 @@ class OmniBase:
         if self._orchestrator.descriptions[index].params_type is SamplingParams:  # a vLLM stage
             self._orchestrator.runtimes[index].validate_request(None, SamplingParams(), lora)
 
+    def _stage_denoisers(self, stage_id: int) -> tuple[str, ...] | None:
+        """The denoisers adapters bind to on stage ``stage_id`` (``()`` on an LLM stage); ``None`` when
+        there is no such stage or it takes no adapters (the registration's own checks say so)."""
+        ids = [s.stage_id for s in self.config.stages]
+        if stage_id not in ids:
+            return None
+        adapters = self._orchestrator.descriptions[ids.index(stage_id)].adapters
+        return None if adapters is None else adapters.denoisers
+
+    def _versioned_params(self, params: list[Any]) -> list[Any]:
+        """``params`` (one per stage) with the adapters a later diffusion stage's params carry
+        (``OmniDiffusionSamplingParams.lora_requests``) in per-version form, like the entry stage's
+        (:meth:`_versioned`); the caller's objects are not changed.
+
+        Raises:
+            InvalidAdapterError: as :meth:`_versioned`.
+        """
+        resolve = self.adapter_registry.resolve
+        out = list(params)
+        for i, p in enumerate(out[1:], start=1):
+            if isinstance(p, OmniDiffusionSamplingParams) and p.lora_requests:
+                out[i] = dataclasses.replace(p, lora_requests=[resolve(lora) for lora in p.lora_requests])
+        return out
+
     def _versioned(
         self, kwargs: dict[str, Any], stage_loras: dict[int, Any]
     ) -> tuple[dict[str, Any], dict[int, Any]]:
@@ -208,7 +233,7 @@ class OmniBase:
         if out.get("lora_request") is not None:
             out["lora_request"] = resolve(out["lora_request"])
         if out.get("adapters"):
-            out["adapters"] = tuple(dataclasses.replace(a, lora=resolve(a.lora)) for a in out["adapters"])
+            out["adapters"] = tuple(self.adapter_registry.resolve_adapter(a) for a in out["adapters"])
         return out, {stage_id: resolve(lora) for stage_id, lora in stage_loras.items()}
 
     # ---------------------------------------------------------------- LoRA management

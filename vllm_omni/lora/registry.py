@@ -24,7 +24,8 @@ Identity and versions
 Targets
     A registered adapter acts on the stages it targets: ``stage_id`` (one id or a list), by default the
     entry stage only, since an adapter fits one model. ``denoiser`` names the denoiser of a two-denoiser
-    diffusion stage when given (stored and reported; the stage applies it).
+    diffusion stage when given (checked against the target stages' denoisers, reported, and used by
+    :meth:`AdapterRegistry.resolve_adapter` for a request adapter that names none).
 
 Registration is all-or-nothing and linearizable
     Calls on one name are serialised (one lock per name); a load is first made on every target stage
@@ -44,9 +45,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from vllm_omni.errors import AdapterNotFoundError, InvalidAdapterError, OmniError, restate
+from vllm_omni.errors import AdapterNotFoundError, InvalidAdapterError, InvalidRequestError, OmniError, restate
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
-from vllm_omni.lora.request import LoRARequest, engine_adapter_name
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser, engine_adapter_name
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +138,11 @@ class AdapterRegistry:
         entry_stage_id: int = 0,
         stage_labels: Mapping[int, str] | None = None,
         check: Callable[[int, LoRARequest], None] | None = None,
+        denoisers: Callable[[int], Sequence[str] | None] | None = None,
     ):
         self._call = call
         self._check = check
+        self._denoisers = denoisers  # stage id -> the denoisers adapters bind to there (diffusion stages)
         self.entry_stage_id = entry_stage_id
         self._labels = dict(stage_labels or {})
         self._lock = threading.RLock()  # the tables below; never held across a stage call
@@ -367,6 +370,7 @@ class AdapterRegistry:
                 raise InvalidAdapterError(f"The lora adapter '{lora.lora_name}' has already been loaded.")
             identity = self._identity(lora, fresh=reload)
             targets = self._targets(stage_id, old)
+            denoiser = self._checked_denoiser(lora, denoiser, targets)
             same = old is not None and (old.int_id, old.location, old.fingerprint) == (
                 lora.lora_int_id,
                 identity[0],
@@ -384,6 +388,40 @@ class AdapterRegistry:
             finally:
                 with self._lock:
                     self._claims.pop(lora.lora_int_id, None)
+
+    def _checked_denoiser(self, lora: LoRARequest, denoiser: Any, targets: tuple[int, ...]) -> str | None:
+        """``denoiser`` as an attribute name (aliases resolved), checked against every target stage.
+
+        Raises:
+            InvalidAdapterError: not a denoiser name, or a target stage has no such denoiser.
+        """
+        if denoiser is None:
+            return None
+        try:
+            name = canonical_denoiser(denoiser, f"{_describe(lora)}: denoiser")
+        except InvalidRequestError as exc:
+            raise InvalidAdapterError(str(exc)) from None
+        for stage in targets if self._denoisers is not None else ():
+            have = self._denoisers(stage)
+            if have is not None and name not in have:
+                raise InvalidAdapterError(
+                    f"{_describe(lora)}: denoiser {name!r} is not one of {self._labels.get(stage, f'stage {stage}')}'s "
+                    f"denoisers {list(have)}; name one of them, or leave denoiser unset"
+                )
+        return name
+
+    def resolve_adapter(self, adapter: RequestAdapter) -> RequestAdapter:
+        """One adapter of a request in the form its stage gets: its LoRA per version (:meth:`resolve`)
+        and, when the request names no denoiser, the denoiser the adapter was registered for
+        (``add_lora(..., denoiser=...)``)."""
+        lora = self.resolve(adapter.lora)
+        denoiser = adapter.denoiser
+        if denoiser is None and isinstance(lora, LoRARequest):
+            with self._lock:
+                record = self._by_id.get(self._engine_public.get(lora.lora_int_id, -1))
+            if record is not None and record.engine == lora and record.engine.lora_int_id == lora.lora_int_id:
+                denoiser = record.denoiser
+        return replace(adapter, lora=lora, denoiser=denoiser)
 
     def _register(
         self,
