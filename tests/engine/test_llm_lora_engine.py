@@ -364,3 +364,46 @@ def test_async_generate_streams_delta_pieces_that_add_up_to_the_final_output(ada
         assert sum((list(o.token_ids) for o in mine), []) == list(c.token_ids)
         assert "".join(o.text for o in mine) == c.text
         assert mine[-1].finish_reason == c.finish_reason == "length"
+
+
+@pytest.mark.parametrize("change", ["new_version", "remove_and_delete"])
+def test_a_running_request_keeps_its_adapter_version_to_the_end(omni, tiny_llm_assets, tmp_path, change):
+    """Issue 21 rule 1 for requests in flight: a new version registered under the name (files rewritten
+    in place, ``add_lora(reload=True)``), or ``remove_lora`` followed by deleting the files, while a
+    request of the old version runs. vLLM's worker would load the running request's adapter again from
+    its path: the new files (tokens of two adapters) or none (an invalid adapter stalls the engine).
+    The stage removes the old version from the engine once its last request finished; the request's
+    tokens equal transformers+peft with the old adapter throughout."""
+    n = 120
+    path = tmp_path / "v"
+    shutil.copytree(tiny_llm_assets.adapter_a, path)
+    lora = LoRARequest("v", 40, str(path))
+    runtime = omni._orchestrator.runtimes[0]
+    assert omni.add_lora(lora)
+    old = omni.adapter_registry.get("v").engine
+    steps = _count_steps(runtime)
+    try:
+        fut = runtime.submit("hello world", greedy(n), lora_request=old)
+        _wait_running(runtime, fut)
+        if change == "new_version":
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                shutil.copyfile(tiny_llm_assets.adapter_b / name, path / name)
+            assert omni.add_lora(lora, reload=True)
+            new = omni.adapter_registry.get("v").engine
+            assert new.lora_int_id != old.lora_int_id
+        else:
+            assert omni.remove_lora(40)
+            shutil.rmtree(path)
+        at_change = steps()
+        assert old.lora_int_id not in runtime.list_loras()  # removed as far as callers can see
+        tokens = list(fut.result(timeout=900).outputs[0].token_ids)
+        assert at_change < n, "the request finished before the change; nothing was tested"
+        assert tokens == hf_greedy(tiny_llm_assets.model_dir, "hello world", n, tiny_llm_assets.adapter_a)
+        wait_until(lambda: old.lora_int_id not in runtime._engine.list_loras(), "the deferred removal")
+        if change == "new_version":
+            assert omni.generate("hello world", greedy(), lora_request=lora)[0].token_ids == _ref(
+                tiny_llm_assets, "hello world", "b"
+            )
+    finally:
+        del runtime._engine.step
+        omni.remove_lora(40)

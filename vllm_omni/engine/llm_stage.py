@@ -216,6 +216,11 @@ class LLMStageEngine(StageDriver):
         self._valid_adapters: dict[int, str] = {}
         #: adapter names by id, for the statistics (``stats()``)
         self._lora_names: dict[int, str] = {}
+        #: adapters removed while requests using them still ran (driver thread only): vLLM's worker
+        #: would load a missing adapter of a running request again from its path, whose files may hold
+        #: another version by then (or be gone: an invalid adapter stalls the engine); each is removed
+        #: from the engine once its last running request finishes
+        self._removal_deferred: set[int] = set()
         #: the engine's own ``vllm:`` metrics (vLLM's stat logger, this stage's registry)
         self._vllm_registry = CollectorRegistry()
         self._engine = None
@@ -379,14 +384,14 @@ class LLMStageEngine(StageDriver):
         self._require_lora()
         self._valid_adapters.pop(lora_int_id, None)
         self.validator.forget(lora_int_id)
-        removed = self._call(lambda: self._engine.remove_lora(lora_int_id))
+        removed = self._call(lambda: self._remove_adapter(lora_int_id))
         if removed:
             self.recorder.unloaded(self._lora_names.get(lora_int_id, str(lora_int_id)))
         return removed
 
     def list_loras(self) -> set[int]:
         self._require_lora()
-        return set(self._call(lambda: self._engine.list_loras()))
+        return self._call(self._loaded_ids)
 
     def pin_lora(self, lora_int_id: int) -> bool:
         self._require_lora()
@@ -461,12 +466,38 @@ class LLMStageEngine(StageDriver):
         return name
 
     def _loaded_ids(self) -> set[int]:
-        """Ids in the engine's adapter cache (driver thread; ``set()`` without LoRA)."""
-        return set(self._engine.list_loras()) if self.validator is not None else set()
+        """Ids in the engine's adapter cache that are not removed already (driver thread; ``set()``
+        without LoRA)."""
+        if self.validator is None:
+            return set()
+        return set(self._engine.list_loras()) - self._removal_deferred
+
+    def _ids_in_use(self) -> set[int]:
+        return {i.lora_request.lora_int_id for i in self._running.values() if i.lora_request is not None}
+
+    def _remove_adapter(self, lora_int_id: int) -> bool:
+        """``engine.remove_lora`` on the driver thread, deferred while running requests use the adapter
+        (see ``_removal_deferred``). Returns whether the engine held it."""
+        if lora_int_id in self._removal_deferred:
+            return False
+        if lora_int_id not in self._ids_in_use():
+            return self._engine.remove_lora(lora_int_id)
+        held = lora_int_id in self._engine.list_loras()
+        if held:
+            self._removal_deferred.add(lora_int_id)
+        return held
+
+    def _remove_deferred(self) -> None:
+        """Remove the deferred adapters no running request uses any more (driver thread)."""
+        done = self._removal_deferred - self._ids_in_use()
+        for lora_int_id in done:
+            self._engine.remove_lora(lora_int_id)
+        self._removal_deferred -= done
 
     def _load_adapter(self, lora: LoRARequest, loaded: set[int]) -> bool:
         """``engine.add_lora`` on the driver thread, noting its seconds and the adapters the
         engine's LRU cache dropped for it; ``loaded`` (the cached ids before) is updated."""
+        self._removal_deferred.discard(lora.lora_int_id)  # wanted again: the engine keeps it
         start = time.perf_counter()
         added = self._engine.add_lora(lora)
         seconds = time.perf_counter() - start
@@ -559,6 +590,8 @@ class LLMStageEngine(StageDriver):
                         self._admit()
             if self._cancelled:
                 self._abort_cancelled()
+                if self._removal_deferred:
+                    self._remove_deferred()
             if not running:
                 continue
             try:
@@ -586,6 +619,8 @@ class LLMStageEngine(StageDriver):
                     )
                     with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
                         item.future.set_result(out)
+            if self._removal_deferred:
+                self._remove_deferred()
 
     def _stream_piece(self, item: _Pending, delta: RequestOutput) -> RequestOutput | None:
         """Hand one piece of a streaming request to its consumer; the merged output so far.
