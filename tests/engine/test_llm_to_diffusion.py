@@ -98,14 +98,23 @@ def _later_stage_adapter_is_versioned(omni, llm_params, z_image_dir, tmp_path):
     shutil.copytree(loras["attn"], path)
     later = LoRARequest("later", 7, str(path))
     params = OmniDiffusionSamplingParams(**DIFF, output_type="latent", lora_requests=[later])
-    kw = dict(seed=DIFF["seed"], steps=DIFF["num_inference_steps"], guidance=DIFF["guidance_scale"], height=32, width=32)
+    kw = dict(
+        seed=DIFF["seed"],
+        steps=DIFF["num_inference_steps"],
+        guidance=DIFF["guidance_scale"],
+        height=32,
+        width=32,
+    )
 
     def run():
         (out,) = omni.generate("hello world", [llm_params, params])
         return out.prompt, out.latents
 
     prompt, first = run()
-    ref = {n: reference_latents(reference_pipeline(z_image_dir, [(loras[n], 1.0)]), prompt, **kw) for n in ("attn", "ff")}
+    ref = {
+        n: reference_latents(reference_pipeline(z_image_dir, [(loras[n], 1.0)]), prompt, **kw)
+        for n in ("attn", "ff")
+    }
     assert (ref["attn"] - ref["ff"]).abs().max() > 5e-3
     assert (first - ref["attn"]).abs().max() <= 1e-4
     for name in ("adapter_config.json", "adapter_model.safetensors"):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.lora.fake_stages import FakeStages
+from vllm_omni.engine.llm_stage import vllm_lora_request
 from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError
 from vllm_omni.lora.registry import AdapterRegistry
-from vllm_omni.lora.request import LoRARequest, public_adapter_name
+from vllm_omni.lora.request import LoRARequest
 
 
 def _adapter(folder: Path, weights: bytes) -> str:
@@ -40,13 +41,15 @@ def test_remove_then_add_after_a_rewrite_is_a_new_version_on_every_cache(tmp_pat
     path = _adapter(tmp_path / "a", b"old")
     assert reg.add(LoRARequest("a", 1, path))
     first = reg.get("a").engine
-    assert first.lora_int_id == 1 and public_adapter_name(first.lora_name) == "a"
+    assert first.lora_int_id == 1 and first.lora_name == "a"  # stages see the public name
     assert reg.remove(1) and stages.loaded[0] == {}
     _rewrite(path, b"new")
     assert reg.add(LoRARequest("a", 1, path))
     second = reg.get("a").engine
-    # a fresh engine id (vLLM / diffusion caches key by id) and name (vLLM's prefix cache keys by name)
-    assert second.lora_int_id != 1 and second.lora_name != first.lora_name
+    # a fresh engine id (vLLM / diffusion caches key by id), so vLLM gets another name too (its prefix
+    # cache keys by name)
+    assert second.lora_int_id != 1 and second.lora_name == "a"
+    assert vllm_lora_request(second).lora_name != vllm_lora_request(first).lora_name
     assert set(stages.loaded[0]) == {second.lora_int_id}
     assert reg.list_ids() == {1} and reg.get("a").version == 1  # the public id is still 1
 
@@ -75,10 +78,16 @@ def test_a_request_gets_the_new_version_after_the_files_changed(tmp_path):
     reg = _registry(stages)
     path = _adapter(tmp_path / "a", b"v1")
     first = reg.resolve(LoRARequest("a", 5, path))
-    assert reg.resolve(LoRARequest("a", 5, path + "/")) == first and first.lora_int_id == 5
+    again = reg.resolve(LoRARequest("a", 5, path + "/"))
+    assert (again.lora_int_id, again.lora_path) == (
+        first.lora_int_id,
+        first.lora_path,
+    ) and first.lora_int_id == 5
     _rewrite(path, b"v2")
     second = reg.resolve(LoRARequest("a", 5, path))
-    assert second.lora_int_id != 5 and second.lora_name != first.lora_name
+    assert (
+        second.lora_int_id != 5 and vllm_lora_request(second).lora_name != vllm_lora_request(first).lora_name
+    )
     assert reg.public_id(second.lora_int_id) == 5
     # a registered adapter is re-registered (loaded anew, the old version dropped)
     assert reg.add(LoRARequest("b", 6, _adapter(tmp_path / "b", b"b1")))
@@ -193,7 +202,10 @@ def test_a_registered_denoiser_is_checked_and_fills_requests_that_name_none(tmp_
     low = LoRARequest("low", 1, _adapter(tmp_path / "low", b"low"))
     with pytest.raises(InvalidAdapterError, match=r"'low'.*unknown denoiser 'middle'"):
         reg.add(low, denoiser="middle")
-    with pytest.raises(InvalidAdapterError, match=r"denoiser 'transformer_2' is not one of Stage 1's denoisers \['transformer'\]"):
+    with pytest.raises(
+        InvalidAdapterError,
+        match=r"denoiser 'transformer_2' is not one of Stage 1's denoisers \['transformer'\]",
+    ):
         reg.add(low, 1, denoiser="low_noise")
     assert reg.list_ids() == set() and stages.loaded == {0: {}, 1: {}}
     assert reg.add(low, denoiser="low_noise") and reg.get("low").denoiser == "transformer_2"

@@ -31,7 +31,6 @@ from vllm_omni.lora.request import (
     LoRARequest,
     RequestAdapter,
     assign_denoisers,
-    public_adapter_name,
     startup_lora_request,
 )
 from vllm_omni.lora.schedule import LoRAScaleSchedule
@@ -171,7 +170,7 @@ class WorkerLoRA:
 
     # ------------------------------------------------------------------ statistics
     def _name(self, lora: LoRARequest) -> str:
-        name = self._names[lora.lora_int_id] = public_adapter_name(lora.lora_name) or str(lora.lora_int_id)
+        name = self._names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
         return name
 
     def _loading(self, requests: Sequence[LoRARequest], load: Callable[[], Any], for_request: bool) -> Any:
@@ -238,7 +237,7 @@ class WorkerLoRA:
         for a, target in zip(adapters, targets, strict=True):
             if not isinstance(a.scale, LoRAScaleSchedule):
                 continue
-            where = f"scale of LoRA {a.lora.lora_int_id} ({public_adapter_name(a.lora.lora_name)!r})"
+            where = f"scale of LoRA {a.lora.lora_int_id} ({a.lora.lora_name!r})"
             if a.scale.varies_with_step and not self.reports_steps:
                 raise InvalidRequestError(
                     f"{where}: per-step scales need a pipeline that reports its denoising steps "

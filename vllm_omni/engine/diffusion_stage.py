@@ -56,7 +56,6 @@ from vllm_omni.lora.request import (
     LoRARequest,
     RequestAdapter,
     gather_request_adapters,
-    public_adapter_name,
     to_request_adapters,
     validate_request_adapters,
 )
@@ -305,7 +304,7 @@ class DiffusionStageEngine(StageDriver):
             path = str(lora.lora_path)
             if "://" not in path and not os.path.exists(path):
                 raise InvalidRequestError(
-                    f"LoRA {lora.lora_int_id} ({public_adapter_name(lora.lora_name)!r}): no such path {path!r}"
+                    f"LoRA {lora.lora_int_id} ({lora.lora_name!r}): no such path {path!r}"
                 )
         return adapters
 
@@ -416,7 +415,7 @@ class DiffusionStageEngine(StageDriver):
         """Note a finished request in the stage's statistics."""
         ok = not isinstance(result, BaseException)
         self.recorder.request_done(
-            [public_adapter_name(a.lora.lora_name) or str(a.lora.lora_int_id) for a in item.adapters],
+            [a.lora.lora_name or str(a.lora.lora_int_id) for a in item.adapters],
             time.monotonic() - item.submitted,
             ok,
             queued=started - item.submitted,

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.diffusion_stage import DiffusionStageEngine, check_pipeline_class
-from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class, engine_core_in_stage_process
+from vllm_omni.engine.llm_stage import LLMStageEngine, check_model_class
 from vllm_omni.engine.protocols import StageRuntime
 from vllm_omni.engine.stage_registry import stage_runtime_entry
+from vllm_omni.engine.vllm_process import engine_core_in_stage_process
 
 #: ``(stage, config) -> StageRuntime``: how a stage's runtime is built (a top-level function, so
 #: that it crosses into a worker process by reference).
@@ -28,7 +29,7 @@ def worker_process_defaults() -> None:
     """Process defaults of a stage worker (an ``mp`` worker process or a Ray actor).
 
     The worker is the stage's process boundary (restarts, kill -9, placement), so vLLM's engine
-    core runs inside it (:func:`~vllm_omni.engine.llm_stage.engine_core_in_stage_process`, as for
+    core runs inside it (:func:`~vllm_omni.engine.vllm_process.engine_core_in_stage_process`, as for
     every LLM stage). With vLLM's default, three processes per stage each imported torch and vLLM,
     and an idle tiny-model server took 11 s to stop (the executor worker's exit, then the core's).
     Call before the stage's runtime is built.

@@ -18,8 +18,6 @@ import copy
 import functools
 import itertools
 import logging
-import multiprocessing
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +30,6 @@ from prometheus_client import CollectorRegistry
 from vllm import ModelRegistry, SamplingParams
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_omni.config.stage_config import LLMStageConfig
@@ -40,9 +37,15 @@ from vllm_omni.engine.lora_validation import LLMAdapterValidator
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
+from vllm_omni.engine.vllm_process import (
+    engine_core_in_stage_process,
+    engine_started,
+    release_engine,
+    step_guard,
+)
 from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
-from vllm_omni.lora.request import LoRARequest, public_adapter_name
+from vllm_omni.lora.request import LoRARequest
 from vllm_omni.models import register_omni_models
 from vllm_omni.platform import prepare_engine_process
 from vllm_omni.process_guard import mark_owner
@@ -51,74 +54,18 @@ from vllm_omni.stats import StageStats
 logger = logging.getLogger(__name__)
 
 
-# In-process engines share vLLM's global distributed state; shutting one engine core down
-# destroys it for all (explicitly, or when the engine object is collected). Engines shut
-# down while others still run are parked, and the last one to go releases them all.
-_LIVE_ENGINES = 0
-_PARKED: list[Any] = []
-_LIVE_LOCK = threading.Lock()
 #: Seconds ``shutdown()`` waits for the driver thread when no timeout is given.
 _DRIVER_JOIN_S = 30.0
-#: vLLM keeps the state of the step being run in module globals (``vllm.forward_context``'s
-#: ``_forward_context``: attention metadata, LoRA mapping): two engines that run their steps in
-#: this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) must not step at the same time, or one
-#: reads the other's metadata (measured: an ``llm_chain`` whose two stages step together aborted
-#: in the oneDNN matmul). Engines in their own processes step freely.
-_IN_PROCESS_STEP_LOCK = threading.Lock()
 
 
-#: Set by :func:`exit_follows_shutdown` in a stage worker process that ends as soon as its
-#: runtime has shut down.
-_EXIT_FOLLOWS_SHUTDOWN = False
-_LEFT_TO_PROCESS_EXIT: list[Any] = []
+def vllm_lora_request(lora: LoRARequest) -> LoRARequest:
+    """The form of ``lora`` handed to vLLM: named ``"<name>@<lora_int_id>"``.
 
-
-#: vLLM's switch for running an engine's core in a process of its own.
-ENGINE_CORE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-def engine_core_in_stage_process() -> None:
-    """Run the vLLM engine cores built in this process inside it, unless the user chose otherwise.
-
-    Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` when the variable is unset (a value the user set is
-    kept; vLLM reads it when an engine is built, and sets it the same way itself for its
-    ``external_launcher`` backend). A stage's process is the stage's boundary under every worker
-    backend: the caller's process (``inline``), a worker process (``mp``), a Ray actor (``ray``).
-    vLLM's default would add an engine-core process per LLM stage and, on CPU, an executor
-    process under it (``vllm/platforms/cpu.py`` forces the ``mp`` executor whenever the core has a
-    process of its own), each importing torch and vLLM again: measured on the tiny Qwen2 on this
-    2-core VM, a one-stage ``Omni`` script took 57 s of wall time with them and 21 s without.
-    The cost: engines whose cores share a process step one at a time
-    (:data:`_IN_PROCESS_STEP_LOCK`), so stages that should step concurrently belong in workers.
+    vLLM keys prefix-cache blocks by an adapter's name and path (``vllm/v1/core/kv_cache_utils.py``)
+    and compares ``LoRARequest`` s by name; the registry issues a new id for every version of a name
+    (:mod:`vllm_omni.lora.registry`), so the id in the name keeps two versions from sharing KV blocks.
     """
-    os.environ.setdefault(ENGINE_CORE_PROCESS_ENV, "0")
-
-
-def exit_follows_shutdown() -> None:
-    """Declare that this process exits right after its LLM stage shuts down (``mp`` workers).
-
-    :meth:`LLMStageEngine.shutdown` then leaves an engine whose core runs in this process and
-    which started no process of its own to the process exit instead of vLLM's teardown (two full
-    ``gc.collect()`` passes and the process groups: 1-3 s of an idle server's stop, measured on
-    the tiny models); requests are still failed and the driver stopped first.
-    """
-    global _EXIT_FOLLOWS_SHUTDOWN
-    _EXIT_FOLLOWS_SHUTDOWN = True
-
-
-def _left_to_process_exit(engine: Any) -> bool:
-    return (
-        _EXIT_FOLLOWS_SHUTDOWN
-        and isinstance(getattr(engine, "engine_core", None), InprocClient)
-        and not multiprocessing.active_children()
-    )
-
-
-def _step_guard(engine: Any) -> Any:
-    """The lock an engine holds while it steps: :data:`_IN_PROCESS_STEP_LOCK` when its core runs
-    in this process, else none."""
-    in_process = isinstance(getattr(engine, "engine_core", None), InprocClient)
-    return _IN_PROCESS_STEP_LOCK if in_process else contextlib.nullcontext()
+    return LoRARequest(f"{lora.lora_name}@{lora.lora_int_id}", lora.lora_int_id, lora.lora_path)
 
 
 def check_model_class(stage: LLMStageConfig) -> None:
@@ -239,16 +186,14 @@ class LLMStageEngine(StageDriver):
             started.result()
         except Exception as exc:
             raise StageEngineError(f"{stage.label}: vLLM engine failed to start: {exc}") from exc
-        global _LIVE_ENGINES
-        with _LIVE_LOCK:
-            _LIVE_ENGINES += 1
+        engine_started()
 
     def _run(self, engine_cls, engine_args, started: Future) -> None:
         try:
             self._engine = engine_cls.from_engine_args(
                 engine_args, stat_loggers=[stage_stat_logger(self._vllm_registry)]
             )
-            self._step_lock = _step_guard(self._engine)
+            self._step_lock = step_guard(self._engine)
             if self.validator is not None:
                 self.validator.compute_dtype = lora_compute_dtype(self._engine.vllm_config)
         except BaseException as exc:
@@ -416,25 +361,8 @@ class LLMStageEngine(StageDriver):
         deadline = time.monotonic() + (_DRIVER_JOIN_S if timeout is None else timeout)
         if not self._stop_driver(self._thread, deadline - time.monotonic(), list(self._running.values())):
             return
-        global _LIVE_ENGINES
-        with _LIVE_LOCK:
-            _LIVE_ENGINES -= 1
-            _PARKED.append(self._engine)
-            release = list(_PARKED) if _LIVE_ENGINES == 0 else []
-            if release:
-                _PARKED.clear()
-        self._engine = None
-        for engine in release:
-            if _left_to_process_exit(engine):
-                # kept referenced: vLLM's finalizer would run the same teardown on collection
-                _LEFT_TO_PROCESS_EXIT.append(engine)
-                logger.debug("%s: engine released by the worker process's exit", self.stage.label)
-                continue
-            engine_core = getattr(engine, "engine_core", None)
-            if engine_core is not None and hasattr(engine_core, "shutdown"):
-                engine_core.shutdown(
-                    timeout=None if timeout is None else max(0.0, deadline - time.monotonic())
-                )
+        engine, self._engine = self._engine, None
+        release_engine(engine, self.stage.label, None if timeout is None else deadline)
 
     # ---------------------------------------------------------------- internals
     def _require_lora(self) -> None:
@@ -460,9 +388,7 @@ class LLMStageEngine(StageDriver):
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
 
     def _lora_name(self, lora: LoRARequest) -> str:
-        name = self._lora_names[lora.lora_int_id] = public_adapter_name(lora.lora_name) or str(
-            lora.lora_int_id
-        )
+        name = self._lora_names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
         return name
 
     def _loaded_ids(self) -> set[int]:
@@ -499,7 +425,7 @@ class LLMStageEngine(StageDriver):
         engine's LRU cache dropped for it; ``loaded`` (the cached ids before) is updated."""
         self._removal_deferred.discard(lora.lora_int_id)  # wanted again: the engine keeps it
         start = time.perf_counter()
-        added = self._engine.add_lora(lora)
+        added = self._engine.add_lora(vllm_lora_request(lora))
         seconds = time.perf_counter() - start
         now = self._loaded_ids()
         self.recorder.loaded(self._lora_name(lora), seconds if lora.lora_int_id not in loaded else None)
@@ -547,7 +473,10 @@ class LLMStageEngine(StageDriver):
                         self._load_adapter(item.lora_request, loaded)
                 # outputs carry this external id (add_request returns an internal one)
                 self._engine.add_request(
-                    item.request_id, item.prompt, item.params, lora_request=item.lora_request
+                    item.request_id,
+                    item.prompt,
+                    item.params,
+                    lora_request=None if item.lora_request is None else vllm_lora_request(item.lora_request),
                 )
             except Exception as exc:  # fail this request only
                 logger.warning("%s: request %s rejected: %s", self.stage.label, item.request_id, exc)

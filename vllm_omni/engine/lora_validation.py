@@ -60,7 +60,7 @@ from vllm_omni.lora.adapter_files import (
     read_safetensors,
     update_range_problem,
 )
-from vllm_omni.lora.request import LoRARequest, public_adapter_name
+from vllm_omni.lora.request import LoRARequest
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -186,7 +186,7 @@ class LLMAdapterValidator:
                 f"got {type(request).__name__}: {request!r:.200}"
             )
         path = request.lora_path
-        name = f"adapter {public_adapter_name(request.lora_name)!r} (id {request.lora_int_id}, path {path!r})"
+        name = f"adapter {request.lora_name!r} (id {request.lora_int_id}, path {path!r})"
         lora_id = request.lora_int_id
         if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
             raise InvalidAdapterError(f"{name}: lora_int_id must be a positive integer")

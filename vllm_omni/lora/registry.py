@@ -10,11 +10,12 @@ Identity and versions
     An adapter is a public ``(name, int_id)`` pair (what the caller gave: ``LoRARequest(name, id, path)``)
     bound to its resolved files and a **content fingerprint**: the SHA-256 of ``adapter_config.json`` (when
     present) and the weights file, in that order (:func:`fingerprint_files`). The fingerprint is the
-    adapter's version. Stages are handed a per-version identity, :attr:`AdapterRecord.engine`: the lora
-    name ``"<name>@<12 hex digits of the fingerprint>.<engine id>"`` (vLLM keys its prefix cache by lora
-    name and path, and compares ``LoRARequest`` s by name) and an engine id, the public id for the first
-    version issued under it and a fresh id for any other content (vLLM and the diffusion host cache key
-    adapters by id). An engine id is never reused for other content while the registry lives. Registering
+    adapter's version. Stages are handed a per-version identity, :attr:`AdapterRecord.engine`: the public
+    name with an engine id, the public id for the first version issued under it and a fresh id for any
+    other content (vLLM and the diffusion host cache key adapters by id). An engine id is never reused
+    for other content while the registry lives. An LLM stage hands vLLM the name ``"<name>@<engine id>"``
+    (:func:`vllm_omni.engine.llm_stage.vllm_lora_request`: vLLM keys its prefix cache by lora name and
+    path, and compares ``LoRARequest`` s by name), so versions never share KV blocks either. Registering
     a name again with the same files and content is a no-op; other content (new files at the same path,
     another path, ``reload=True`` after a rewrite) is a new version: it is loaded on the stages first,
     then the old version is dropped from them. A request naming an adapter whose files changed on disk
@@ -45,9 +46,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from vllm_omni.errors import AdapterNotFoundError, InvalidAdapterError, InvalidRequestError, OmniError, restate
+from vllm_omni.errors import (
+    AdapterNotFoundError,
+    InvalidAdapterError,
+    InvalidRequestError,
+    OmniError,
+    restate,
+)
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
-from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser, engine_adapter_name
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +251,7 @@ class AdapterRegistry:
                 engine_id = _derived_id(engine_id, key)
             self._engine_owner[engine_id] = key
             self._engine_public[engine_id] = int_id
-        return LoRARequest(engine_adapter_name(name, digest, engine_id), engine_id, location)
+        return LoRARequest(name, engine_id, location)
 
     def _id_conflict(self, lora: LoRARequest, location: str, allowed: AdapterRecord | None) -> str | None:
         """Why ``lora``'s id cannot be used (``None``: it can); call with the table lock held."""
@@ -419,7 +426,7 @@ class AdapterRegistry:
         if denoiser is None and isinstance(lora, LoRARequest):
             with self._lock:
                 record = self._by_id.get(self._engine_public.get(lora.lora_int_id, -1))
-            if record is not None and record.engine == lora and record.engine.lora_int_id == lora.lora_int_id:
+            if record is not None and record.engine.lora_int_id == lora.lora_int_id:
                 denoiser = record.denoiser
         return replace(adapter, lora=lora, denoiser=denoiser)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +41,7 @@ __all__ = [
     "RequestAdapter",
     "assign_denoisers",
     "canonical_denoiser",
-    "engine_adapter_name",
     "gather_request_adapters",
-    "public_adapter_name",
     "stable_lora_int_id",
     "startup_lora_request",
     "to_request_adapters",
@@ -84,7 +81,7 @@ def canonical_denoiser(value: Any, where: str) -> str | None:
 
 
 def _adapter_label(adapter: RequestAdapter, i: int) -> str:
-    return f"adapter {i} (LoRA {adapter.lora.lora_int_id}, {public_adapter_name(adapter.lora.lora_name)!r})"
+    return f"adapter {i} (LoRA {adapter.lora.lora_int_id}, {adapter.lora.lora_name!r})"
 
 
 def assign_denoisers(adapters: Sequence[RequestAdapter], denoisers: Sequence[str], stage: str) -> list[str]:
@@ -154,23 +151,6 @@ def startup_lora_request(path: str) -> LoRARequest:
     name = os.path.basename(os.path.normpath(path)) or "startup"
     location = path if "://" in path else os.path.realpath(path)
     return LoRARequest(lora_name=name, lora_int_id=stable_lora_int_id(location), lora_path=location)
-
-
-#: ``<name>@<12 hex digits>.<engine id>``: the per-version name stages get (see :mod:`vllm_omni.lora.registry`).
-_ENGINE_NAME = re.compile(r"^(?P<name>.*)@[0-9a-f]{12}\.[0-9]+$", re.DOTALL)
-
-
-def engine_adapter_name(name: str, fingerprint: str, engine_id: int) -> str:
-    """The lora name a stage gets for one version of adapter ``name``: ``"<name>@<fingerprint[:12]>.<id>"``
-    (vLLM keys its prefix cache by lora name and path and compares adapters by name, so every version
-    and every engine id gets its own name)."""
-    return f"{name}@{fingerprint[:12]}.{engine_id}"
-
-
-def public_adapter_name(lora_name: str) -> str:
-    """``lora_name`` without the version suffix of :func:`engine_adapter_name` (for messages)."""
-    match = _ENGINE_NAME.match(lora_name or "")
-    return match["name"] if match else lora_name
 
 
 @dataclass(frozen=True)
@@ -251,11 +231,11 @@ def validate_request_adapters(
             )
         if not lora.lora_path:
             raise InvalidRequestError(
-                f"{field}[{i}]: LoRA {lora_id} ({public_adapter_name(lora.lora_name)!r}) has no lora_path"
+                f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path"
             )
         denoiser = canonical_denoiser(
             adapter.denoiser,
-            f"{field}[{i}].denoiser (LoRA {lora_id}, {public_adapter_name(lora.lora_name)!r})",
+            f"{field}[{i}].denoiser (LoRA {lora_id}, {lora.lora_name!r})",
         )
         if (adapter.stage_id, denoiser, lora_id) in seen:
             raise InvalidRequestError(
@@ -269,7 +249,7 @@ def validate_request_adapters(
                 value.check_steps(num_steps, scale_name)
         except InvalidRequestError as exc:
             raise InvalidRequestError(
-                f"{exc} (LoRA {lora_id}, {public_adapter_name(lora.lora_name)!r})"
+                f"{exc} (LoRA {lora_id}, {lora.lora_name!r})"
             ) from None
         same = value is scale and denoiser == adapter.denoiser
         out.append(adapter if same else RequestAdapter(lora, value, adapter.stage_id, denoiser))

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime, worker_process_defaults
-from vllm_omni.engine.llm_stage import exit_follows_shutdown
+from vllm_omni.engine.vllm_process import exit_follows_shutdown
 from vllm_omni.engine.workers import protocol as P
 from vllm_omni.process_guard import watch_parent
 
