@@ -10,6 +10,7 @@ request's adapter reaches the entry stage only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -404,6 +405,21 @@ class Orchestrator:
         if self._closed:
             return {stage.stage_id: "dead" for stage in self.config.stages}
         return {stage.stage_id: runtime.health() for stage, runtime in zip(self.config.stages, self.runtimes)}
+
+    def attach_adapter_owner(
+        self,
+        expected: Callable[[int], list[tuple[Any, bool]]],
+        on_restart: Callable[[int, dict[int, str], int], None],
+    ) -> None:
+        """Make the engine's adapter registry what restarted workers restore: ``expected(stage_id)``
+        lists ``(LoRARequest, pinned)`` a stage must hold; ``on_restart(stage_id, failed, replica)``
+        hears what a restart could not restore. Stages in this process never restart."""
+        for stage, runtime in zip(self.config.stages, self.runtimes):
+            attach = getattr(runtime, "attach_adapter_owner", None)  # inline runtimes never restart
+            if attach is not None:
+                attach(
+                    functools.partial(expected, stage.stage_id), functools.partial(on_restart, stage.stage_id)
+                )
 
     def failed_loras(self) -> dict[int, dict[int, str]]:
         """``{stage_id: {lora_int_id: error}}`` of the adapters a worker restart could not restore

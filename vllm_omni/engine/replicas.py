@@ -276,6 +276,20 @@ class ReplicatedStageRuntime:
         """The first replica's description (every replica runs the same stage config)."""
         return self.runtimes[0].describe()
 
+    def attach_adapter_owner(self, expected: Any, on_restart: Any) -> None:
+        """Attach the owner of the stage's adapters to every replica that restarts (see
+        :meth:`SupervisedStageRuntime.attach_adapter_owner
+        <vllm_omni.engine.workers.supervisor.SupervisedStageRuntime.attach_adapter_owner>`); what a
+        replica could not restore is reported with its index, its messages prefixed ``replica <i>:``."""
+        for index, runtime in enumerate(self.runtimes):
+            attach = getattr(runtime, "attach_adapter_owner", None)  # inline replicas never restart
+            if attach is not None:
+
+                def report(failed: dict[int, str], _replica: int, index: int = index) -> None:
+                    on_restart({i: f"replica {index}: {msg}" for i, msg in failed.items()}, index)
+
+                attach(expected, report)
+
     def failed_loras(self) -> dict[int, str]:
         """``{lora_int_id: error}`` of adapters a replica's last restart could not restore
         (the message names the replica; that replica refuses requests naming them)."""

@@ -141,7 +141,9 @@ class AsyncOmni(OmniBase):
     ) -> Future:
         """The request's adapters in their per-version form (files are checked), then ``Orchestrator.submit``."""
         kwargs, stage_loras = self._versioned(kwargs, stage_loras)
-        return self._orchestrator.submit(prompt, self._versioned_params(params), stage_loras=stage_loras, **kwargs)
+        return self._orchestrator.submit(
+            prompt, self._versioned_params(params), stage_loras=stage_loras, **kwargs
+        )
 
     async def _submit(self, *args: Any, **kwargs: Any) -> Future:
         """:meth:`_submit_versioned` on a worker thread; a caller cancelled meanwhile cancels the request."""

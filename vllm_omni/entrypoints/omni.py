@@ -77,7 +77,9 @@ class Omni(OmniBase):
         prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
-        params = self._versioned_params(self._orchestrator.prepare_params(self._stage_params(sampling_params)))
+        params = self._versioned_params(
+            self._orchestrator.prepare_params(self._stage_params(sampling_params))
+        )
         forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
         forms.update(lora_scales=lora_scales, adapters=adapters)
         versioned = [

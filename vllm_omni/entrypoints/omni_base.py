@@ -112,6 +112,11 @@ class OmniBase:
             check=self._check_stage_adapter,
             denoisers=self._stage_denoisers,
         )
+        # a restarted worker restores what the registry says its stage holds, and reports what it lost
+        self._orchestrator.attach_adapter_owner(
+            self.adapter_registry.expected_on,
+            lambda stage_id, failed, replica: self.adapter_registry.note_restart(stage_id, failed, replica),
+        )
         for stage in config.stages:  # the adapters diffusion stages pre-loaded (lora_path, peft backend)
             dcfg = getattr(stage, "diffusion_config", None) if not stage.is_llm else None
             if dcfg is not None and dcfg.lora_backend == "peft":
@@ -272,8 +277,9 @@ class OmniBase:
     def failed_loras(self) -> dict[int, dict[int, str]]:
         """``{stage_id: {lora_int_id: error}}``: adapters a worker restart could not restore (their
         files deleted or unreadable); requests naming one are refused with ``AdapterRestoreError``
-        until it is added again. ``{}`` when every adapter was restored."""
-        return self._orchestrator.failed_loras()
+        until it is added again. ``{}`` when every adapter was restored. The adapter registry's
+        record of each shows the same (``stages[stage_id].state == "failed"``)."""
+        return self.adapter_registry.failed()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop every stage engine; with ``timeout``, within that many seconds (running requests are abandoned)."""

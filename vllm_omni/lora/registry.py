@@ -69,10 +69,12 @@ _INT_ID_MAX = 2**31 - 1
 @dataclass(frozen=True)
 class StageState:
     """An adapter's state on one stage (all its replicas): ``loaded``, ``pinned`` or ``failed`` (with
-    ``error``, e.g. set when a restarted worker could not load it again)."""
+    ``error``: a restarted worker could not load it again; one line per replica that lost it).
+    ``pinned`` is whether it is to be pinned there (kept while it is ``failed``)."""
 
     state: Literal["loaded", "pinned", "failed"]
     error: str | None = None
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,9 @@ class AdapterRegistry:
         self._engine_public: dict[int, int] = {}  # engine id -> public id
         self._reserved: dict[str, str] = {}
         self._fingerprints: dict[tuple, str] = {}
+        #: what the last restart of each stage's worker(s) could not restore:
+        #: {stage_id: {replica: {int_id: error}}} (see :meth:`note_restart`)
+        self._lost: dict[int, dict[int, dict[int, str]]] = {}
 
     # ------------------------------------------------------------------ lookups
     def get(self, name: str) -> AdapterRecord | None:
@@ -191,22 +196,53 @@ class AdapterRegistry:
 
     def expected_on(self, stage_id: int) -> list[tuple[LoRARequest, bool]]:
         """``(engine request, pinned)`` of every registered adapter targeting ``stage_id`` (what a
-        restarted stage must hold), in registration order."""
+        restarted worker of that stage must hold), in registration order."""
         out = []
         for record in self.records():
             if stage_id in record.targets:
-                out.append(
-                    (record.engine, record.stages.get(stage_id, StageState("loaded")).state == "pinned")
-                )
+                st = record.stages.get(stage_id, StageState("loaded"))
+                out.append((record.engine, st.state == "pinned" or st.pinned))
         return out
 
-    def mark_failed(self, int_id: int, stage_id: int, error: str) -> None:
-        """Record that ``stage_id`` lost adapter ``int_id`` (e.g. a restart could not load it again)."""
+    def note_restart(self, stage_id: int, failed: Mapping[int, str], replica: int = 0) -> None:
+        """A worker of ``stage_id`` (replica ``replica``) restarted; ``failed`` maps the engine ids it
+        could not restore to the error. Those adapters become ``failed`` on the stage (requests
+        naming them are refused by the stage until they are added again); the others it restored
+        are ``loaded`` / ``pinned`` again."""
         with self._lock:
-            record = self._by_id.get(int_id)
-            if record is not None:
-                stages = {**record.stages, stage_id: StageState("failed", error)}
-                self._by_id[int_id] = replace(record, stages=stages)
+            lost = self._lost.setdefault(stage_id, {})
+            lost[replica] = {self._engine_public.get(e, e): msg for e, msg in failed.items()}
+            for int_id, record in list(self._by_id.items()):
+                if stage_id in record.targets:
+                    self._by_id[int_id] = replace(
+                        record, stages={**record.stages, stage_id: self._state_on(record, stage_id)}
+                    )
+
+    def _state_on(self, record: AdapterRecord, stage_id: int) -> StageState:
+        """``record``'s state on ``stage_id`` after a restart (call with the table lock held)."""
+        st = record.stages.get(stage_id, StageState("loaded"))
+        pinned = st.state == "pinned" or st.pinned
+        errors = [
+            m[record.int_id] for _, m in sorted(self._lost.get(stage_id, {}).items()) if record.int_id in m
+        ]
+        if errors:
+            return StageState("failed", "\n".join(errors), pinned=pinned)
+        return StageState("pinned" if pinned else "loaded")
+
+    def _forget_lost(self, int_id: int) -> None:
+        """``int_id`` was added or removed again: no restart lost it (call with the table lock held)."""
+        for per_stage in self._lost.values():
+            for lost in per_stage.values():
+                lost.pop(int_id, None)
+
+    def failed(self) -> dict[int, dict[int, str]]:
+        """``{stage_id: {int_id: error}}`` of the registered adapters a worker restart could not restore."""
+        out: dict[int, dict[int, str]] = {}
+        for record in self.records():
+            for stage_id, st in record.stages.items():
+                if st.state == "failed":
+                    out.setdefault(stage_id, {})[record.int_id] = st.error or ""
+        return out
 
     # ------------------------------------------------------------------ identity
     @contextmanager
@@ -447,7 +483,7 @@ class AdapterRegistry:
             record = same
         else:
             record = self._new_record(lora, identity, denoiser=denoiser, source="add_lora")
-        pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned"}
+        pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned" or st.pinned}
         states = self._load_on(record, targets, pinned, repin=same is None)
         new_targets = tuple(dict.fromkeys(record.targets + targets))
         changed = same is None or new_targets != record.targets or denoiser not in (None, record.denoiser)
@@ -460,6 +496,7 @@ class AdapterRegistry:
             version=(old.version + 1) if old is not None and same is None else record.version,
         )
         with self._lock:
+            self._forget_lost(record.int_id)
             if old is not None and old.int_id != record.int_id:
                 self._by_id.pop(old.int_id, None)
             self._names.pop(lora.lora_name, None)
@@ -568,6 +605,7 @@ class AdapterRegistry:
             if record is None:
                 return removed
             with self._lock:
+                self._forget_lost(int_id)
                 left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
                 if left:
                     stages = {s: st for s, st in record.stages.items() if s != stage_id}

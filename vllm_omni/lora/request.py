@@ -230,9 +230,7 @@ def validate_request_adapters(
                 f"{field}[{i}] must be a LoRARequest with a positive lora_int_id, got {lora!r:.200}"
             )
         if not lora.lora_path:
-            raise InvalidRequestError(
-                f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path"
-            )
+            raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path")
         denoiser = canonical_denoiser(
             adapter.denoiser,
             f"{field}[{i}].denoiser (LoRA {lora_id}, {lora.lora_name!r})",
@@ -248,9 +246,7 @@ def validate_request_adapters(
             if isinstance(value, LoRAScaleSchedule) and num_steps is not None:
                 value.check_steps(num_steps, scale_name)
         except InvalidRequestError as exc:
-            raise InvalidRequestError(
-                f"{exc} (LoRA {lora_id}, {lora.lora_name!r})"
-            ) from None
+            raise InvalidRequestError(f"{exc} (LoRA {lora_id}, {lora.lora_name!r})") from None
         same = value is scale and denoiser == adapter.denoiser
         out.append(adapter if same else RequestAdapter(lora, value, adapter.stage_id, denoiser))
     return tuple(out)

@@ -88,6 +88,9 @@ def test_restart_restores_the_other_adapters_and_marks_the_lost_one(backend, ass
         assert _latents(omni, b).equal(with_b) and _latents(omni).equal(plain)
         failed = omni.failed_loras()
         assert list(failed) == [0] and list(failed[0]) == [1]
+        # the registry owns it: the lost adapter's record is failed, the restored one pinned as before
+        assert omni.adapter_registry.get("a").stages[0].state == "failed"
+        assert omni.adapter_registry.get("b").stages[0].state == "pinned"
         assert (
             "(id 1)" in failed[0][1] and str(path_a) in failed[0][1]
         )  # the stage's name may carry a version
@@ -100,5 +103,5 @@ def test_restart_restores_the_other_adapters_and_marks_the_lost_one(backend, ass
         shutil.copytree(loras["attn"], path_a)
         omni.remove_lora(1)
         assert omni.add_lora(a)
-        assert omni.failed_loras() == {}
+        assert omni.failed_loras() == {} and omni.adapter_registry.get("a").stages[0].state == "loaded"
         assert _latents(omni, a).equal(with_a)

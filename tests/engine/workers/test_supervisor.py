@@ -9,6 +9,7 @@ the one error convention); the ``mp`` and Ray transports run it in
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from vllm_omni.lora.request import LoRARequest, RequestAdapter
 class _FakeWorker:
     def __init__(self, n: int, missing: set[str]):
         self.n, self.missing, self.loras, self.stopped = n, missing, set(), False
+        self.pinned_calls: list[int] = []
 
     def call(self, method: str, *args):
         if method == "add_lora":
@@ -45,6 +47,7 @@ class _FakeWorker:
             self.loras.discard(args[0])
             return True
         if method == "pin_lora":
+            self.pinned_calls.append(args[0])
             return True
         return sorted(self.loras)
 
@@ -82,6 +85,17 @@ class _FakeRuntime(SupervisedStageRuntime):
 
 def _stage(**kw):
     return SimpleNamespace(stage_id=0, label="Stage 0 (diffusion)", **kw)
+
+
+def _peft_dir(name: str) -> str:
+    """A folder with an adapter config and weights bytes (the registry fingerprints the files)."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix=f"lora_{name}_"))
+    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(name.encode() * 8)
+    return str(folder)
 
 
 def _wait(predicate, timeout: float = 30.0):
@@ -249,3 +263,35 @@ def test_restart_options_from_kwargs_overrides_and_deploy_yaml(tiny_llm_assets, 
     )
     stage = build_omni_config(None, deploy_config=str(deploy)).stages[0]
     assert (stage.max_restarts, stage.restart_backoff_s) == (7, 2.0)
+
+
+def test_a_restart_restores_what_the_registry_holds_and_reports_to_it():
+    """Under ``Omni`` the adapter registry, not the runtime's journal, says what a restarted worker
+    holds (issue 21: one owner); what a restart could not restore becomes the registry's ``failed``
+    state (pin kept), and registering it again makes it ``loaded``/``pinned`` again."""
+    from vllm_omni.lora.registry import AdapterRegistry
+
+    rt = _FakeRuntime(_stage(max_restarts=2, restart_backoff_s=0.0))
+    reg = AdapterRegistry(
+        lambda method, *args, stage_id=None: {0: getattr(rt, method)(*args)}, 0, {0: "Stage 0"}
+    )
+    rt.attach_adapter_owner(functools.partial(reg.expected_on, 0), functools.partial(reg.note_restart, 0))
+    files = {}
+    for name in ("a", "b", "c"):
+        files[name] = _peft_dir(name)
+    a, b, c = (LoRARequest(n, i, files[n]) for i, n in enumerate("abc", start=1))
+    assert reg.add(a) and reg.add(b) and reg.add(c) and reg.pin(1) and reg.pin(2)
+    assert reg.remove(3)  # removed before the death: not restored
+    assert rt.journal.entries() == ([], [])  # the registry is the record, not the journal
+    rt.missing.add(files["a"])
+    rt.kill()
+    _wait(lambda: rt.health() == "ready" and rt.restarts == 1)
+    assert rt.list_loras() == {2} and rt.workers[-1].pinned_calls == [2]
+    state = reg.get("a").stages[0]
+    assert state.state == "failed" and state.pinned and files["a"] in state.error
+    assert reg.get("b").stages[0].state == "pinned"
+    assert set(reg.failed()) == {0} and list(reg.failed()[0]) == [1]
+    rt.missing.clear()
+    assert reg.add(a) is False  # same content: loaded again, and pinned as it was
+    assert reg.get("a").stages[0].state == "pinned" and reg.failed() == {} and rt.list_loras() == {1, 2}
+    rt.shutdown()

@@ -1,6 +1,8 @@
 """What a stage's adapters were, replayed into a fresh runtime after its worker restarts.
 
-Both worker backends (``mp``, ``ray``) record every successful ``add_lora`` /
+Under ``Omni`` / ``AsyncOmni`` the engine's adapter registry says what a stage must hold
+(:meth:`~vllm_omni.engine.workers.supervisor.SupervisedStageRuntime.attach_adapter_owner`) and the
+journal is not kept; it serves a supervised runtime used on its own. Both worker backends (``mp``, ``ray``) record every successful ``add_lora`` /
 ``remove_lora`` / ``pin_lora`` call made on a stage; when the stage's worker is replaced, the
 journal re-adds the adapters that were added at run time (in the order they were first added)
 and re-pins the pinned ones, so ``list_loras()`` answers what it did before. Adapters a stage
@@ -70,22 +72,33 @@ class LoRAJournal:
         Raises:
             StageDeadError: the fresh runtime died meanwhile (the restart itself failed).
         """
-        added, pinned = self.entries()
-        failed: dict[int, BaseException] = {}
-        for request in added:
-            self._try(call, failed, request.lora_int_id, "add_lora", request)
-        for lora_int_id in pinned:
-            if lora_int_id not in failed:
-                self._try(call, failed, lora_int_id, "pin_lora", lora_int_id)
-        return failed
+        return replay_adapters(*self.entries(), call)
 
-    @staticmethod
-    def _try(
-        call: Callable[..., Any], failed: dict[int, BaseException], lora_int_id: int, *args: Any
-    ) -> None:
-        try:
-            call(*args)
-        except StageDeadError:
-            raise
-        except Exception as exc:  # this adapter only: the others are still restored
-            failed[lora_int_id] = exc
+
+def replay_adapters(
+    added: list[LoRARequest], pinned: list[int], call: Callable[..., Any]
+) -> dict[int, BaseException]:
+    """Add ``added`` (in order), then pin ``pinned``, through ``call(method, *args)``; restore what can be.
+
+    Returns:
+        ``{lora_int_id: error}`` of the adapters that could not be added (or pinned) again.
+
+    Raises:
+        StageDeadError: the fresh runtime died meanwhile (the restart itself failed).
+    """
+    failed: dict[int, BaseException] = {}
+    for request in added:
+        _try(call, failed, request.lora_int_id, "add_lora", request)
+    for lora_int_id in pinned:
+        if lora_int_id not in failed:
+            _try(call, failed, lora_int_id, "pin_lora", lora_int_id)
+    return failed
+
+
+def _try(call: Callable[..., Any], failed: dict[int, BaseException], lora_int_id: int, *args: Any) -> None:
+    try:
+        call(*args)
+    except StageDeadError:
+        raise
+    except Exception as exc:  # this adapter only: the others are still restored
+        failed[lora_int_id] = exc

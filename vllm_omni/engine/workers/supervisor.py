@@ -39,12 +39,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.supervision import BACKOFF_MAX_S, DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF_S
-from vllm_omni.engine.workers.lora_journal import LoRAJournal
+from vllm_omni.engine.workers.lora_journal import LoRAJournal, replay_adapters
 from vllm_omni.errors import AdapterRestoreError, StageDeadError, StageEngineError
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class SupervisedStageRuntime:
         stage: the resolved stage config (``label``, ``max_restarts``, ``restart_backoff_s``).
 
     Attributes:
-        journal: the adapters added and pinned at run time.
+        journal: the adapters added and pinned at run time, while no owner is attached
+            (:meth:`attach_adapter_owner`).
         restarts: workers started after a death so far (successful restarts).
         restart_attempts: restart attempts so far (what ``max_restarts`` bounds).
     """
@@ -130,6 +132,32 @@ class SupervisedStageRuntime:
         self._last_death = ""
         self._dead_error: StageDeadError | None = None
         self._description: Any = None
+        self._owner: (
+            tuple[Callable[[], list[tuple[Any, bool]]], Callable[[dict[int, str], int], None]] | None
+        ) = None
+
+    def attach_adapter_owner(
+        self,
+        expected: Callable[[], list[tuple[Any, bool]]],
+        on_restart: Callable[[dict[int, str], int], None],
+    ) -> None:
+        """Let the owner of the stage's adapters (the engine's adapter registry) say what a restarted
+        worker must hold, instead of this runtime's journal of its LoRA calls.
+
+        Args:
+            expected: ``() -> [(LoRARequest, pinned)]``, in the order they were registered.
+            on_restart: ``(failed, replica)`` after each restart: ``{lora_int_id: message}`` of the
+                adapters it could not restore (``{}``: all were), and ``0`` (a replicated stage passes
+                the replica's index).
+        """
+        self._owner = (expected, on_restart)
+
+    def _expected_adapters(self) -> tuple[list[Any], list[int]]:
+        """``(adapters to add, ids to pin)`` in a restarted worker."""
+        if self._owner is None:
+            return self.journal.entries()
+        expected = self._owner[0]()
+        return [r for r, _ in expected], [r.lora_int_id for r, pinned in expected if pinned]
 
     # ---------------------------------------------------------------- transport hooks
     def _start_worker(self) -> Any:  # pragma: no cover - abstract
@@ -226,9 +254,10 @@ class SupervisedStageRuntime:
                 logger.error("%s: %s", label, cause)
                 failed_in_a_row += 1
                 continue
+            added, pinned = self._expected_adapters()
             try:
-                failed = self.journal.replay(
-                    lambda method, *args, _h=handle: self._worker_call(_h, method, *args)
+                failed = replay_adapters(
+                    added, pinned, lambda method, *args, _h=handle: self._worker_call(_h, method, *args)
                 )
             except Exception as exc:  # the new worker died while adapters were replayed
                 self._stop(handle, 5.0)
@@ -236,7 +265,7 @@ class SupervisedStageRuntime:
                 logger.error("%s: %s", label, cause)
                 failed_in_a_row += 1
                 continue
-            if self._install(handle, failed):
+            if self._install(handle, failed, {r.lora_int_id: r for r in added}):
                 logger.warning("%s: worker restarted (%s, %s)", label, self._describe(handle), attempt)
             return
         with self._lock:
@@ -246,21 +275,25 @@ class SupervisedStageRuntime:
             )
         logger.error("%s", self._dead_error)
 
-    def _install(self, handle: Any, failed: dict[int, BaseException]) -> bool:
-        """Make ``handle`` the serving worker with ``failed`` adapters marked (``False``: shut down meanwhile)."""
-        marks = {i: self._restore_error(i, exc) for i, exc in failed.items()}
+    def _install(self, handle: Any, failed: dict[int, BaseException], requests: dict[int, Any]) -> bool:
+        """Make ``handle`` the serving worker with ``failed`` adapters marked and reported to the owner
+        (``False``: shut down meanwhile)."""
+        marks = {i: self._restore_error(i, requests.get(i), exc) for i, exc in failed.items()}
         with self._lock:
-            if not self._closed.is_set():
+            installed = not self._closed.is_set()
+            if installed:
                 self._handle = handle
                 self._failed = marks
                 self._state = "ready"
                 self.restarts += 1
-                return True
-        self._stop(handle, 5.0)
-        return False
+        if not installed:
+            self._stop(handle, 5.0)
+            return False
+        if self._owner is not None:
+            self._owner[1]({i: str(err) for i, err in marks.items()}, 0)
+        return True
 
-    def _restore_error(self, lora_int_id: int, exc: BaseException) -> AdapterRestoreError:
-        request = self.journal.request(lora_int_id)
+    def _restore_error(self, lora_int_id: int, request: Any, exc: BaseException) -> AdapterRestoreError:
         name, path = (request.lora_name, request.lora_path) if request is not None else ("?", "?")
         err = AdapterRestoreError(
             f"{self.stage.label}: adapter {name!r} (id {lora_int_id}) could not be restored after its worker "
@@ -346,7 +379,7 @@ class SupervisedStageRuntime:
 
     def _journaled(self, method: str, *args: Any) -> Any:
         result = self._call(method, *args)
-        if method != "pin_lora" or result:
+        if self._owner is None and (method != "pin_lora" or result):
             self.journal.record(method, args)
         if method in ("add_lora", "remove_lora"):
             lora_int_id = args[0].lora_int_id if method == "add_lora" else args[0]
