@@ -295,3 +295,24 @@ def test_a_restart_restores_what_the_registry_holds_and_reports_to_it():
     assert reg.add(a) is False  # same content: loaded again, and pinned as it was
     assert reg.get("a").stages[0].state == "pinned" and reg.failed() == {} and rt.list_loras() == {1, 2}
     rt.shutdown()
+
+
+def test_a_replica_reports_what_its_restart_lost_with_its_index():
+    from vllm_omni.engine.replicas import ReplicatedStageRuntime
+
+    stage = _stage(max_restarts=2, restart_backoff_s=0.0)
+    replicas = [_FakeRuntime(stage), _FakeRuntime(stage)]
+    runtime = ReplicatedStageRuntime(stage, replicas)
+    heard = []
+    runtime.attach_adapter_owner(
+        lambda: [(LoRARequest("a", 1, "/x/a"), True), (LoRARequest("b", 2, "/x/b"), False)],
+        lambda failed, replica: heard.append((replica, failed)),
+    )
+    replicas[1].missing.add("/x/a")
+    replicas[1].kill()
+    _wait(lambda: replicas[1].restarts == 1 and replicas[1].health() == "ready")
+    [(replica, failed)] = heard
+    assert replica == 1 and list(failed) == [1]
+    assert failed[1].startswith("replica 1: Stage 0 (diffusion): adapter 'a' (id 1)") and "/x/a" in failed[1]
+    assert replicas[1].list_loras() == {2}
+    runtime.shutdown()
