@@ -421,16 +421,6 @@ class Orchestrator:
                     functools.partial(expected, stage.stage_id), functools.partial(on_restart, stage.stage_id)
                 )
 
-    def failed_loras(self) -> dict[int, dict[int, str]]:
-        """``{stage_id: {lora_int_id: error}}`` of the adapters a worker restart could not restore
-        (stages with none are left out); requests naming one get its ``AdapterRestoreError``."""
-        out = {}
-        for stage, runtime in zip(self.config.stages, self.runtimes):
-            failed = getattr(runtime, "failed_loras", dict)()  # inline runtimes never restart
-            if failed:
-                out[stage.stage_id] = failed
-        return out
-
     def stage_stats(self, timeout: float = 5.0) -> dict[int, StageStats | None]:
         """``{stage_id: snapshot}`` of every stage, asked in parallel (``stats()`` of each runtime).
 
