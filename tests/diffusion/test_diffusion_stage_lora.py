@@ -323,3 +323,29 @@ def test_request_adapters_built_at_the_entry_reach_the_worker_unchanged(omni, re
         entry_lora_kwargs(omni.config, [reqs["ff"]], params(), None, None, None, adapters=adapters)
     with pytest.raises(InvalidRequestError, match=r"adapters\[1\].*appears twice"):
         entry_lora_kwargs(omni.config, [None], params(), None, None, None, adapters=adapters[:1] * 2)
+
+
+def test_a_folder_holding_one_single_file_adapter_is_refused_through_omni(
+    omni, reqs, tiny_z_image_loras, tmp_path
+):
+    """Issue 21 rule 7 through ``Omni``: a folder with a single-file adapter and no
+    ``adapter_config.json`` is refused at ``add_lora`` and in a request, naming what a PEFT folder holds
+    and the file to pass instead; nothing is registered or cached. The file by its own path serves the
+    same latents as the PEFT folder of the same weights."""
+    import shutil
+
+    folder = tmp_path / "my_lora"
+    folder.mkdir()
+    single = folder / "attn_v2.safetensors"
+    shutil.copy(tiny_z_image_loras["attn_file"], single)
+    before, registered = omni.list_loras(), omni.adapter_registry.records()
+    lora = LoRARequest("folder", 31, str(folder))
+    for call in (lambda: omni.add_lora(lora), lambda: omni.generate(PROMPT, params(), lora_request=lora)):
+        with pytest.raises(LoRAFormatError) as info:
+            call()
+        message = str(info.value)
+        assert "missing adapter_config.json and adapter_model.safetensors" in message, message
+        assert f"'{single}'" in message and "pass one by its own path instead" in message
+    assert omni.list_loras() == before and omni.adapter_registry.records() == registered
+    by_file = _latents(omni, lora_request=LoRARequest("file", 32, str(single)))
+    assert _err(by_file, _latents(omni, lora_request=reqs["attn"])) <= 1e-5
