@@ -37,14 +37,12 @@ Registration is all-or-nothing and linearizable
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from vllm_omni.errors import (
     AdapterNotFoundError,
@@ -54,7 +52,17 @@ from vllm_omni.errors import (
     restate,
 )
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
+from vllm_omni.lora.records import (
+    AdapterRecord,
+    StageState,
+    checked_lora_request,
+    derived_engine_id,
+    describe_adapter,
+    resolved_location,
+)
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser
+
+__all__ = ["AdapterRecord", "AdapterRegistry", "StageCall", "StageState"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,71 +70,6 @@ logger = logging.getLogger(__name__)
 #: stage with LoRA when ``stage_id`` is ``None``); raises ``LoRANotEnabledError`` when no such stage takes
 #: adapters (``Orchestrator.lora_call``).
 StageCall = Callable[..., dict[int, Any]]
-
-_INT_ID_MAX = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class StageState:
-    """An adapter's state on one stage (all its replicas): ``loaded``, ``pinned`` or ``failed`` (with
-    ``error``: a restarted worker could not load it again; one line per replica that lost it).
-    ``pinned`` is whether it is to be pinned there (kept while it is ``failed``)."""
-
-    state: Literal["loaded", "pinned", "failed"]
-    error: str | None = None
-    pinned: bool = False
-
-
-@dataclass(frozen=True)
-class AdapterRecord:
-    """One adapter version as the registry knows it.
-
-    Attributes:
-        name / int_id: the public identity (what ``list_loras`` reports and ``remove_lora`` takes).
-        location: the resolved path (``realpath``) of the adapter (a PEFT folder or a ``.safetensors`` file).
-        files: its weights and config files.
-        fingerprint: SHA-256 (hex) of the config and weights bytes: the version.
-        engine: the ``LoRARequest`` the stages get (per-version name and id; see the module docstring).
-        targets: the stage ids it is registered on (``()`` for an adapter only seen in requests).
-        denoiser: the denoiser it targets on a two-denoiser stage, when given.
-        registered: added by ``add_lora`` / a start-up flag / the HTTP route (listed in ``/v1/models``);
-            ``False`` for an adapter a request named by path (loaded by its stage on demand).
-        stages: ``{stage_id: StageState}`` for the target stages.
-        source: how it entered (``"add_lora"``, ``"lora_path"``, ``"request"``).
-        version: 1 for the first content registered under ``name``, +1 per new content.
-    """
-
-    name: str
-    int_id: int
-    location: str
-    files: AdapterFiles
-    fingerprint: str
-    engine: LoRARequest
-    targets: tuple[int, ...] = ()
-    denoiser: str | None = None
-    registered: bool = True
-    stages: Mapping[int, StageState] = field(default_factory=dict)
-    source: str = "add_lora"
-    version: int = 1
-    signature: tuple = ()  # (path, inode, size, mtime_ns) of each file when fingerprinted
-
-    @property
-    def request(self) -> LoRARequest:
-        """The public form ``LoRARequest(name, int_id, location)``."""
-        return LoRARequest(self.name, self.int_id, self.location)
-
-
-def _location(path: str) -> str:
-    return os.path.realpath(path) if "://" not in path else path
-
-
-def _derived_id(int_id: int, key: tuple[str, str]) -> int:
-    digest = hashlib.sha256(f"{int_id}|{key[0]}|{key[1]}".encode()).digest()
-    return (int.from_bytes(digest[:4], "big") & _INT_ID_MAX) or 1
-
-
-def _describe(lora: LoRARequest) -> str:
-    return f"adapter {lora.lora_name!r} (id {lora.lora_int_id}, path {lora.lora_path!r})"
 
 
 class AdapterRegistry:
@@ -259,20 +202,20 @@ class AdapterRegistry:
             AdapterNotFoundError (an ``InvalidAdapterError`` and a ``FileNotFoundError``) / InvalidAdapterError:
                 the files cannot be found or read (naming the adapter).
         """
-        location = _location(str(lora.lora_path))
+        location = resolved_location(str(lora.lora_path))
         try:
-            files = locate_adapter(location, shown=_describe(lora))
+            files = locate_adapter(location, shown=describe_adapter(lora))
             signature = file_signature(files)
         except FileNotFoundError:
-            raise AdapterNotFoundError(f"{_describe(lora)}: no such adapter file or folder") from None
+            raise AdapterNotFoundError(f"{describe_adapter(lora)}: no such adapter file or folder") from None
         except OSError as exc:
-            raise InvalidAdapterError(f"{_describe(lora)}: cannot read its files: {exc}") from exc
+            raise InvalidAdapterError(f"{describe_adapter(lora)}: cannot read its files: {exc}") from exc
         digest = None if fresh else self._fingerprints.get(signature)
         if digest is None:
             try:
                 digest = fingerprint_files(files)
             except OSError as exc:
-                raise InvalidAdapterError(f"{_describe(lora)}: cannot read its files: {exc}") from exc
+                raise InvalidAdapterError(f"{describe_adapter(lora)}: cannot read its files: {exc}") from exc
             with self._lock:
                 self._fingerprints[signature] = digest
         return location, files, digest, signature
@@ -284,7 +227,7 @@ class AdapterRegistry:
         with self._lock:
             engine_id = int_id
             while self._engine_owner.get(engine_id, key) != key:
-                engine_id = _derived_id(engine_id, key)
+                engine_id = derived_engine_id(engine_id, key)
             self._engine_owner[engine_id] = key
             self._engine_public[engine_id] = int_id
         return LoRARequest(name, engine_id, location)
@@ -315,7 +258,7 @@ class AdapterRegistry:
         """
         if not isinstance(lora, LoRARequest) or not lora.lora_path or isinstance(lora.lora_int_id, bool):
             return lora
-        location = _location(str(lora.lora_path))
+        location = resolved_location(str(lora.lora_path))
         record = self._by_id.get(lora.lora_int_id)
         if record is not None and record.location == location:
             try:
@@ -332,7 +275,7 @@ class AdapterRegistry:
             why = self._id_conflict(lora, location, None)
             if why is not None:
                 raise InvalidAdapterError(
-                    f"{_describe(lora)}: {why}; give this adapter another id, or remove_lora({lora.lora_int_id}) first"
+                    f"{describe_adapter(lora)}: {why}; give this adapter another id, or remove_lora({lora.lora_int_id}) first"
                 )
             record = self._by_id.get(lora.lora_int_id)
             if record is None:
@@ -404,7 +347,7 @@ class AdapterRegistry:
             AdapterNotFoundError: no such file or folder (also a ``FileNotFoundError``).
             LoRANotEnabledError / ConfigError: a target stage without LoRA / no such stage.
         """
-        lora = _checked(lora)
+        lora = checked_lora_request(lora)
         if lora.lora_name in self._reserved:
             raise InvalidAdapterError(f"adapter name {lora.lora_name!r}: {self._reserved[lora.lora_name]}")
         with self._name_lock(lora.lora_name):
@@ -423,7 +366,7 @@ class AdapterRegistry:
                 why = self._id_conflict(lora, identity[0], old)
                 if why is not None:
                     raise InvalidAdapterError(
-                        f"{_describe(lora)}: {why}; choose another id, or remove it first"
+                        f"{describe_adapter(lora)}: {why}; choose another id, or remove it first"
                     )
                 self._claims[lora.lora_int_id] = lora.lora_name
             try:
@@ -441,14 +384,14 @@ class AdapterRegistry:
         if denoiser is None:
             return None
         try:
-            name = canonical_denoiser(denoiser, f"{_describe(lora)}: denoiser")
+            name = canonical_denoiser(denoiser, f"{describe_adapter(lora)}: denoiser")
         except InvalidRequestError as exc:
             raise InvalidAdapterError(str(exc)) from None
         for stage in targets if self._denoisers is not None else ():
             have = self._denoisers(stage)
             if have is not None and name not in have:
                 raise InvalidAdapterError(
-                    f"{_describe(lora)}: denoiser {name!r} is not one of {self._labels.get(stage, f'stage {stage}')}'s "
+                    f"{describe_adapter(lora)}: denoiser {name!r} is not one of {self._labels.get(stage, f'stage {stage}')}'s "
                     f"denoisers {list(have)}; name one of them, or leave denoiser unset"
                 )
         return name
@@ -582,7 +525,9 @@ class AdapterRegistry:
             if lora.lora_name not in self._names:
                 self._names[lora.lora_name] = lora.lora_int_id
             else:
-                logger.warning("start-up adapter %s: the name is taken; known by id only", _describe(lora))
+                logger.warning(
+                    "start-up adapter %s: the name is taken; known by id only", describe_adapter(lora)
+                )
 
     # ------------------------------------------------------------------ management
     def remove(self, int_id: int, stage_id: int | None = None) -> bool:
@@ -651,25 +596,3 @@ class AdapterRegistry:
         for ids in self._call("list_loras", stage_id=stage_id).values():
             held |= set(ids)
         return {self.public_id(i) for i in held}
-
-
-def _checked(lora: Any) -> LoRARequest:
-    """``lora`` if it is a ``LoRARequest`` with a positive id and a path.
-
-    Raises:
-        InvalidAdapterError: naming what is wrong.
-    """
-    lora_id = getattr(lora, "lora_int_id", None)
-    if (
-        not isinstance(lora, LoRARequest)
-        or isinstance(lora_id, bool)
-        or not isinstance(lora_id, int)
-        or lora_id < 1
-    ):
-        raise InvalidAdapterError(
-            f"an adapter must be a LoRARequest(lora_name, lora_int_id, lora_path) with a positive lora_int_id, "
-            f"got {lora!r:.200}"
-        )
-    if not lora.lora_path:
-        raise InvalidAdapterError(f"adapter {lora.lora_name!r} (id {lora_id}) has no lora_path")
-    return lora
