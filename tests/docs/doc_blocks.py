@@ -38,7 +38,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -313,22 +312,25 @@ class LiveServer:
     """The serve command's server as its own process (as documented, on a free loopback port)."""
 
     def __init__(self, env: dict[str, str], argv: list[str], workdir: Path, where: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{port}"
+        from tests.entrypoints.server_utils import free_port, port_taken
+
         self.where = where
         self.log = workdir / f"server_{where.rsplit(':', 1)[-1]}.log"
-        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", *_without_address(argv)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port)]
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=block_env(env)
-            )  # fmt: skip
         started = time.monotonic()
-        status = wait_on_progress(self.proc, self.log, f"{where}: server start", until=self._healthy)
-        if status is not None:
-            raise AssertionError(f"{where}: `{shlex.join(argv)}` exited with {status}:\n{tail(self.log)}")
+        for attempt in range(3):  # another process may take the port before the server binds it
+            port = free_port()
+            self.base_url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", *_without_address(argv)]
+            cmd += ["--host", "127.0.0.1", "--port", str(port)]
+            with open(self.log, "w") as out:
+                self.proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=block_env(env)
+                )  # fmt: skip
+            status = wait_on_progress(self.proc, self.log, f"{where}: server start", until=self._healthy)
+            if status is None:
+                break
+            if attempt == 2 or not port_taken(tail(self.log)):
+                raise AssertionError(f"{where}: `{shlex.join(argv)}` exited with {status}:\n{tail(self.log)}")
         self.start_s = time.monotonic() - started
 
     def _healthy(self) -> bool:

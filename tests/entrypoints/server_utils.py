@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,10 +19,45 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, outside the kernel's ephemeral range when it can be.
+
+    A port the kernel handed out for ``bind(0)`` is handed out again to the next process that
+    asks (torch's rendezvous, a client): CI once saw a server refused a port picked that way.
+    Ports below the ephemeral range are only taken by processes that name them.
+    """
+    low, _ = _ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(10000, low) if low > 10100 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free loopback port found")
+
+
+def with_port(cmd: list[str], port: int) -> list[str]:
+    """``cmd`` with the value of its ``--port`` flag replaced by ``port``."""
+    out = list(cmd)
+    i = out.index("--port")
+    out[i + 1] = str(port)
+    return out
+
+
+def port_taken(log_text: str) -> bool:
+    """The server's log says it could not bind its port (another process holds it)."""
+    return "cannot listen on" in log_text and "address already in use" in log_text
 
 
 def console_script(name: str) -> list[str]:
@@ -102,7 +138,28 @@ def start_server(
 
     ``timeout`` caps the wait (seconds): a start-up takes ~20 s on a quiet 2-core machine and
     several minutes at a load of 30, so the cap is generous; a server that exits fails at once.
+    A server refused its port (taken by another process between :func:`free_port` and the
+    server's bind, within a second of the start) is started again on another port, twice at
+    most; use ``server.url`` / ``server.base_url``, not ``port``, afterwards.
     """
+    for attempt in range(3):
+        try:
+            return _start_server(cmd, port, log_path, env, timeout)
+        except PortTaken:
+            if attempt == 2:
+                raise
+            port = free_port()
+            cmd = with_port(cmd, port)
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The server exited because its port was in use."""
+
+
+def _start_server(
+    cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float
+) -> LiveServer:
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     server = LiveServer(f"http://127.0.0.1:{port}", proc, log_path)
@@ -111,7 +168,8 @@ def start_server(
 
     def healthy() -> bool:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
+            kind = PortTaken if port_taken(server.log_tail()) else RuntimeError
+            raise kind(f"server exited with {proc.returncode}:\n{server.log_tail()}")
         try:
             return poller.get(server.url("/health")).status_code == 200
         except httpx.HTTPError:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from tests.entrypoints.server_utils import server_env
@@ -137,3 +138,72 @@ def test_flag_scanning():
     check_argv(["m", "--max-lora-rank", "8", "--dry-run"])  # nothing to check: passes
     with pytest.raises(ConfigError, match="--lora-dirs /no/such: no such"):
         check_argv(["m", "--lora_dirs=/no/such", "--dry-run"])  # snake case and '=' as argparse takes them
+
+
+def test_the_checked_address_is_held_for_the_server():
+    """``check_bind(hold=True)`` keeps the port bound: nobody else can take it before the server
+    listens on that very socket (``take_listener``); other held addresses are released."""
+    from vllm_omni.entrypoints.cli import preflight
+
+    preflight.check_bind("127.0.0.1", 0, hold=False)  # closed at once: nothing held
+    assert preflight._held == {}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    preflight.check_bind("127.0.0.1", port, hold=True)
+    preflight.check_bind("127.0.0.1", port, hold=True)  # checked again (full parser): still held, no error
+    try:
+        with pytest.raises(
+            ConfigError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}: address already"
+        ):
+            preflight.bind_listener("127.0.0.1", port)  # as another process's bind with SO_REUSEADDR
+        other = socket.socket()
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        other.close()
+        listener = preflight.take_listener("127.0.0.1", port)
+        assert listener.getsockname() == ("127.0.0.1", port) and preflight._held == {}
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            conn, _ = listener.accept()  # the held socket is the one that serves
+            client.sendall(b"ping")
+            assert conn.recv(4) == b"ping"
+            conn.close()
+        listener.close()
+    finally:
+        while preflight._held:
+            preflight._held.popitem()[1].close()
+
+
+def test_server_holds_its_port_while_the_stages_load(tiny_llm_assets, tmp_path):
+    """``serve`` binds ``--port`` before vLLM is imported and keeps it while its stages load (CI
+    once lost the port to another process in the 42 s between the check and uvicorn's bind)."""
+    from tests.entrypoints.server_utils import free_port, serve_command
+    from tests.waiting import wait_until
+
+    port = free_port()
+    log = tmp_path / "server.log"
+    cmd = serve_command(tiny_llm_assets.model_dir, port, "--max-model-len", "128")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env())
+    try:
+
+        def loading() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            return "starting Stage 0" in log.read_text(errors="replace")
+
+        wait_until(loading, "the server to start loading stage 0", cap_s=900, interval_s=0.2,
+                   describe=lambda: log.read_text()[-3000:])  # fmt: skip
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError) as refused:
+                other.bind(("127.0.0.1", port))
+        assert refused.value.errno == 98, refused.value  # EADDRINUSE
+        # a client that asks while the stages load is answered once the server is up
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=900)
+        assert health.status_code == 200
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=600)

@@ -156,7 +156,7 @@ def try_fast(argv: list[str]) -> int | None:
     """
     if argv and argv[0] == "serve" and not any(a in _HELP for a in argv[1:]):
         try:
-            preflight.check_argv(argv[1:])
+            preflight.check_argv(argv[1:], hold=True)  # the server listens on the bound socket
         except ConfigError as exc:
             sys.stderr.write(f"vllm-omni serve: error: {exc}\n")
             return 2

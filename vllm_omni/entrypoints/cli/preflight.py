@@ -9,6 +9,13 @@ wrong from the file system and the network alone:
   checked by the full parser, still before any engine starts);
 * ``--host`` / ``--port``: an address this process cannot bind (in use, not permitted).
 
+The address is bound once, here, and held while the engines load, then served on that very
+socket (:func:`take_listener`). Checking it and binding it again minutes later left a window in
+which another process could take the port (seen in CI: a port free at the check was in use when
+the server bound it 42 s later). The held socket listens from the start, as gunicorn's does:
+Linux lets a second ``SO_REUSEADDR`` socket bind a port whose owner is not listening, and a
+client that connects while the engines load is answered once the server is up.
+
 :func:`check_argv` runs on the raw command line before vLLM is imported
 (:func:`vllm_omni.entrypoints.cli.fast.try_fast`): these answers take well under a second.
 :func:`resolve_local` and :func:`check_bind` are used by the full parser too, so a command line
@@ -108,10 +115,12 @@ def check_deploy_yaml(path: str) -> None:
         raise ConfigError(f"{name}: must be a mapping with a 'stages:' list, got {type(data).__name__}")
 
 
-def check_bind(host: str | None, port: int) -> None:
-    """This process can listen on ``host:port`` now (the server binds it after the engines load).
+def bind_listener(host: str | None, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``None`` host: every IPv4 address) for the server.
 
-    Binds with ``SO_REUSEADDR`` as uvicorn does, so a port in ``TIME_WAIT`` is not refused.
+    Binds with ``SO_REUSEADDR`` as uvicorn does, so a port in ``TIME_WAIT`` is not refused, and
+    listens at once (connections queue until uvicorn serves the socket); the socket is not
+    inherited by child processes (:pep:`446`).
 
     Raises:
         ConfigError: ``--port <port>: address already in use`` (or not permitted, or a bad host).
@@ -122,16 +131,57 @@ def check_bind(host: str | None, port: int) -> None:
     except (socket.gaierror, OverflowError) as exc:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc})") from exc
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
+    sock = socket.socket(family, kind, proto)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-            raise ConfigError(
-                f"--port {port}: cannot listen on {where}: {reason}; stop the process using it or pick "
-                f"another --port"
-            ) from exc
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise ConfigError(
+            f"--port {port}: cannot listen on {where}: {reason}; stop the process using it or pick "
+            f"another --port"
+        ) from exc
+    return sock
+
+
+#: The accept queue's length while the engines load (uvicorn's default; it sets its own when it serves).
+LISTEN_BACKLOG = 2048
+
+#: Sockets bound by :func:`check_bind` with ``hold=True``, by ``(host, port)`` as given.
+_held: dict[tuple[str | None, int], socket.socket] = {}
+
+
+def check_bind(host: str | None, port: int, *, hold: bool = False) -> None:
+    """This process can listen on ``host:port`` now.
+
+    ``hold=True`` keeps the bound socket for :func:`take_listener` (the ``serve`` command line:
+    nothing else can take the port while the engines load); otherwise it is closed at once.
+
+    Raises:
+        ConfigError: as :func:`bind_listener`.
+    """
+    if (host, port) in _held:
+        return
+    sock = bind_listener(host, port)
+    if hold:
+        _held[(host, port)] = sock
+    else:
+        sock.close()
+
+
+def take_listener(host: str | None, port: int) -> socket.socket:
+    """The socket the server listens on: the one :func:`check_bind` holds for ``host:port``, else
+    a newly bound one. Sockets held for other addresses are closed.
+
+    Raises:
+        ConfigError: as :func:`bind_listener` (when none was held).
+    """
+    sock = _held.pop((host, port), None)
+    while _held:
+        _held.popitem()[1].close()
+    return sock if sock is not None else bind_listener(host, port)
 
 
 def _values(argv: list[str]) -> dict[str, list[str]]:
@@ -159,11 +209,12 @@ def _values(argv: list[str]) -> dict[str, list[str]]:
     return found
 
 
-def check_argv(argv: Iterable[str]) -> None:
+def check_argv(argv: Iterable[str], *, hold: bool = False) -> None:
     """Check the start-up inputs of a ``serve`` command line (without ``serve``) as given.
 
     ``--dry-run`` skips the port check (nothing will listen). Start-up adapters are local
-    files (``--allow-remote-lora`` concerns request paths only).
+    files (``--allow-remote-lora`` concerns request paths only). ``hold=True`` keeps the bound
+    address for the server (:func:`check_bind`).
 
     Raises:
         ConfigError: the first bad input, named as given.
@@ -184,4 +235,4 @@ def check_argv(argv: Iterable[str]) -> None:
             port = int(ports[-1])
         except ValueError:
             return  # the full parser reports the bad value
-        check_bind((values.get("--host") or [None])[-1], port)
+        check_bind((values.get("--host") or [None])[-1], port, hold=hold)

@@ -301,15 +301,14 @@ def run_serve(args: argparse.Namespace) -> None:
         config = launch.build_config()  # the typed config's errors, before any engine starts
     except (ValueError, KeyError) as exc:  # ConfigError (ServeArgsError included) is a ValueError
         _fail(str(exc))
-    if not getattr(args, "dry_run", False):
-        try:  # also checked before vLLM was imported (fast path); the port may have been taken since
-            preflight.check_bind(settings.host, settings.port)
-        except ConfigError as exc:
-            _fail(str(exc))
     if getattr(args, "dry_run", False):
         print(json.dumps(describe_launch(config, settings), indent=2, default=str))
         return
+    try:  # bound before vLLM was imported (fast path) and held since; else bound now
+        listener = preflight.take_listener(settings.host, settings.port)
+    except ConfigError as exc:
+        _fail(str(exc))
     # only to serve: the server imports AsyncOmni and the engine (see OmniLaunch.build_config)
     from vllm_omni.entrypoints.openai.api_server import run_server
 
-    run_server(config, settings)  # the engines start from this very config: resolved once
+    run_server(config, settings, listener)  # the engines start from this very config: resolved once

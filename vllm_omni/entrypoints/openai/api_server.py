@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,9 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
+def run_server(
+    config: VllmOmniConfig, settings: ServerSettings, listener: socket.socket | None = None
+) -> None:
     """Start the engines of ``config`` (as resolved and checked by the CLI), then serve HTTP until interrupted.
 
     SIGTERM / SIGINT: the server stops accepting, lets in-flight requests finish for up to
@@ -95,11 +98,20 @@ def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
     SIGINT skips the drain. Every process the stages started exits with this one, also when it
     is killed outright (:mod:`vllm_omni.process_guard`).
 
+    ``listener``: a socket bound to ``settings.host:settings.port`` before the engines started
+    (:func:`vllm_omni.entrypoints.cli.preflight.take_listener`), served as is; ``None`` binds the
+    address once the engines are up (uvicorn's own bind).
+
     Raises:
         ConfigError: a ``--lora-modules`` adapter cannot be served (before the server listens).
         SystemExit: ``128 + signal number`` after a SIGTERM / SIGINT shutdown.
     """
-    omni = AsyncOmni.from_config(config)
+    try:
+        omni = AsyncOmni.from_config(config)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
     try:
         state = make_state(omni, settings)
         asyncio.run(register_startup_adapters(state))
@@ -122,7 +134,7 @@ def run_server(config: VllmOmniConfig, settings: ServerSettings) -> None:
         if threading.current_thread() is threading.main_thread():  # the only one signals reach
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, _exit_on_signal)
-        server.run()
+        server.run(sockets=None if listener is None else [listener])
     finally:
         omni.shutdown(timeout=settings.shutdown_timeout)
         if threading.current_thread() is threading.main_thread():
