@@ -308,7 +308,8 @@ def server(wan_moe_dir, loras, tmp_path_factory):
         "--disable-uvicorn-access-log",
     ]
     log = tmp_path_factory.mktemp("serve_wan_moe_log") / "server.log"
-    srv = start_server(cmd, port, log, server_env(), timeout=900)  # progress-bound: /health, the process
+    env = server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    srv = start_server(cmd, port, log, env, timeout=900)  # progress-bound: /health, the process
     yield srv
     srv.stop()
 
@@ -363,3 +364,33 @@ def test_http_ambiguous_and_unknown_denoisers_are_400(server, loras):
     assert httpx.get(server.url("/health")).status_code == 200
     # three unnamed adapters exceed --max-loras 2 first: refused before any target is chosen
     assert_openai_error(_frames(server, [{"path": high}, {"path": low}, {"path": extra}]), statuses=(400,))
+
+
+def test_http_load_with_a_denoiser_places_the_adapter(server, wan_moe_dir, loras):
+    """``POST /v1/load_lora_adapter`` takes ``denoiser`` as ``add_lora(denoiser=...)`` does: a request
+    that names the adapter alone puts it on that denoiser (by position it would go on ``transformer``)."""
+    from tests.entrypoints.server_utils import assert_openai_error
+
+    low = loras["low"].lora_path
+    load = server.url("/v1/load_lora_adapter")
+    r = httpx.post(
+        load, json={"lora_name": "low_only", "lora_path": low, "denoiser": "low_noise"}, timeout=300
+    )
+    assert r.status_code == 200, r.text
+    try:
+        want = _diffusers(wan_moe_dir, [], [low], output_type="pil")
+        by_position = _diffusers(wan_moe_dir, [low], [], output_type="pil")
+        assert np.abs(want - by_position).max() > 4  # the placement shows in the frames
+        got = _frames(server, [{"name": "low_only"}])
+        assert isinstance(got, np.ndarray), got.text[:500]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 2
+        # a denoiser the stage lacks: 400 naming it, nothing registered, the server keeps serving
+        r = httpx.post(
+            load, json={"lora_name": "nowhere", "lora_path": low, "denoiser": "middle"}, timeout=300
+        )
+        err = assert_openai_error(r, statuses=(400,))
+        assert "middle" in err["message"] and "nowhere" in err["message"], err
+        names = [m["id"] for m in httpx.get(server.url("/v1/models"), timeout=60).json()["data"]]
+        assert "nowhere" not in names and "low_only" in names
+    finally:
+        httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "low_only"}, timeout=300)

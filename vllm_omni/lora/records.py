@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.adapter_files import AdapterFiles
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, lora_request_problem
 
 _INT_ID_MAX = 2**31 - 1
 
@@ -84,22 +84,13 @@ def describe_adapter(lora: LoRARequest) -> str:
 
 
 def checked_lora_request(lora: Any) -> LoRARequest:
-    """``lora`` if it is a ``LoRARequest`` with a positive id and a path.
+    """``lora`` if it is a ``LoRARequest`` with a positive id and a path
+    (:func:`vllm_omni.lora.request.lora_request_problem`).
 
     Raises:
         InvalidAdapterError: naming what is wrong.
     """
-    lora_id = getattr(lora, "lora_int_id", None)
-    if (
-        not isinstance(lora, LoRARequest)
-        or isinstance(lora_id, bool)
-        or not isinstance(lora_id, int)
-        or lora_id < 1
-    ):
-        raise InvalidAdapterError(
-            f"an adapter must be a LoRARequest(lora_name, lora_int_id, lora_path) with a positive lora_int_id, "
-            f"got {lora!r:.200}"
-        )
-    if not lora.lora_path:
-        raise InvalidAdapterError(f"adapter {lora.lora_name!r} (id {lora_id}) has no lora_path")
+    problem = lora_request_problem(lora)
+    if problem is not None:
+        raise InvalidAdapterError(f"an adapter {problem}")
     return lora

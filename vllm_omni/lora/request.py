@@ -179,6 +179,27 @@ class RequestAdapter:
     denoiser: str | None = None
 
 
+def lora_request_problem(lora: Any) -> str | None:
+    """What makes ``lora`` unusable as an adapter (to follow its name), or ``None``: it must be a vLLM ``LoRARequest``
+    with a positive ``int`` ``lora_int_id`` (not a ``bool``) and a non-empty ``lora_path``.
+
+    The one check of an adapter's identity fields, shared by request validation
+    (:func:`validate_request_adapters`) and registration
+    (:func:`vllm_omni.lora.records.checked_lora_request`), which add where the adapter came from.
+    """
+    lora_id = getattr(lora, "lora_int_id", None)
+    if (
+        not isinstance(lora, LoRARequest)
+        or isinstance(lora_id, bool)
+        or not isinstance(lora_id, int)
+        or lora_id < 1
+    ):
+        return f"must be a LoRARequest(lora_name, lora_int_id, lora_path) with a positive lora_int_id, got {lora!r:.200}"
+    if not lora.lora_path:
+        return f"has no lora_path (LoRA {lora_id}, {lora.lora_name!r})"
+    return None
+
+
 def validate_request_adapters(
     adapters: Sequence[RequestAdapter],
     max_loras: int | None = None,
@@ -219,18 +240,10 @@ def validate_request_adapters(
         if not isinstance(adapter, RequestAdapter):
             raise InvalidRequestError(f"{field}[{i}] must be a RequestAdapter, got {type(adapter).__name__}")
         lora, scale = adapter.lora, adapter.scale
-        lora_id = getattr(lora, "lora_int_id", None)
-        if (
-            not isinstance(lora, LoRARequest)
-            or isinstance(lora_id, bool)
-            or not isinstance(lora_id, int)
-            or lora_id < 1
-        ):
-            raise InvalidRequestError(
-                f"{field}[{i}] must be a LoRARequest with a positive lora_int_id, got {lora!r:.200}"
-            )
-        if not lora.lora_path:
-            raise InvalidRequestError(f"{field}[{i}]: LoRA {lora_id} ({lora.lora_name!r}) has no lora_path")
+        problem = lora_request_problem(lora)
+        if problem is not None:
+            raise InvalidRequestError(f"{field}[{i}] {problem}")
+        lora_id = lora.lora_int_id
         denoiser = canonical_denoiser(
             adapter.denoiser,
             f"{field}[{i}].denoiser (LoRA {lora_id}, {lora.lora_name!r})",

@@ -232,6 +232,9 @@ class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
     load_inplace: bool = False
+    #: vllm-omni: the denoiser of a two-denoiser stage the adapter acts on when a request names none
+    #: (``transformer`` / ``high_noise``, ``transformer_2`` / ``low_noise``); ``add_lora(denoiser=...)``.
+    denoiser: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class UnloadLoRAAdapterRequest(_Body):

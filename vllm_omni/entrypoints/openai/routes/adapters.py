@@ -29,10 +29,12 @@ async def load_lora_adapter(request: Request) -> Response:
     (``model=<lora_name>`` selects it).
 
     ``load_inplace`` re-reads the files: new content is a new version (requests after this answer get
-    it, never the old weights); the same content changes nothing.
+    it, never the old weights); the same content changes nothing. ``denoiser`` (vllm-omni) places
+    the adapter on one denoiser of a two-denoiser stage for requests that name none.
 
     Errors: 400 for the base model's name, a name already loaded (unless ``load_inplace``),
-    a refused path or an adapter a stage refuses (``param``: ``lora_path``); nothing stays loaded then.
+    a refused path, a denoiser the stage lacks or an adapter a stage refuses (``param``:
+    ``lora_path``); nothing stays loaded then.
     """
     state = get_state(request)
     req = parse_body(LoadLoRAAdapterRequest, await read_json(request))
@@ -47,7 +49,9 @@ async def load_lora_adapter(request: Request) -> Response:
         raise
     lora = LoRARequest(req.lora_name, stable_lora_int_id(location), location)
     with engine_errors("lora_path", "lora_path"):
-        await state.omni.add_lora(lora, reload=req.load_inplace, replace=req.load_inplace)
+        await state.omni.add_lora(
+            lora, reload=req.load_inplace, replace=req.load_inplace, denoiser=req.denoiser
+        )
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
 
