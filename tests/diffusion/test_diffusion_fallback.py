@@ -120,3 +120,63 @@ def test_lora_scale_controls_of_every_diffusers_spelling():
         with pytest.raises(InvalidRequestError, match="must be a dict"):
             pop_lora_scale({key: 0.5})
     assert pop_lora_scale({"height": 32}) == 1.0
+
+
+SD3_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def _write_sd3_adapter(model_dir, out) -> str:
+    """A PEFT LoRA on the SD3 transformer's joint attention, saved as diffusers saves SD3 LoRAs
+    (``StableDiffusion3Pipeline.save_lora_weights``: keys ``transformer.transformer_blocks.N....``)."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    model = SD3Transformer2DModel.from_pretrained(model_dir, subfolder="transformer")
+    torch.manual_seed(21)
+    model = inject_adapter_in_model(
+        LoraConfig(r=4, lora_alpha=8, target_modules=SD3_TARGETS, init_lora_weights=False), model
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    StableDiffusion3Pipeline.save_lora_weights(
+        out, transformer_lora_layers=get_peft_model_state_dict(model), weight_name="lora.safetensors"
+    )
+    return str(out / "lora.safetensors")
+
+
+def test_sd3_joint_attention_kwargs_scale_acts_as_in_diffusers(tiny_sd3_dir, sd3_reference, tmp_path):
+    """Issue 21 rule 6 on SD3 (the diffusers fallback): ``joint_attention_kwargs={"scale": s}`` in
+    ``extra_args`` scales the request's adapter as diffusers' ``scale_lora_layers`` does; values
+    against ``StableDiffusion3Pipeline`` + peft on the same file."""
+    from vllm_omni import Omni
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+    from vllm_omni.lora.request import LoRARequest
+
+    path = _write_sd3_adapter(tiny_sd3_dir, tmp_path / "sd3_lora")
+    lora = LoRARequest("sd3_lora", 1, path)
+    call = dict(height=32, width=32, num_inference_steps=3, guidance_scale=4.0, output_type="latent")
+
+    def ours(engine, **extra):
+        sp = OmniDiffusionSamplingParams(seed=9, extra_args=extra, **call)
+        [out] = engine.generate(["a small house"], sp, use_tqdm=False, lora_requests=[lora])
+        return torch.as_tensor(out.latents).float()
+
+    pipe = sd3_reference
+    base = pipe("a small house", generator=torch.Generator().manual_seed(9), **call).images
+    pipe.load_lora_weights(path, adapter_name="sd3_lora")
+    try:
+        full = pipe("a small house", generator=torch.Generator().manual_seed(9), **call).images
+        half = pipe(
+            "a small house",
+            generator=torch.Generator().manual_seed(9),
+            joint_attention_kwargs={"scale": 0.5},
+            **call,
+        ).images
+    finally:
+        pipe.unload_lora_weights()
+    assert (full - half).abs().max().item() > 1e-2 and (full - base).abs().max().item() > 1e-2
+    with Omni(str(tiny_sd3_dir), max_loras=1, dtype="float32") as engine:
+        assert (ours(engine) - full).abs().max().item() <= 1e-4
+        assert (ours(engine, joint_attention_kwargs={"scale": 0.5}) - half).abs().max().item() <= 1e-4
