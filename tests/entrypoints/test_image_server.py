@@ -362,3 +362,32 @@ def test_examples_client_and_curl(server, paths):
         and docs[1]["choices"][0]["message"]["content"][0]["type"] == "image_url"
     )
     assert "image-to-image" in docs[2]["error"]["message"]  # edits need an image-to-image pipeline
+
+
+def test_lycoris_prefix_file_and_single_file_folder(client, server, paths, tiny_z_image_dir):
+    """Issue 21 rule 7 through the server and the official client: a LyCORIS file whose keys use the
+    flattened ``lycoris_`` prefix serves what its ``lora_unet_`` form does (peft's merged LoKr); a
+    folder holding a single-file adapter but no ``adapter_config.json`` is a 400 that names what a
+    PEFT folder needs and the file to pass instead, and the server keeps serving."""
+    import shutil
+
+    from tools.lora_layouts import write_lycoris
+
+    root = paths["root"]
+    flat = write_lycoris(str(paths["lokr_peft"]), str(root / "lokr_flat.safetensors"), prefix="lycoris_")
+    got = generate(client, lora=[{"name": "lokr_flat", "path": flat, "scale": 1.2}])
+    assert close(got, reference(tiny_z_image_dir, [(paths["lokr_peft"], 1.2)], merged=True))
+    assert close(got, generate(client, lora=lora_list(paths, ("lokr_file", 1.2))), 0)
+
+    folder = root / "single_file_folder"
+    folder.mkdir()
+    single = folder / "lokr_v2.safetensors"
+    shutil.copy(paths["lokr_file"], single)
+    with pytest.raises(openai.BadRequestError) as info:
+        generate(client, lora=[{"name": "single_file_folder", "path": str(folder)}])
+    message = info.value.body["message"]
+    assert "missing adapter_config.json and adapter_model.safetensors" in message, message
+    assert str(single) in message and "pass one by its own path instead" in message, message
+    assert "single_file_folder" not in {m.id for m in client.models.list().data}
+    by_file = generate(client, lora=[{"name": "lokr_v2", "path": str(single), "scale": 1.2}])
+    assert close(by_file, got, 0)
