@@ -102,3 +102,23 @@ def test_bad_audio_fields_are_400_naming_the_field(server, fields, param):
     body = {"model": "tiny-omni", "messages": MESSAGES, "max_tokens": 4} | fields
     err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
     assert err["param"] == param
+
+
+def test_min_tokens_acts_on_the_thinker_only(client):
+    """Issue 21 rule 8 through the server and the official client: ``min_tokens`` (with
+    ``max_tokens``) describes the thinker's text; it never reaches the talker's one-token steps (it
+    died there with vLLM's ``min_tokens must be less than or equal to max_tokens=1``). The audio
+    reply's transcript is the text-only reply's 12 tokens."""
+    kw = dict(
+        model="tiny-omni", messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"min_tokens": 12}
+    )
+    text = client.chat.completions.create(**kw)
+    assert text.usage.completion_tokens == 12 and text.choices[0].finish_reason == "length"
+    reply = client.chat.completions.create(
+        **kw, modalities=["text", "audio"], audio={"voice": SPEAKER, "format": "wav"}, seed=7
+    )
+    audio = reply.choices[0].message.audio
+    assert audio.transcript == text.choices[0].message.content
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
+        frames = w.readframes(w.getnframes())
+    assert len(frames) > 0 and frames != b"\x00" * len(frames)
