@@ -402,7 +402,13 @@ def test_bad_adapters_fail_alone_and_server_keeps_serving(server, paths):
 
 
 def test_llm_stage_rejects_scales_and_several_adapters(server, paths):
-    assert_openai_error(_post_lora(server, {"path": str(paths["b"]), "scale": 0.5}))
+    rule = "an LLM stage applies one adapter per request, at scale 1.0, with no denoiser"
+    for entry in (
+        {"path": str(paths["b"]), "scale": 0.5},
+        {"path": str(paths["b"]), "denoiser": "transformer"},
+    ):
+        err = assert_openai_error(_post_lora(server, entry), (400,))
+        assert rule in err["message"] and err["param"] == "lora", err
     both = [{"path": str(paths["b"])}, {"path": str(paths["a_copy"])}]
     assert "at most 1" in assert_openai_error(_post_lora(server, both))["message"]
 

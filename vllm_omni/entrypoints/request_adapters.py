@@ -17,7 +17,12 @@ from typing import Any
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import RequestAdapter, gather_request_adapters, validate_request_adapters
+from vllm_omni.lora.request import (
+    RequestAdapter,
+    gather_request_adapters,
+    llm_stage_adapter,
+    validate_request_adapters,
+)
 
 
 def request_loras(
@@ -145,12 +150,7 @@ def _entry_adapter_kwargs(
     entry = config.entry_stage
     adapters = validate_request_adapters(tuple(adapters), field="adapters")
     if entry.is_llm:
-        if len(adapters) > 1 or any(a.scale not in (None, 1.0) or a.denoiser for a in adapters):
-            raise InvalidRequestError(
-                f"{entry.label} is an LLM stage: one adapter per request, applied at scale 1.0 only, "
-                "with no denoiser (denoisers belong to diffusion stages)"
-            )
-        return {"lora_request": adapters[0].lora if adapters else None}
+        return {"lora_request": llm_stage_adapter(adapters, entry.label)}
     if entry_params.lora_requests:
         raise InvalidRequestError(
             "pass a request's adapters either as adapters or as OmniDiffusionSamplingParams.lora_requests"
@@ -221,14 +221,9 @@ def _split_stage_adapters(
         return None, {}
     entry_id = config.entry_stage.stage_id
     entry = [a for a in adapters if a.stage_id in (None, entry_id)]
-    later: dict[int, Any] = {}
+    by_stage: dict[int, list[RequestAdapter]] = {}
     for a in adapters:
-        if a.stage_id in (None, entry_id):
-            continue
-        if a.stage_id in later or a.scale not in (None, 1.0) or a.denoiser is not None:
-            raise InvalidRequestError(
-                f"stage {a.stage_id}: an LLM stage applies one adapter per request, at scale 1.0, "
-                "with no denoiser"
-            )
-        later[a.stage_id] = a.lora
+        if a.stage_id not in (None, entry_id):
+            by_stage.setdefault(a.stage_id, []).append(a)
+    later = {stage_id: llm_stage_adapter(given, f"stage {stage_id}") for stage_id, given in by_stage.items()}
     return tuple(entry), later

@@ -200,6 +200,28 @@ def lora_request_problem(lora: Any) -> str | None:
     return None
 
 
+def llm_stage_adapter(adapters: Sequence[RequestAdapter], stage: str) -> LoRARequest | None:
+    """The one adapter an LLM stage applies to a request, or ``None`` for none.
+
+    vLLM applies one ``LoRARequest`` per request at scale 1.0; an LLM stage has no denoisers. The
+    one statement of that rule, for every path that gives an LLM stage adapters (``Omni``'s
+    ``adapters=``, later stages' entries, the HTTP ``lora`` field).
+
+    Args:
+        adapters: the adapters given for that stage.
+        stage: the stage as messages name it (``"Stage 0 (llm)"``, ``"stage 1"``).
+
+    Raises:
+        InvalidRequestError: more than one adapter, a scale other than 1.0, or a denoiser.
+    """
+    if len(adapters) > 1 or any(a.scale not in (None, 1.0) or a.denoiser is not None for a in adapters):
+        raise InvalidRequestError(
+            f"{stage}: an LLM stage applies one adapter per request, at scale 1.0, with no denoiser "
+            "(denoisers and scales belong to diffusion stages)"
+        )
+    return adapters[0].lora if adapters else None
+
+
 def validate_request_adapters(
     adapters: Sequence[RequestAdapter],
     max_loras: int | None = None,

@@ -24,7 +24,7 @@ from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
 from vllm_omni.entrypoints.stage_info import seeded_stage_default
 from vllm_omni.errors import ClientDisconnected, OpenAIError
-from vllm_omni.lora.request import RequestAdapter, validate_request_adapters
+from vllm_omni.lora.request import RequestAdapter, llm_stage_adapter, validate_request_adapters
 
 #: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
 Adapters = tuple[RequestAdapter, ...]
@@ -125,13 +125,9 @@ def resolve_adapters(
     specs = parse_lora_field(lora, max_items=limit + len(info.stage_is_llm) - 1)
     chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser) for s in specs)
     entry = [a for a in chosen if a.stage_id in (None, 0)]
-    if info.is_llm and (len(entry) > 1 or any(a.scale not in (None, 1.0) or a.denoiser for a in entry)):
-        raise bad_request(
-            f"{info.label} is an LLM stage: vLLM applies one adapter per request, at scale 1.0, with no "
-            "denoiser",
-            "lora",
-        )
-    with engine_errors("lora"):
+    with engine_errors("lora", "lora"):
+        if info.is_llm:
+            llm_stage_adapter(entry, info.label)
         validate_request_adapters(entry, limit, field="lora", num_steps=num_steps)
         return validate_request_adapters(chosen, field="lora", num_steps=num_steps)
 
