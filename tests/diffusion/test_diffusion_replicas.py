@@ -115,3 +115,42 @@ def test_failure_on_one_replica_rolls_back_the_other(engines, reqs, monkeypatch)
         two.add_lora(new, stage_id=0)
     assert [r.list_loras() for r in rep.runtimes] == before
     assert two.list_loras() == before[0] & before[1]
+
+
+def test_a_rewritten_adapter_is_a_new_version_on_every_replica(engines, reqs, tmp_path):
+    """Issue 21 rule 1 on replicas: files rewritten at a registered adapter's path are a new version
+    on both replicas (``reload=True``, and with no call at all): every prompt of a burst spread
+    over the two replicas equals the one-replica stage on the files on disk at that moment, never
+    a replica's cached copy of the old weights."""
+    import shutil
+
+    one, two, _ = engines
+    rep = _replicas(two)
+    path = tmp_path / "v"
+    shutil.copytree(reqs["attn"].lora_path, path)
+    lora = LoRARequest("v", 77, str(path))
+
+    def rewrite(src: str) -> None:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(os.path.join(src, name), path / name)
+
+    def burst(omni, adapter):
+        return [o.latents for o in omni.generate(PROMPTS, params(), lora_request=adapter)]
+
+    def same(got, want) -> bool:
+        return all((g - w).abs().max().item() <= 1e-5 for g, w in zip(got, want, strict=True))
+
+    assert two.add_lora(lora)
+    try:
+        before = [sum(r.batch_sizes) for r in rep.runtimes]
+        assert same(burst(two, lora), burst(one, reqs["attn"]))
+        assert [sum(r.batch_sizes) - b for r, b in zip(rep.runtimes, before)] == [2, 2]
+        rewrite(reqs["qv"].lora_path)
+        assert two.add_lora(lora, reload=True) is True  # new content: a new version
+        assert same(burst(two, lora), burst(one, reqs["qv"]))
+        rewrite(reqs["attn"].lora_path)  # rewritten again, no call: requests get what is on disk
+        assert same(burst(two, lora), burst(one, reqs["attn"]))
+        assert two.adapter_registry.get("v").version == 3
+    finally:
+        two.remove_lora(lora.lora_int_id)
+    assert all(lora.lora_int_id not in r.list_loras() for r in rep.runtimes)
