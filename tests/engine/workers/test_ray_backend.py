@@ -10,6 +10,7 @@ adapters it had; nothing of a pipeline is left in the cluster after ``shutdown()
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -112,6 +113,22 @@ def test_llm_chain_stages_on_two_nodes_match_inline(cluster, tiny_llm_assets, tm
         assert [t for p in pieces for t in p.outputs[0].token_ids] == list(whole.outputs[0].token_ids)
         assert list(whole.outputs[0].token_ids) == outs[0].token_ids
         assert pieces[-1].finished and len(pieces) > 1
+        # issue 21 rule 1 through the actor: files rewritten at a registered path are a new version
+        path = tmp_path / "v"
+        shutil.copytree(tiny_llm_assets.adapter_a, path)
+        v = LoRARequest("v", 5, str(path))
+        assert omni.add_lora(v)
+        (first,) = omni.generate(["hello world"], [params, params], lora_request=v)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(tiny_llm_assets.adapter_b / name, path / name)
+        assert omni.add_lora(v, reload=True) is True
+        (second,) = omni.generate(["hello world"], [params, params], lora_request=v)
+        got = [list(o.stage_outputs[0].outputs[0].token_ids) for o in (first, second)]
+        assert got[0] != got[1] and got == [
+            hf_greedy(model, "hello world", N, tiny_llm_assets.adapter_a),
+            hf_greedy(model, "hello world", N, tiny_llm_assets.adapter_b),
+        ]
+        assert omni.remove_lora(5)
     _assert_nothing_left()
 
 
