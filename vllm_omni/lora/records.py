@@ -21,11 +21,14 @@ _INT_ID_MAX = 2**31 - 1
 class StageState:
     """An adapter's state on one stage (all its replicas): ``loaded``, ``pinned`` or ``failed`` (with
     ``error``: a restarted worker could not load it again; one line per replica that lost it).
-    ``pinned`` is whether it is to be pinned there (kept while it is ``failed``)."""
+    ``pinned`` is whether it is to be pinned there (kept while it is ``failed``); ``failed_replicas``
+    the replica indices whose restart lost it (``(0,)`` on a stage without replicas), in order. A
+    replicated stage sends requests naming it to the replicas that still hold it."""
 
     state: Literal["loaded", "pinned", "failed"]
     error: str | None = None
     pinned: bool = False
+    failed_replicas: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -165,11 +165,14 @@ class AdapterRegistry:
         """``record``'s state on ``stage_id`` after a restart (call with the table lock held)."""
         st = record.stages.get(stage_id, StageState("loaded"))
         pinned = st.state == "pinned" or st.pinned
-        errors = [
-            m[record.int_id] for _, m in sorted(self._lost.get(stage_id, {}).items()) if record.int_id in m
+        lost = [
+            (r, m[record.int_id])
+            for r, m in sorted(self._lost.get(stage_id, {}).items())
+            if record.int_id in m
         ]
-        if errors:
-            return StageState("failed", "\n".join(errors), pinned=pinned)
+        if lost:
+            errors = "\n".join(msg for _, msg in lost)
+            return StageState("failed", errors, pinned=pinned, failed_replicas=tuple(r for r, _ in lost))
         return StageState("pinned" if pinned else "loaded")
 
     def _forget_lost(self, int_id: int) -> None:

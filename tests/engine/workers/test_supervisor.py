@@ -29,6 +29,7 @@ from vllm_omni.errors import (
     StageDeadError,
     StageEngineError,
 )
+from vllm_omni.lora.records import StageState
 from vllm_omni.lora.request import LoRARequest, RequestAdapter
 
 
@@ -315,4 +316,38 @@ def test_a_replica_reports_what_its_restart_lost_with_its_index():
     assert replica == 1 and list(failed) == [1]
     assert failed[1].startswith("replica 1: Stage 0 (diffusion): adapter 'a' (id 1)") and "/x/a" in failed[1]
     assert replicas[1].list_loras() == {2}
+    runtime.shutdown()
+
+
+def test_the_registry_records_which_replica_lost_an_adapter():
+    """On a replicated stage the registry's state says which replicas a restart left without the
+    adapter (``failed_replicas``, one error line each); re-adding it clears that."""
+    from vllm_omni.engine.replicas import ReplicatedStageRuntime
+    from vllm_omni.lora.registry import AdapterRegistry
+
+    stage = _stage(max_restarts=2, restart_backoff_s=0.0)
+    replicas = [_FakeRuntime(stage), _FakeRuntime(stage)]
+    runtime = ReplicatedStageRuntime(stage, replicas)
+    reg = AdapterRegistry(
+        lambda method, *args, stage_id=None: {0: getattr(runtime, method)(*args)}, 0, {0: "Stage 0"}
+    )
+    runtime.attach_adapter_owner(
+        functools.partial(reg.expected_on, 0), functools.partial(reg.note_restart, 0)
+    )
+    files = {n: _peft_dir(n) for n in "ab"}
+    a, b = LoRARequest("a", 1, files["a"]), LoRARequest("b", 2, files["b"])
+    assert reg.add(a) and reg.add(b) and reg.pin(1)
+    replicas[1].missing.add(files["a"])
+    replicas[1].kill()
+    _wait(lambda: replicas[1].restarts == 1 and replicas[1].health() == "ready")
+    state = reg.get("a").stages[0]
+    assert (state.state, state.pinned, state.failed_replicas) == ("failed", True, (1,))
+    assert state.error.startswith("replica 1: ") and files["a"] in state.error and "\n" not in state.error
+    assert reg.get("b").stages[0] == StageState("loaded")
+    assert [r.list_loras() for r in replicas] == [{1, 2}, {2}]
+    replicas[1].missing.clear()
+    assert reg.add(a) is False  # loaded again where it was lost, pinned as it was
+    assert (
+        reg.get("a").stages[0] == StageState("pinned") and [r.list_loras() for r in replicas] == [{1, 2}] * 2
+    )
     runtime.shutdown()
