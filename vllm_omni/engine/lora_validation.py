@@ -60,7 +60,7 @@ from vllm_omni.lora.adapter_files import (
     read_safetensors,
     update_range_problem,
 )
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, lora_request_problem
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -180,16 +180,12 @@ class LLMAdapterValidator:
             InvalidAdapterError: the adapter cannot be served, or its id is bound to another
                 path; nothing was registered.
         """
-        if not isinstance(request, LoRARequest):
-            raise InvalidAdapterError(
-                f"{self.stage_label}: lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), "
-                f"got {type(request).__name__}: {request!r:.200}"
-            )
+        problem = lora_request_problem(request)
+        if problem is not None:
+            raise InvalidAdapterError(f"{self.stage_label}: lora_request {problem}")
         path = request.lora_path
         name = f"adapter {request.lora_name!r} (id {request.lora_int_id}, path {path!r})"
         lora_id = request.lora_int_id
-        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
-            raise InvalidAdapterError(f"{name}: lora_int_id must be a positive integer")
         key = _location(path)
         with self._lock:
             bound = self._passed.get(lora_id)

@@ -172,7 +172,7 @@ def test_validation_errors_happen_before_any_work(model, extra_dirs):
         (([[r2]], [[math.nan]]), "finite"),
         (([[r2]], [[math.inf]]), "finite"),
         (([[r2]], [["1.0"]]), "finite"),
-        (([[object()]], [[1.0]]), "positive int"),
+        (([[object()]], [[1.0]]), "must be a LoRARequest.*positive lora_int_id"),
         (([[LoRARequest("x", 2, "/elsewhere")], [r2]], [[1.0], [1.0]]), "two paths"),
     ]
     for args, match in cases:

@@ -6,19 +6,20 @@ import math
 from collections.abc import Sequence
 
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, lora_request_problem
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 
 def check_request(request: object) -> tuple[int, str]:
-    """``(lora_int_id, lora_path)`` of a request; ``InvalidRequestError`` for a bad id or no path."""
-    lora_id = getattr(request, "lora_int_id", None)
-    path = getattr(request, "lora_path", None)
-    if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
-        raise InvalidRequestError(f"lora_int_id must be a positive int, got {lora_id!r}")
-    if not path:
-        raise InvalidRequestError(f"LoRA {lora_id} has no lora_path")
-    return lora_id, str(path)
+    """``(lora_int_id, lora_path)`` of a request (:func:`~vllm_omni.lora.request.lora_request_problem`).
+
+    Raises:
+        InvalidRequestError: not a ``LoRARequest`` with a positive id and a path.
+    """
+    problem = lora_request_problem(request)
+    if problem is not None:
+        raise InvalidRequestError(f"an adapter {problem}")
+    return request.lora_int_id, str(request.lora_path)
 
 
 def validate_activation(

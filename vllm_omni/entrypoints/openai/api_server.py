@@ -117,7 +117,8 @@ def run_server(
         asyncio.run(register_startup_adapters(state))
         app = build_app(state)
         host = settings.host or "0.0.0.0"
-        logger.info("serving %s on %s:%s", state.base_name, host, settings.port)
+        port = settings.port if listener is None else listener.getsockname()[1]  # --port 0: the one bound
+        logger.info("serving %s on http://%s:%s", state.base_name, host, port)
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
