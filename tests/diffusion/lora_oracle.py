@@ -131,3 +131,33 @@ def scheduled_reference_pipeline(z_image_dir: str | Path, adapters, num_steps: i
 
     apply(0)
     return pipe, callback
+
+
+def save_random_diffusers_lora(
+    model,
+    pipeline_cls,
+    targets: list[str],
+    seed: int,
+    out: Path,
+    *,
+    r: int = 4,
+    alpha: float = 8,
+    std: float = 0.3,
+) -> Path:
+    """A PEFT LoRA (rank ``r``, ``lora_alpha``, weights ~ N(0, ``std``) from ``seed``) on ``targets`` of a
+    diffusers denoiser ``model``, saved as diffusers saves that pipeline's LoRAs
+    (``pipeline_cls.save_lora_weights``: keys ``transformer.<module>.lora_A.weight``); the file's path."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    torch.manual_seed(seed)
+    model = inject_adapter_in_model(
+        LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False), model
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, std)
+    pipeline_cls.save_lora_weights(
+        out, transformer_lora_layers=get_peft_model_state_dict(model), weight_name="lora.safetensors"
+    )
+    return Path(out) / "lora.safetensors"

@@ -129,21 +129,11 @@ def _write_sd3_adapter(model_dir, out) -> str:
     """A PEFT LoRA on the SD3 transformer's joint attention, saved as diffusers saves SD3 LoRAs
     (``StableDiffusion3Pipeline.save_lora_weights``: keys ``transformer.transformer_blocks.N....``)."""
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    from tests.diffusion.lora_oracle import save_random_diffusers_lora
 
     model = SD3Transformer2DModel.from_pretrained(model_dir, subfolder="transformer")
-    torch.manual_seed(21)
-    model = inject_adapter_in_model(
-        LoraConfig(r=4, lora_alpha=8, target_modules=SD3_TARGETS, init_lora_weights=False), model
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.3)
-    StableDiffusion3Pipeline.save_lora_weights(
-        out, transformer_lora_layers=get_peft_model_state_dict(model), weight_name="lora.safetensors"
-    )
-    return str(out / "lora.safetensors")
+    return str(save_random_diffusers_lora(model, StableDiffusion3Pipeline, SD3_TARGETS, 21, out))
 
 
 def test_sd3_joint_attention_kwargs_scale_acts_as_in_diffusers(tiny_sd3_dir, sd3_reference, tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import test_assets_root
+from tests.diffusion.lora_oracle import save_random_diffusers_lora
 from vllm_omni.errors import ConfigError, LoRAFormatError
 
 PROMPT = "a red cat running on a mat"
@@ -32,20 +33,9 @@ def _write_adapter(model_dir: Path, subfolder: str, seed: int, out: Path) -> Pat
     """A PEFT LoRA for one Wan denoiser, saved the way diffusers saves Wan LoRAs
     (``WanPipeline.save_lora_weights``: keys ``transformer.blocks.N....lora_A.weight``)."""
     from diffusers import WanPipeline, WanTransformer3DModel
-    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
     model = WanTransformer3DModel.from_pretrained(model_dir, subfolder=subfolder)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    torch.manual_seed(seed)
-    model = inject_adapter_in_model(cfg, model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.3)
-    WanPipeline.save_lora_weights(
-        out, transformer_lora_layers=get_peft_model_state_dict(model), weight_name="lora.safetensors"
-    )
-    return out / "lora.safetensors"
+    return save_random_diffusers_lora(model, WanPipeline, TARGETS, seed, out)
 
 
 @pytest.fixture(scope="module")
