@@ -255,6 +255,7 @@ def test_shutdown_timeout_is_a_server_setting(tiny_llm_assets, monkeypatch, caps
 def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
     """`vllm serve <model> --omni ...` runs our CLI (vLLM's own dispatch), errors included."""
     cmd = console_script("vllm") + ["serve", str(tiny_z_image_dir), "--omni", "--lora-backend", "distill"]
+    cmd += ["--port", "0"]  # the refusal must not depend on whether port 8000 is free
     out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=900)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vllm-omni serve: error:" in out.stderr and "--lora-path" in out.stderr
@@ -304,6 +305,32 @@ def test_unknown_flags_get_a_suggestion(tiny_llm_assets, monkeypatch, capsys, tm
     # abbreviations are not accepted (the cached answer could not know them)
     code, err = run_main([str(tiny_llm_assets.model_dir), "--enable-lor"], monkeypatch, capsys)
     assert code == 2 and "unknown option '--enable-lor' (did you mean '--enable-lora'?)" in err
+    if warm:  # a typo is reported before the address is bound (a busy port would hide it)
+        import socket
+
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = str(busy.getsockname()[1])
+            code, err = run_main(argv + ["--host", "127.0.0.1", "--port", port], monkeypatch, capsys)
+        assert code == 2 and "unknown option '--enable-loar'" in err and "already in use" not in err
+        # the fast path holds the address; a refusal by the full parser lets it go (no leak in-process)
+        from vllm_omni.entrypoints.cli import preflight
+
+        code, err = run_main(
+            [
+                str(tiny_llm_assets.model_dir),
+                "--lora-backend",
+                "distill",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ],
+            monkeypatch,
+            capsys,
+        )
+        assert code == 2 and "--lora-path" in err and preflight._held == {}
 
 
 def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch, capsys, tmp_path):

@@ -60,6 +60,9 @@ def bad_inputs(tmp_path, tiny_llm_assets):
         (["--deploy-config", str(missing)], f"--deploy-config {missing}: cannot read it"),
         (["--host", "127.0.0.1", "--port", str(port)], f"--port {port}: cannot listen on 127.0.0.1:{port}: "
          "address already in use"),
+        (["--port", "70000"], "--port 70000: must be between 0 and 65535"),  # bind() would wrap it to 4464
+        (["--port", "-1"], "--port -1: must be between 0 and 65535"),  # argparse's value, not the default's
+        (["--port=65536", "--dry-run"], "--port 65536: must be between 0 and 65535"),
     ]  # fmt: skip
     if os.getuid() != 0:  # root reads everything
         locked = tmp_path / "locked"
@@ -207,3 +210,18 @@ def test_server_holds_its_port_while_the_stages_load(tiny_llm_assets, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=600)
+
+
+def test_dry_run_in_either_spelling_binds_nothing():
+    """``--dry-run`` and ``--dry_run`` (argparse takes both) never bind: a busy port is no error."""
+    from vllm_omni.entrypoints.cli import preflight
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for flag in ("--dry-run", "--dry_run", "--dry-run=true"):
+            preflight.check_argv(["m", "--host", "127.0.0.1", "--port", port, flag], hold=True)
+        assert preflight._held == {}
+        with pytest.raises(ConfigError, match="already in use"):
+            preflight.check_argv(["m", "--host", "127.0.0.1", "--port", port])

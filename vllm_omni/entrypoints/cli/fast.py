@@ -154,13 +154,25 @@ def try_fast(argv: list[str]) -> int | None:
         The exit status when answered (help: 0, unknown flags or a bad input: 2, printed as
         argparse does); ``None`` when the full parser must run.
     """
-    if argv and argv[0] == "serve" and not any(a in _HELP for a in argv[1:]):
-        try:
-            preflight.check_argv(argv[1:], hold=True)  # the server listens on the bound socket
-        except ConfigError as exc:
-            sys.stderr.write(f"vllm-omni serve: error: {exc}\n")
-            return 2
+    serve = bool(argv) and argv[0] == "serve" and not any(a in _HELP for a in argv[1:])
     data = _load()
+    try:
+        if serve:
+            preflight.check_argv(argv[1:], bind=False)
+        answered = _from_cache(argv, data)
+        # the address last, once the cache showed every flag is known (a typo is reported first),
+        # held for the server to listen on; without a cache (the first run) only checked, and
+        # bound for good after the full parser checked the flags
+        if answered is None and serve:
+            preflight.bind_argv(argv[1:], hold=data is not None)
+    except ConfigError as exc:
+        sys.stderr.write(f"vllm-omni serve: error: {exc}\n")
+        return 2
+    return answered
+
+
+def _from_cache(argv: list[str], data: dict[str, Any] | None) -> int | None:
+    """``--help`` and unknown flags answered from the cache ``data`` (see :func:`try_fast`), else ``None``."""
     if data is None:
         return None
     helps = data.get("help", {}).get(str(_width()))

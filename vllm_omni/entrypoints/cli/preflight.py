@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 from collections.abc import Iterable
 
@@ -115,6 +116,17 @@ def check_deploy_yaml(path: str) -> None:
         raise ConfigError(f"{name}: must be a mapping with a 'stages:' list, got {type(data).__name__}")
 
 
+def check_port(port: int) -> None:
+    """``port`` is a TCP port number (``0``: any free one).
+
+    Raises:
+        ConfigError: ``--port <port>: must be between 0 and 65535`` (Python's ``bind`` would wrap
+            70000 round to 4464 and serve there).
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: must be between 0 and 65535")
+
+
 def bind_listener(host: str | None, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``None`` host: every IPv4 address) for the server.
 
@@ -125,11 +137,12 @@ def bind_listener(host: str | None, port: int) -> socket.socket:
     Raises:
         ConfigError: ``--port <port>: address already in use`` (or not permitted, or a bad host).
     """
+    check_port(port)
     where = f"{host or '0.0.0.0'}:{port}"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, OverflowError) as exc:
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc})") from exc
+        raise ConfigError(f"--host {host or '0.0.0.0'}: cannot listen on {where} ({exc})") from exc
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -179,9 +192,29 @@ def take_listener(host: str | None, port: int) -> socket.socket:
         ConfigError: as :func:`bind_listener` (when none was held).
     """
     sock = _held.pop((host, port), None)
+    release_held()
+    return sock if sock is not None else bind_listener(host, port)
+
+
+def release_held() -> None:
+    """Close every socket :func:`check_bind` holds (a command line refused after the check)."""
     while _held:
         _held.popitem()[1].close()
-    return sock if sock is not None else bind_listener(host, port)
+
+
+def _is_value(token: str) -> bool:
+    """``token`` is a flag's value, not a flag: it does not start with ``-``, or is a negative number
+    (argparse takes ``--port -1`` as the value ``-1``)."""
+    return not token.startswith("-") or _NEGATIVE_NUMBER.fullmatch(token) is not None
+
+
+_NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d*)?")
+
+
+def _flag_name(token: str) -> str:
+    """``--dry_run=x`` -> ``--dry-run`` (argparse takes both spellings of our flags)."""
+    name = token.partition("=")[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
 def _values(argv: list[str]) -> dict[str, list[str]]:
@@ -193,8 +226,8 @@ def _values(argv: list[str]) -> dict[str, list[str]]:
         i += 1
         if token == "--":
             break
-        name, has_value, inline = token.partition("=")
-        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        _, has_value, inline = token.partition("=")
+        name = _flag_name(token)
         count = CHECKED_FLAGS.get(name)
         if count is None:
             continue
@@ -202,19 +235,18 @@ def _values(argv: list[str]) -> dict[str, list[str]]:
             found.setdefault(name, []).append(inline)
             continue
         taken = 0
-        while i < len(argv) and not argv[i].startswith("-") and (count == "+" or taken < count):
+        while i < len(argv) and _is_value(argv[i]) and (count == "+" or taken < count):
             found.setdefault(name, []).append(argv[i])
             i += 1
             taken += 1
     return found
 
 
-def check_argv(argv: Iterable[str], *, hold: bool = False) -> None:
-    """Check the start-up inputs of a ``serve`` command line (without ``serve``) as given.
+def check_argv(argv: Iterable[str], *, hold: bool = False, bind: bool = True) -> None:
+    """Check the start-up inputs of a ``serve`` command line (without ``serve``) as given, then
+    (``bind``) its address (:func:`bind_argv`).
 
-    ``--dry-run`` skips the port check (nothing will listen). Start-up adapters are local
-    files (``--allow-remote-lora`` concerns request paths only). ``hold=True`` keeps the bound
-    address for the server (:func:`check_bind`).
+    Start-up adapters are local files (``--allow-remote-lora`` concerns request paths only).
 
     Raises:
         ConfigError: the first bad input, named as given.
@@ -229,10 +261,34 @@ def check_argv(argv: Iterable[str], *, hold: bool = False) -> None:
         resolve_local("--lora-dirs", path, path, directory=True)
     for path in values.get("--deploy-config", []):
         check_deploy_yaml(path)
-    if "--dry-run" not in argv:
-        ports = values.get("--port", ["8000"])
-        try:
-            port = int(ports[-1])
-        except ValueError:
-            return  # the full parser reports the bad value
+    port = _port(values)
+    if port is not None:
+        check_port(port)  # also with --dry-run, which prints it
+    if bind:
+        bind_argv(argv, hold=hold)
+
+
+def bind_argv(argv: Iterable[str], *, hold: bool = False) -> None:
+    """Bind the ``--host`` / ``--port`` of a ``serve`` command line (without ``serve``);
+    ``hold=True`` keeps it for the server (:func:`check_bind`). ``--dry-run`` binds nothing
+    (nothing will listen); a ``--port`` that is not a number is left to the full parser.
+
+    Raises:
+        ConfigError: the port is out of range or cannot be bound.
+    """
+    argv = list(argv)
+    if any(_flag_name(token) == "--dry-run" for token in argv):
+        return
+    values = _values(argv)
+    port = _port(values)
+    if port is not None:
         check_bind((values.get("--host") or [None])[-1], port, hold=hold)
+
+
+def _port(values: dict[str, list[str]]) -> int | None:
+    """The ``--port`` given last (8000 when none), ``None`` when it is not a number (the full
+    parser reports it)."""
+    try:
+        return int(values.get("--port", ["8000"])[-1])
+    except ValueError:
+        return None

@@ -176,7 +176,8 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
     """Turn a parsed ``serve`` namespace into (what to build, how to serve it).
 
     Raises:
-        ServeArgsError: ``--lora-backend distill`` without ``--lora-path``, or no model.
+        ServeArgsError: ``--lora-backend distill`` without ``--lora-path``, no model, or a
+            ``--port`` outside 0-65535.
         ConfigError: a missing or unreadable ``--lora-modules`` / ``--lora-path`` adapter or
             ``--lora-dirs`` directory (named as given). Those paths come back absolute, with
             symlinks resolved, as does ``--deploy-config``: resolved once, here.
@@ -208,6 +209,10 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         options["lora_scale"] = args.lora_scale
     if model is None and args.deploy_config is None:
         raise ServeArgsError("no model given: vllm serve <model> --omni (or --deploy-config naming one)")
+    try:
+        preflight.check_port(args.port)
+    except ConfigError as exc:
+        raise ServeArgsError(str(exc)) from None
     if not shutdown_timeout >= 0:  # also refuses nan
         raise ServeArgsError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     lora_dirs = [preflight.resolve_local("--lora-dirs", r, r, directory=True) for r in args.lora_dirs or []]
@@ -294,21 +299,28 @@ def run_serve(args: argparse.Namespace) -> None:
     config that was checked (``--dry-run``: print the resolved configuration instead).
 
     Raises:
-        SystemExit: (2) after printing ``vllm-omni serve: error: ...`` for a flag or option error.
+        SystemExit: (2) after printing ``vllm-omni serve: error: ...`` for a flag or option error,
+            or a start-up adapter the stages refuse once loaded (after they were shut down).
     """
     try:
-        launch, settings = split_serve_args(args)
-        config = launch.build_config()  # the typed config's errors, before any engine starts
-    except (ValueError, KeyError) as exc:  # ConfigError (ServeArgsError included) is a ValueError
-        _fail(str(exc))
-    if getattr(args, "dry_run", False):
-        print(json.dumps(describe_launch(config, settings), indent=2, default=str))
-        return
-    try:  # bound before vLLM was imported (fast path) and held since; else bound now
-        listener = preflight.take_listener(settings.host, settings.port)
-    except ConfigError as exc:
-        _fail(str(exc))
+        try:
+            launch, settings = split_serve_args(args)
+            config = launch.build_config()  # the typed config's errors, before any engine starts
+        except (ValueError, KeyError) as exc:  # ConfigError (ServeArgsError included) is a ValueError
+            _fail(str(exc))
+        if getattr(args, "dry_run", False):
+            print(json.dumps(describe_launch(config, settings), indent=2, default=str))
+            return
+        try:  # bound before vLLM was imported (fast path) and held since; else bound now
+            listener = preflight.take_listener(settings.host, settings.port)
+        except ConfigError as exc:
+            _fail(str(exc))
+    finally:  # what the fast path bound and this run will not serve on (a refusal, a caller's process)
+        preflight.release_held()
     # only to serve: the server imports AsyncOmni and the engine (see OmniLaunch.build_config)
     from vllm_omni.entrypoints.openai.api_server import run_server
 
-    run_server(config, settings, listener)  # the engines start from this very config: resolved once
+    try:
+        run_server(config, settings, listener)  # the engines start from this very config: resolved once
+    except ConfigError as exc:  # a start-up adapter the stages refused: one line, as the checks above
+        _fail(str(exc))

@@ -103,7 +103,8 @@ def run_server(
     address once the engines are up (uvicorn's own bind).
 
     Raises:
-        ConfigError: a ``--lora-modules`` adapter cannot be served (before the server listens).
+        ConfigError: a ``--lora-modules`` adapter cannot be served (before the server serves: a
+            client that connected to ``listener`` meanwhile is disconnected).
         SystemExit: ``128 + signal number`` after a SIGTERM / SIGINT shutdown.
     """
     try:
@@ -118,7 +119,7 @@ def run_server(
         app = build_app(state)
         host = settings.host or "0.0.0.0"
         port = settings.port if listener is None else listener.getsockname()[1]  # --port 0: the one bound
-        logger.info("serving %s on http://%s:%s", state.base_name, host, port)
+        logger.info("serving %s on http://%s:%s", state.base_name, f"[{host}]" if ":" in host else host, port)
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
