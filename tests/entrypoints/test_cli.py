@@ -125,8 +125,11 @@ def test_deploy_yaml_with_cli_precedence(tiny_llm_assets, tmp_path):
 def test_diffusion_lora_flags(tiny_z_image_dir, tmp_path):
     model = str(tiny_z_image_dir)
     adapters = [os.path.realpath(tmp_path / n) for n in ("a.safetensors", "b.safetensors")]
-    for path in adapters:  # start-up adapters must exist (nothing is read before the engine loads)
-        open(path, "wb").close()
+    import torch
+    from safetensors.torch import save_file
+
+    for path in adapters:  # start-up adapters must exist with a safetensors header (the tensors load later)
+        save_file({"layers.0.attention.to_q.lora_A.weight": torch.zeros(2, 8)}, path)
     launch, _ = parse_serve_argv(
         [model, "--lora-path", adapters[0], "--lora-scale", "0.5", "--max-loras", "2", "--max-cpu-loras", "3"]
         + ["--dtype", "float32"]
@@ -378,3 +381,24 @@ def test_diffusion_enforce_eager_flags(tiny_z_image_dir):
     assert OmniDiffusionConfig(device="cpu", enforce_eager=False).compiles is True
     assert OmniDiffusionConfig(device="cuda", enforce_eager=True).compiles is False
     assert OmniDiffusionConfig(device="cuda").compiles is True
+
+
+def test_a_start_up_adapter_refused_once_loaded_is_one_error_line(tiny_llm_assets, monkeypatch, capsys):
+    """What only the loaded stage can refuse (a rank above --max-lora-rank) ends ``serve`` as the
+    checks before loading do: ``vllm-omni serve: error: ...`` on one line, exit 2, no traceback."""
+    from vllm_omni.entrypoints.cli import preflight
+    from vllm_omni.errors import ConfigError
+
+    def refused(config, settings, listener=None):
+        listener.close()
+        raise ConfigError("--lora-modules big=/x/big: rank 64 exceeds max_lora_rank=16")
+
+    monkeypatch.setattr("vllm_omni.entrypoints.openai.api_server.run_server", refused)
+    with pytest.raises(SystemExit) as info:
+        cli_main.main(["serve", str(tiny_llm_assets.model_dir), "--host", "127.0.0.1", "--port", "0"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and preflight._held == {}
+    assert err.endswith(
+        "vllm-omni serve: error: --lora-modules big=/x/big: rank 64 exceeds max_lora_rank=16\n"
+    )
+    assert "Traceback" not in err

@@ -312,6 +312,22 @@ def read_safetensors(
         raise LoRAFormatError(f"{source or path}: not a readable safetensors file: {exc}") from exc
 
 
+def check_safetensors_header(path: str, source: str | None = None) -> int:
+    """The number of tensors a ``.safetensors`` file declares; only its header is read.
+
+    Raises:
+        LoRAFormatError: the file is not a readable safetensors file, or holds no tensor.
+    """
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            count = len(list(handle.keys()))
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise LoRAFormatError(f"{source or path}: not a readable safetensors file: {exc}") from exc
+    if count == 0:
+        raise LoRAFormatError(f"{source or path}: the safetensors file holds no tensor")
+    return count
+
+
 def check_dtypes(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
     """Raises LoRAFormatError: a tensor is not float16/bfloat16/float32/float64 (keys and dtypes named)."""
     bad = {k: t.dtype for k, t in state_dict.items() if t.dtype not in FLOAT_DTYPES}

@@ -38,7 +38,12 @@ from vllm_omni.entrypoints.cli.fast import unknown_flags_message
 from vllm_omni.entrypoints.launch import OmniLaunch
 from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, ServerSettings
 from vllm_omni.errors import ConfigError, LoRAFormatError, ServeArgsError
-from vllm_omni.lora.adapter_files import locate_adapter
+from vllm_omni.lora.adapter_files import (
+    ADAPTER_CONFIG_NAME,
+    check_safetensors_header,
+    locate_adapter,
+    read_adapter_config,
+)
 
 USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
 
@@ -244,14 +249,22 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
 
 def _startup_adapter(flag: str, value: str, path: str) -> str:
     """A start-up adapter's location, absolute with symlinks resolved (the spelling request paths
-    and adapter ids use), after checking it is a readable safetensors adapter.
+    and adapter ids use), after checking it is a readable safetensors adapter: its
+    ``adapter_config.json`` (peft's rules) and the safetensors header (the tensors are read by the
+    stage; what only the stage can tell, such as a rank above ``--max-lora-rank``, is refused once
+    it loads).
 
     Raises:
         ConfigError: ``<flag> <value>: ...`` missing, unreadable, or not an adapter.
     """
     location = preflight.resolve_local(flag, value, path)
+    shown = f"{flag} {value}"
     try:
-        locate_adapter(location, shown=f"{flag} {value}")
+        files = locate_adapter(location, shown=shown)
+        if files.config is not None:
+            read_adapter_config(files.config, source=f"{shown}: {ADAPTER_CONFIG_NAME}")
+        weights = f"{shown}: {os.path.basename(files.weights)}" if files.is_directory else shown
+        check_safetensors_header(files.weights, source=weights)
     except (FileNotFoundError, LoRAFormatError) as exc:
         raise ServeArgsError(str(exc)) from exc
     return location
