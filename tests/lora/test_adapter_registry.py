@@ -215,3 +215,26 @@ def test_a_registered_denoiser_is_checked_and_fills_requests_that_name_none(tmp_
     assert reg.resolve_adapter(RequestAdapter(low, denoiser="transformer")).denoiser == "transformer"
     other = LoRARequest("other", 2, _adapter(tmp_path / "other", b"other"))  # never registered
     assert reg.resolve_adapter(RequestAdapter(other)).denoiser is None
+
+
+@pytest.mark.parametrize("step", ["remove_from_stage_0", "add_again_on_stage_0"])
+def test_what_a_restart_lost_on_one_stage_stays_until_that_stage_has_it_again(tmp_path, step):
+    """A replica of stage 1 lost adapter ``a`` in a restart; removing it from stage 0 or adding it
+    again on stage 0 only says nothing about stage 1: it stays ``failed`` there (with the replica)
+    when another replica of stage 1 restarts, until stage 1 itself loads it again."""
+    stages = FakeStages(2)
+    reg = _registry(stages)
+    lora = LoRARequest("a", 11, _adapter(tmp_path / "a", b"a1"))
+    assert reg.add(lora, stage_id=[0, 1])
+    engine_id = reg.get("a").engine.lora_int_id
+    reg.note_restart(1, {engine_id: "replica 0: files gone"}, replica=0)
+    if step == "remove_from_stage_0":
+        assert reg.remove(11, stage_id=0)
+    else:
+        reg.add(lora, stage_id=0)
+    reg.note_restart(1, {}, replica=1)  # the other replica restarts and restores everything
+    state = reg.by_id(11).stages[1]
+    assert (state.state, state.failed_replicas, state.error) == ("failed", (0,), "replica 0: files gone")
+    assert reg.failed() == {1: {11: "replica 0: files gone"}}
+    reg.add(lora, stage_id=1)  # stage 1 has it again
+    assert reg.by_id(11).stages[1].state == "loaded" and reg.failed() == {}

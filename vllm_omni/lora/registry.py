@@ -175,11 +175,13 @@ class AdapterRegistry:
             return StageState("failed", errors, pinned=pinned, failed_replicas=tuple(r for r, _ in lost))
         return StageState("pinned" if pinned else "loaded")
 
-    def _forget_lost(self, int_id: int) -> None:
-        """``int_id`` was added or removed again: no restart lost it (call with the table lock held)."""
-        for per_stage in self._lost.values():
-            for lost in per_stage.values():
-                lost.pop(int_id, None)
+    def _forget_lost(self, int_id: int, stages: Sequence[int] | None = None) -> None:
+        """``int_id`` was added or removed again on ``stages`` (``None``: every stage): no restart lost
+        it there; what restarts of other stages lost stays (call with the table lock held)."""
+        for stage_id, per_stage in self._lost.items():
+            if stages is None or stage_id in stages:
+                for lost in per_stage.values():
+                    lost.pop(int_id, None)
 
     def failed(self) -> dict[int, dict[int, str]]:
         """``{stage_id: {int_id: error}}`` of the registered adapters a worker restart could not restore."""
@@ -442,7 +444,7 @@ class AdapterRegistry:
             version=(old.version + 1) if old is not None and same is None else record.version,
         )
         with self._lock:
-            self._forget_lost(record.int_id)
+            self._forget_lost(record.int_id, targets)
             if old is not None and old.int_id != record.int_id:
                 self._by_id.pop(old.int_id, None)
             self._names.pop(lora.lora_name, None)
@@ -553,7 +555,7 @@ class AdapterRegistry:
             if record is None:
                 return removed
             with self._lock:
-                self._forget_lost(int_id)
+                self._forget_lost(int_id, None if stage_id is None else (stage_id,))
                 left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
                 if left:
                     stages = {s: st for s, st in record.stages.items() if s != stage_id}
