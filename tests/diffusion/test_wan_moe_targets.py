@@ -389,7 +389,9 @@ def test_http_load_with_a_denoiser_places_the_adapter(server, wan_moe_dir, loras
             load, json={"lora_name": "nowhere", "lora_path": low, "denoiser": "middle"}, timeout=300
         )
         err = assert_openai_error(r, statuses=(400,))
-        assert "middle" in err["message"] and "nowhere" in err["message"], err
+        assert "middle" in err["message"] and "nowhere" in err["message"] and err["param"] == "denoiser", err
+        r = httpx.post(load, json={"lora_name": "nowhere", "lora_path": low, "denoiser": 5}, timeout=300)
+        assert assert_openai_error(r, statuses=(400,))["param"] == "denoiser"
         names = [m["id"] for m in httpx.get(server.url("/v1/models"), timeout=60).json()["data"]]
         assert "nowhere" not in names and "low_only" in names
     finally:

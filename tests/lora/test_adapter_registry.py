@@ -204,7 +204,7 @@ def test_a_registered_denoiser_is_checked_and_fills_requests_that_name_none(tmp_
         reg.add(low, denoiser="middle")
     with pytest.raises(
         InvalidAdapterError,
-        match=r"denoiser 'transformer_2' is not one of Stage 1's denoisers \['transformer'\]",
+        match=r"denoiser 'low_noise' \(transformer_2\) is not one of Stage 1's denoisers \['transformer'\]",
     ):
         reg.add(low, 1, denoiser="low_noise")
     assert reg.list_ids() == set() and stages.loaded == {0: {}, 1: {}}

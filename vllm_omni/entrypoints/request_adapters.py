@@ -225,5 +225,10 @@ def _split_stage_adapters(
     for a in adapters:
         if a.stage_id not in (None, entry_id):
             by_stage.setdefault(a.stage_id, []).append(a)
-    later = {stage_id: llm_stage_adapter(given, f"stage {stage_id}") for stage_id, given in by_stage.items()}
+    later = {
+        stage_id: llm_stage_adapter(
+            validate_request_adapters(tuple(given), field="adapters"), f"stage {stage_id}"
+        )
+        for stage_id, given in by_stage.items()
+    }
     return tuple(entry), later

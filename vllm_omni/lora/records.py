@@ -97,3 +97,11 @@ def checked_lora_request(lora: Any) -> LoRARequest:
     if problem is not None:
         raise InvalidAdapterError(f"an adapter {problem}")
     return lora
+
+
+def denoiser_error(message: str) -> InvalidAdapterError:
+    """A refused ``denoiser`` of an adapter; its ``param`` attribute names the field for the HTTP
+    layer's error body."""
+    exc = InvalidAdapterError(message)
+    exc.param = "denoiser"
+    return exc

@@ -56,6 +56,7 @@ from vllm_omni.lora.records import (
     AdapterRecord,
     StageState,
     checked_lora_request,
+    denoiser_error,
     derived_engine_id,
     describe_adapter,
     resolved_location,
@@ -391,12 +392,13 @@ class AdapterRegistry:
         try:
             name = canonical_denoiser(denoiser, f"{describe_adapter(lora)}: denoiser")
         except InvalidRequestError as exc:
-            raise InvalidAdapterError(str(exc)) from None
+            raise denoiser_error(str(exc)) from None
         for stage in targets if self._denoisers is not None else ():
             have = self._denoisers(stage)
             if have is not None and name not in have:
-                raise InvalidAdapterError(
-                    f"{describe_adapter(lora)}: denoiser {name!r} is not one of {self._labels.get(stage, f'stage {stage}')}'s "
+                given = repr(denoiser) if denoiser == name else f"{denoiser!r} ({name})"
+                raise denoiser_error(
+                    f"{describe_adapter(lora)}: denoiser {given} is not one of {self._labels.get(stage, f'stage {stage}')}'s "
                     f"denoisers {list(have)}; name one of them, or leave denoiser unset"
                 )
         return name

@@ -214,7 +214,9 @@ def llm_stage_adapter(adapters: Sequence[RequestAdapter], stage: str) -> LoRAReq
     Raises:
         InvalidRequestError: more than one adapter, a scale other than 1.0, or a denoiser.
     """
-    if len(adapters) > 1 or any(a.scale not in (None, 1.0) or a.denoiser is not None for a in adapters):
+    if len(adapters) > 1 or any(
+        isinstance(a.scale, bool) or a.scale not in (None, 1.0) or a.denoiser is not None for a in adapters
+    ):
         raise InvalidRequestError(
             f"{stage}: an LLM stage applies one adapter per request, at scale 1.0, with no denoiser "
             "(denoisers and scales belong to diffusion stages)"

@@ -62,7 +62,8 @@ def engine_error_to_openai(
     Args:
         exc: what the engine call raised.
         adapter_param: ``param`` of an adapter error (``InvalidAdapterError``,
-            ``LoRANotEnabledError``): the request field that named the adapter.
+            ``LoRANotEnabledError``): the request field that named the adapter, unless the
+            error names its own (a ``param`` attribute, e.g. ``"denoiser"``).
         user_param: ``param`` of any other input error.
 
     Returns:
@@ -76,8 +77,8 @@ def engine_error_to_openai(
         return exc
     if isinstance(exc, StageEngineError):
         return OpenAIError(str(exc), 500)
-    if isinstance(exc, InvalidAdapterError | LoRANotEnabledError):
-        return bad_request(str(exc), adapter_param)
+    if isinstance(exc, InvalidAdapterError | LoRANotEnabledError):  # an error may name its own field
+        return bad_request(str(exc), getattr(exc, "param", None) or adapter_param)
     if isinstance(exc, OmniUserError | VLLMClientError | ValueError | TypeError | KeyError):
         return bad_request(str(exc), user_param)
     return None

@@ -281,4 +281,7 @@ def parse_body(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise bad_request(validation_message(exc)) from exc
+        errors = exc.errors()
+        loc = errors[0].get("loc", ()) if errors else ()
+        param = str(loc[0]) if loc and isinstance(loc[0], str) else None  # the top-level field at fault
+        raise bad_request(validation_message(exc), param) from exc
