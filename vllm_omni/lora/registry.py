@@ -62,6 +62,7 @@ from vllm_omni.lora.records import (
     resolved_location,
 )
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser
+from vllm_omni.lora.restarts import RestartLosses, expected_on, failed_on_stages
 
 __all__ = ["AdapterRecord", "AdapterRegistry", "StageCall", "StageState"]
 
@@ -107,9 +108,7 @@ class AdapterRegistry:
         self._engine_public: dict[int, int] = {}  # engine id -> public id
         self._reserved: dict[str, str] = {}
         self._fingerprints: dict[tuple, str] = {}
-        #: what the last restart of each stage's worker(s) could not restore:
-        #: {stage_id: {replica: {int_id: error}}} (see :meth:`note_restart`)
-        self._lost: dict[int, dict[int, dict[int, str]]] = {}
+        self._lost = RestartLosses()  # what restarts could not restore (see :meth:`note_restart`)
 
     # ------------------------------------------------------------------ lookups
     def get(self, name: str) -> AdapterRecord | None:
@@ -141,12 +140,7 @@ class AdapterRegistry:
     def expected_on(self, stage_id: int) -> list[tuple[LoRARequest, bool]]:
         """``(engine request, pinned)`` of every registered adapter targeting ``stage_id`` (what a
         restarted worker of that stage must hold), in registration order."""
-        out = []
-        for record in self.records():
-            if stage_id in record.targets:
-                st = record.stages.get(stage_id, StageState("loaded"))
-                out.append((record.engine, st.state == "pinned" or st.pinned))
-        return out
+        return expected_on(self.records(), stage_id)
 
     def note_restart(self, stage_id: int, failed: Mapping[int, str], replica: int = 0) -> None:
         """A worker of ``stage_id`` (replica ``replica``) restarted; ``failed`` maps the engine ids it
@@ -154,44 +148,17 @@ class AdapterRegistry:
         naming them are refused by the stage until they are added again); the others it restored
         are ``loaded`` / ``pinned`` again."""
         with self._lock:
-            lost = self._lost.setdefault(stage_id, {})
-            lost[replica] = {self._engine_public.get(e, e): msg for e, msg in failed.items()}
+            self._lost.note(
+                stage_id, replica, {self._engine_public.get(e, e): msg for e, msg in failed.items()}
+            )
             for int_id, record in list(self._by_id.items()):
                 if stage_id in record.targets:
-                    self._by_id[int_id] = replace(
-                        record, stages={**record.stages, stage_id: self._state_on(record, stage_id)}
-                    )
-
-    def _state_on(self, record: AdapterRecord, stage_id: int) -> StageState:
-        """``record``'s state on ``stage_id`` after a restart (call with the table lock held)."""
-        st = record.stages.get(stage_id, StageState("loaded"))
-        pinned = st.state == "pinned" or st.pinned
-        lost = [
-            (r, m[record.int_id])
-            for r, m in sorted(self._lost.get(stage_id, {}).items())
-            if record.int_id in m
-        ]
-        if lost:
-            errors = "\n".join(msg for _, msg in lost)
-            return StageState("failed", errors, pinned=pinned, failed_replicas=tuple(r for r, _ in lost))
-        return StageState("pinned" if pinned else "loaded")
-
-    def _forget_lost(self, int_id: int, stages: Sequence[int] | None = None) -> None:
-        """``int_id`` was added or removed again on ``stages`` (``None``: every stage): no restart lost
-        it there; what restarts of other stages lost stays (call with the table lock held)."""
-        for stage_id, per_stage in self._lost.items():
-            if stages is None or stage_id in stages:
-                for lost in per_stage.values():
-                    lost.pop(int_id, None)
+                    state = self._lost.state_on(record, stage_id)
+                    self._by_id[int_id] = replace(record, stages={**record.stages, stage_id: state})
 
     def failed(self) -> dict[int, dict[int, str]]:
         """``{stage_id: {int_id: error}}`` of the registered adapters a worker restart could not restore."""
-        out: dict[int, dict[int, str]] = {}
-        for record in self.records():
-            for stage_id, st in record.stages.items():
-                if st.state == "failed":
-                    out.setdefault(stage_id, {})[record.int_id] = st.error or ""
-        return out
+        return failed_on_stages(self.records())
 
     # ------------------------------------------------------------------ identity
     @contextmanager
@@ -446,7 +413,7 @@ class AdapterRegistry:
             version=(old.version + 1) if old is not None and same is None else record.version,
         )
         with self._lock:
-            self._forget_lost(record.int_id, targets)
+            self._lost.forget(record.int_id, targets)
             if old is not None and old.int_id != record.int_id:
                 self._by_id.pop(old.int_id, None)
             self._names.pop(lora.lora_name, None)
@@ -557,7 +524,7 @@ class AdapterRegistry:
             if record is None:
                 return removed
             with self._lock:
-                self._forget_lost(int_id, None if stage_id is None else (stage_id,))
+                self._lost.forget(int_id, None if stage_id is None else (stage_id,))
                 left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
                 if left:
                     stages = {s: st for s, st in record.stages.items() if s != stage_id}
