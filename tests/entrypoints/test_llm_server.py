@@ -423,6 +423,12 @@ def test_runtime_load_and_unload(server, client, paths):
         == chat_tokens(chat(client, lora={"name": "b", "path": str(paths["b"])}))[0]
     )
     assert_openai_error(load({"lora_name": "b-rt", "lora_path": str(paths["b"])}))  # already loaded
+    # the same files under a second name are a second adapter, as in vLLM (the path's id is taken)
+    assert load({"lora_name": "b-rt2", "lora_path": str(paths["b"])}).status_code == 200
+    assert {"b-rt", "b-rt2"} <= {m.id for m in client.models.list().data}
+    assert chat_tokens(chat(client, model="b-rt2"))[0] == chat_tokens(chat(client, model="b-rt"))[0]
+    assert unload({"lora_name": "b-rt2"}).status_code == 200
+    assert chat(client, model="b-rt").model == "b-rt"
     assert_openai_error(load({"lora_name": "out", "lora_path": str(paths["outside_a"])}))  # not allowed
     assert_openai_error(load({"lora_name": "big", "lora_path": str(paths["rank64"])}))  # invalid adapter
     assert unload({"lora_name": "b-rt"}).status_code == 200

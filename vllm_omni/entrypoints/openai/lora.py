@@ -212,6 +212,16 @@ class ServerAdapters:
             "lora",
         )
 
+    def new_adapter_id(self, name: str, location: str) -> int:
+        """The id an adapter registered as ``name`` at ``location`` gets: the path's stable id, unless
+        another registered name holds it (the same files under a second name, which vLLM serves as a
+        second adapter), then one derived from the path and the name."""
+        int_id = stable_lora_int_id(location)
+        held = self.core.by_id(int_id)
+        if held is not None and held.registered and held.name != name:
+            return stable_lora_int_id(f"{location}#{name}")
+        return int_id
+
     def resolve_path(self, path: str) -> str:
         """Check ``path`` against the allow-list; return the location to load.
 

@@ -19,7 +19,7 @@ from vllm_omni.entrypoints.openai.lora import ServerAdapters
 from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.stage_info import EntryStageInfo
 from vllm_omni.errors import ConfigError
-from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest
 
 
 @dataclass
@@ -87,7 +87,7 @@ async def register_startup_adapters(state: ServerState) -> None:
             )
     for name, path in state.settings.lora_modules:
         location = reg.register_startup_path(path)
-        lora = LoRARequest(name, stable_lora_int_id(location), location)
+        lora = LoRARequest(name, reg.new_adapter_id(name, location), location)
         clash = reg.name_clash(name)  # before loading anything
         if clash is not None:
             raise ConfigError(f"--lora-modules {name}={path}: adapter name {name!r}: {clash}")

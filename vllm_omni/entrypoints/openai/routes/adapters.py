@@ -13,7 +13,7 @@ from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors, not_
 from vllm_omni.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import read_json
 from vllm_omni.entrypoints.openai.state import get_state
-from vllm_omni.lora.request import LoRARequest, stable_lora_int_id
+from vllm_omni.lora.request import LoRARequest
 
 router = APIRouter()
 
@@ -47,7 +47,7 @@ async def load_lora_adapter(request: Request) -> Response:
     except Exception:
         request.app.state.registration_failures.note(req.lora_name)
         raise
-    lora = LoRARequest(req.lora_name, stable_lora_int_id(location), location)
+    lora = LoRARequest(req.lora_name, reg.new_adapter_id(req.lora_name, location), location)
     with engine_errors("lora_path", "lora_path"):
         await state.omni.add_lora(
             lora, reload=req.load_inplace, replace=req.load_inplace, denoiser=req.denoiser
