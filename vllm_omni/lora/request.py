@@ -180,12 +180,14 @@ class RequestAdapter:
 
 
 def lora_request_problem(lora: Any) -> str | None:
-    """What makes ``lora`` unusable as an adapter (to follow its name), or ``None``: it must be a vLLM ``LoRARequest``
-    with a positive ``int`` ``lora_int_id`` (not a ``bool``) and a non-empty ``lora_path``.
+    """What makes ``lora`` unusable as an adapter (worded to follow the adapter's place, e.g.
+    ``lora_requests[1] must be ...``), or ``None``. It must be a vLLM ``LoRARequest`` with a
+    positive ``int`` ``lora_int_id`` (not a ``bool``) and a non-empty ``lora_path``.
 
     The one check of an adapter's identity fields, shared by request validation
-    (:func:`validate_request_adapters`) and registration
-    (:func:`vllm_omni.lora.records.checked_lora_request`), which add where the adapter came from.
+    (:func:`validate_request_adapters`), registration
+    (:func:`vllm_omni.lora.records.checked_lora_request`), the LLM stage's adapter gate and the
+    diffusion activation; each adds where the adapter came from.
     """
     lora_id = getattr(lora, "lora_int_id", None)
     if (
