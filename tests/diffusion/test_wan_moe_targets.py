@@ -8,7 +8,7 @@ and as diffusers' ``load_lora_weights`` / ``load_into_transformer_2=True`` do; a
 refused with a message saying how to name the target, and nothing cached changes.
 
 Values: final latents (fp32) against diffusers' ``WanPipeline`` with peft on the same weights, through
-``Omni`` inline and with the ``mp`` worker backend; frames over HTTP (``vllm-omni serve``, httpx: the
+``Omni`` inline and with the ``mp`` and ``ray`` worker backends; frames over HTTP (``vllm-omni serve``, httpx: the
 video route is not part of the openai client) against diffusers' frames.
 """
 
@@ -269,10 +269,11 @@ def test_rule_on_one_denoiser():
         assign_denoisers([RequestAdapter(lora, denoiser="transformer_2")], ["transformer"], "S")
 
 
-def test_mp_worker_backend_places_the_pair_the_same_way(wan_moe_dir, loras, reference):
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_worker_backends_place_the_pair_the_same_way(backend, wan_moe_dir, loras, reference):
     from vllm_omni import Omni
 
-    with Omni(str(wan_moe_dir), max_loras=2, dtype="float32", worker_backend="mp") as engine:
+    with Omni(str(wan_moe_dir), max_loras=2, dtype="float32", worker_backend=backend) as engine:
         got = _latents(engine, lora_requests=[loras["high"], loras["low"]])
         named = _latents(
             engine,
