@@ -11,11 +11,15 @@ float reductions.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
 
+from tests.llm_reference import hf_greedy
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.request import LoRARequest
 
@@ -33,7 +37,12 @@ def z_image_dir():
     return ensure_tiny_diffusion_assets(test_assets_root())["z_image"]
 
 
-def _run(backend: str, deploy: str, llm_adapter: LoRARequest, diffusion_adapter: LoRARequest):
+def _run(
+    backend: str, deploy: str, llm_adapter: LoRARequest, diffusion_adapter: LoRARequest, new_files: Path
+):
+    """Outputs of two prompts, the adapters loaded per stage, and stage 0's tokens for "hello world"
+    after ``llm_adapter``'s folder was rewritten with ``new_files``' adapter (issue 21 rule 1: the
+    next request gets what is on disk)."""
     from vllm_omni import Omni
 
     with Omni(deploy_config=deploy, worker_backend=backend) as omni:
@@ -44,7 +53,16 @@ def _run(backend: str, deploy: str, llm_adapter: LoRARequest, diffusion_adapter:
             lora_request=llm_adapter,
             use_tqdm=False,
         )
-        return outs, omni.list_loras(stage_id=0), omni.list_loras(stage_id=1)
+        loaded = [omni.list_loras(stage_id=0), omni.list_loras(stage_id=1)]
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(new_files / name, Path(llm_adapter.lora_path) / name)
+        (again,) = omni.generate(
+            ["hello world"],
+            [LLM, OmniDiffusionSamplingParams(**DIFF)],
+            lora_request=llm_adapter,
+            use_tqdm=False,
+        )
+        return outs, loaded, list(again.stage_outputs[0].outputs[0].token_ids)
 
 
 def test_mp_equals_inline_with_adapters(tiny_llm_assets, z_image_dir, tmp_path):
@@ -58,11 +76,19 @@ def test_mp_equals_inline_with_adapters(tiny_llm_assets, z_image_dir, tmp_path):
         "    max_lora_rank: 16\n    engine_extras: {max_model_len: 256, dtype: float32}\n"
         f"  - stage_id: 1\n    model: {z_image_dir}\n    dtype: float32\n    enable_progress_bar: false\n"
     )
-    llm_adapter = LoRARequest("a", 1, str(tiny_llm_assets.adapter_a))
     diffusion_adapter = LoRARequest("qv", 7, str(test_assets_root() / "tiny-z-image-loras" / "qv"))
-    inline, *inline_loras = _run("inline", str(deploy), llm_adapter, diffusion_adapter)
-    mp, *mp_loras = _run("mp", str(deploy), llm_adapter, diffusion_adapter)
+    runs = {}
+    for backend in ("inline", "mp"):
+        folder = tmp_path / backend  # the adapter's folder, rewritten in the run
+        shutil.copytree(tiny_llm_assets.adapter_a, folder)
+        llm_adapter = LoRARequest("a", 1, str(folder))
+        runs[backend] = _run(backend, str(deploy), llm_adapter, diffusion_adapter, tiny_llm_assets.adapter_b)
+    (inline, inline_loras, inline_new), (mp, mp_loras, mp_new) = runs["inline"], runs["mp"]
     assert mp_loras == inline_loras == [{1}, {7}]
+    ref_a = hf_greedy(tiny_llm_assets.model_dir, "hello world", 8, tiny_llm_assets.adapter_a)
+    ref_b = hf_greedy(tiny_llm_assets.model_dir, "hello world", 8, tiny_llm_assets.adapter_b)
+    assert ref_a != ref_b and mp_new == inline_new == ref_b
+    assert list(mp[0].stage_outputs[0].outputs[0].token_ids) == ref_a
     assert len(mp) == len(inline) == 2
     for a, b in zip(mp, inline):
         assert a.prompt == b.prompt  # stage 0's text
