@@ -11,6 +11,9 @@ Modes:
         1-, 2- and 4-token prompts with and without an adapter.
     ``short-prompts-no-amx``: the same with :func:`vllm_omni.platform.request_amx_permission`
         disabled (the control run: on AMX CPUs it must die with SIGILL).
+    ``compile-cache``: ``Omni(model, dtype="float32")`` (vLLM compiles the model), one greedy
+        request; ``outputs`` holds its token ids, ``counters`` vLLM's ``compilation_counter``
+        (artifacts saved / loaded, inductor compiles) and ``aot_env`` ``$VLLM_USE_AOT_COMPILE``.
     ``raw-targets``: raw ``vllm.LLM`` (float32) with ``lora_target_modules`` from the JSON list in
         ``$PROBE_TARGETS``, one greedy request with ``adapter_a``; ``outputs`` holds its token ids,
         or ``error`` what vLLM raised.
@@ -97,6 +100,23 @@ def _short_prompts(assets: Path, with_permission: bool) -> dict:
     return {"outputs": out}
 
 
+def _compile_cache(assets: Path) -> dict:
+    from torch._dynamo.utils import counters
+    from vllm import SamplingParams
+
+    from vllm_omni import Omni
+
+    with Omni(str(assets / "model"), dtype="float32", max_model_len=256, max_num_seqs=4) as omni:
+        res = omni.generate(
+            MIXED_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+        )
+    return {
+        "outputs": list(res[0].token_ids),
+        "counters": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+        "aot_env": os.environ.get("VLLM_USE_AOT_COMPILE"),
+    }
+
+
 def _raw_targets(assets: Path) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -124,9 +144,12 @@ def _raw_targets(assets: Path) -> dict:
     return {"outputs": list(result[0].outputs[0].token_ids)}
 
 
-def run_probe(mode: str, assets_dir: Path, timeout: int = 1800, **env: str) -> subprocess.CompletedProcess:
-    """Run ``engine_process_probe.py MODE`` in a fresh interpreter with this checkout first on the path."""
-    full_env = {**os.environ, **env}
+def run_probe(
+    mode: str, assets_dir: Path, timeout: int = 1800, unset: tuple[str, ...] = (), **env: str
+) -> subprocess.CompletedProcess:
+    """Run ``engine_process_probe.py MODE`` in a fresh interpreter with this checkout first on the
+    path, this process's environment plus ``env``, without the variables named in ``unset``."""
+    full_env = {k: v for k, v in os.environ.items() if k not in unset} | env
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), *([env["PYTHONPATH"]] if "PYTHONPATH" in env else [])]
     )
@@ -152,6 +175,8 @@ def main(argv: list[str]) -> int:
         result = _raw_mixed(assets)
     elif mode == "raw-targets":
         result = _raw_targets(assets)
+    elif mode == "compile-cache":
+        result = _compile_cache(assets)
     elif mode in ("short-prompts", "short-prompts-no-amx"):
         result = _short_prompts(assets, with_permission=mode == "short-prompts")
     else:

@@ -173,7 +173,8 @@ def test_http_lora_entries_take_a_stage(http, chain, tiny_llm_assets):
 @pytest.mark.parametrize(
     ("scale", "match"),
     [
-        (True, r"adapters\[0\].*finite number"),  # True == 1.0, but a bool is not a scale (as on the entry stage)
+        # True == 1.0, but a bool is not a scale (as on the entry stage)
+        (True, r"adapters\[0\].*finite number"),
         ("1.0", r"adapters\[0\].*finite number"),
         (0.5, r"stage 1: an LLM stage applies one adapter per request, at scale 1\.0"),
     ],

@@ -38,6 +38,7 @@ from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
 from vllm_omni.engine.vllm_process import (
+    compile_cache_that_loads,
     engine_core_in_stage_process,
     engine_started,
     release_engine,
@@ -145,6 +146,7 @@ class LLMStageEngine(StageDriver):
         mark_owner()  # vLLM processes started from here exit with this process (process_guard)
         prepare_engine_process()
         engine_core_in_stage_process()
+        compile_cache_that_loads()
         engine_args = project_stage_engine_args(stage)
         self.validator = (
             LLMAdapterValidator(stage.label, stage.model, stage.lora_config, stage.model_arch)
