@@ -12,8 +12,8 @@ Modes:
     ``short-prompts-no-amx``: the same with :func:`vllm_omni.platform.request_amx_permission`
         disabled (the control run: on AMX CPUs it must die with SIGILL).
     ``compile-cache``: ``Omni(model, dtype="float32")`` (vLLM compiles the model), one greedy
-        request; ``outputs`` holds its token ids, ``counters`` vLLM's ``compilation_counter``
-        (artifacts saved / loaded, inductor compiles) and ``aot_env`` ``$VLLM_USE_AOT_COMPILE``.
+        request; ``outputs`` holds its token ids, ``counters`` inductor's FX graph cache hits and
+        misses (``torch._dynamo.utils.counters``) and ``aot_env`` ``$VLLM_USE_AOT_COMPILE``.
     ``raw-targets``: raw ``vllm.LLM`` (float32) with ``lora_target_modules`` from the JSON list in
         ``$PROBE_TARGETS``, one greedy request with ``adapter_a``; ``outputs`` holds its token ids,
         or ``error`` what vLLM raised.
