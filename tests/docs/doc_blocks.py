@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import preload
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_DIR = REPO_ROOT / "docs"
 #: Seconds a block, a server start or a server stop may go without output or CPU time.
@@ -323,7 +325,7 @@ class LiveServer:
             cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", *_without_address(argv)]
             cmd += ["--host", "127.0.0.1", "--port", str(port)]
             with open(self.log, "w") as out:
-                self.proc = subprocess.Popen(
+                self.proc = preload.popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=block_env(env)
                 )  # fmt: skip
             status = wait_on_progress(self.proc, self.log, f"{where}: server start", until=self._healthy)
@@ -473,13 +475,14 @@ class PageRunner:
         self.run_python(block, "\n".join(lines) + "\n", len(chain))
 
     def run_python(self, block: Block, source: str, blocks: int = 1) -> None:
-        """``python block_<line>.py`` in the page folder, a new process, as a reader would run it."""
+        """``python block_<line>.py`` in the page folder, a new process, as a reader would run it
+        (forked from a preloaded interpreter where ``tests/preload.py`` allows)."""
         script = self.workdir / f"block_{block.line}.py"
         script.write_text(source)
         log = self.workdir / f"block_{block.line}.log"
         started = time.monotonic()
         with open(log, "w") as out:
-            proc = subprocess.Popen(
+            proc = preload.popen(
                 [sys.executable, script.name], stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, env=block_env()
             )  # fmt: skip
         status = wait_on_progress(proc, log, f"{block.where}: python {script.name}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from tests import preload
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -161,7 +162,7 @@ def _start_server(
     cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float
 ) -> LiveServer:
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    proc = preload.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     server = LiveServer(f"http://127.0.0.1:{port}", proc, log_path)
 
     poller = httpx.Client(timeout=10)  # one client: a new one per poll costs ~20 ms CPU (its SSL context)

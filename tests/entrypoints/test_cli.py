@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from tests import preload
 from tests.entrypoints.server_utils import console_script, server_env
 from vllm_omni.config.overrides import CLI_INPUT_NAMES
 from vllm_omni.entrypoints.cli import main as cli_main
@@ -259,7 +260,7 @@ def test_vllm_cli_hands_omni_argv_over(tiny_z_image_dir):
     """`vllm serve <model> --omni ...` runs our CLI (vLLM's own dispatch), errors included."""
     cmd = console_script("vllm") + ["serve", str(tiny_z_image_dir), "--omni", "--lora-backend", "distill"]
     cmd += ["--port", "0"]  # the refusal must not depend on whether port 8000 is free
-    out = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=900)
+    out = preload.run(cmd, capture_output=True, text=True, env=server_env(), timeout=900)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vllm-omni serve: error:" in out.stderr and "--lora-path" in out.stderr
 

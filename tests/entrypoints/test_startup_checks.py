@@ -16,6 +16,7 @@ import sys
 import httpx
 import pytest
 
+from tests import preload
 from tests.entrypoints.server_utils import server_env
 from vllm_omni.entrypoints.cli.preflight import check_argv, parse_lora_module
 from vllm_omni.errors import ConfigError
@@ -188,7 +189,7 @@ def test_server_holds_its_port_while_the_stages_load(tiny_llm_assets, tmp_path):
     log = tmp_path / "server.log"
     cmd = serve_command(tiny_llm_assets.model_dir, port, "--max-model-len", "128")
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env())
+        proc = preload.popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env())
     try:
 
         def loading() -> bool:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from tests import preload
 
 REPO = Path(__file__).resolve().parents[2]
 T2I = REPO / "examples" / "offline_inference" / "text_to_image" / "text_to_image.py"
@@ -33,7 +34,7 @@ QUICK = ["--prompt", "a blue square", "--num-inference-steps", "4", "--guidance-
 def _run(script: Path, *args: str, timeout: int = 1800) -> str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # as in a fresh shell: the KV cache budget is automatic
-    proc = subprocess.run(
+    proc = preload.run(
         [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
