@@ -89,8 +89,10 @@ def pytest_collection_modifyitems(config, items):
 
 def _cpu_now() -> tuple[float, float]:
     """(this process's CPU seconds, CPU seconds of its reaped children), user + system."""
+    from tests import preload
+
     t = os.times()
-    return t.user + t.system, t.children_user + t.children_system
+    return t.user + t.system, t.children_user + t.children_system + preload.reaped_cpu_s()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -105,7 +107,7 @@ def pytest_runtest_makereport(item, call):
 
     Wall time on a loaded machine says little; CPU time does not depend on the load.
     ``child_cpu_s`` counts subprocesses reaped during the test (a module-scoped server counts in
-    the test whose teardown stops it). ``tools/test_durations.py`` aggregates both per file.
+    the test whose teardown stops it), those forked by ``tests/preload.py``'s zygotes included. ``tools/test_durations.py`` aggregates both per file.
     """
     if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
         own0, kids0 = item.stash[_CPU_AT_SETUP]

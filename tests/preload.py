@@ -43,7 +43,7 @@ PRELOAD = ("vllm_omni", "vllm_omni.entrypoints.cli.main", "vllm_omni.entrypoints
 READ_LATER = frozenset({
     "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
     "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-    "VLLM_OMNI_CACHE_ROOT", "VLLM_OMNI_MAX_REQUEST_BODY_MB",
+    "VLLM_OMNI_CACHE_ROOT", "VLLM_OMNI_MAX_REQUEST_BODY_MB", "VLLM_DIST_IDENT",
 })  # fmt: skip
 MAX_ZYGOTES = 3
 _DISABLED = os.environ.get("VLLM_OMNI_TEST_FRESH_INTERPRETERS") == "1"
@@ -86,12 +86,13 @@ def _send(sock: socket.socket, msg: dict) -> None:
 def _reap(sock: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait3(os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        cpu_s = usage.ru_utime + usage.ru_stime  # the child and the descendants it reaped
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": cpu_s})
 
 
 def _child(sock: socket.socket, req: dict, fds: list[int]) -> None:
@@ -100,6 +101,8 @@ def _child(sock: socket.socket, req: dict, fds: list[int]) -> None:
         sock.close()
         if req["new_session"]:
             os.setsid()
+        if req["sigint_default"]:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
         for fd in set(fds):
@@ -274,6 +277,7 @@ class _Zygote:
                     self._pids.add(msg["spawned"])
                 else:
                     self._exits[msg["exit"]] = msg["code"]
+                    _add_reaped_cpu(msg["cpu_s"])
                 self._cond.notify_all()
 
     def _wait_for(self, what, timeout: float | None = None):
@@ -297,11 +301,11 @@ class _Zygote:
         return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-40:])
 
     def spawn(self, kind: str, target: str, argv: list[str], env: dict, cwd: str, fds: list[int],
-              new_session: bool) -> int:  # fmt: skip
+              new_session: bool, sigint_default: bool = False) -> int:  # fmt: skip
         self._wait_for(lambda: True if self._ready else None)  # the import: minutes at a high load
         rid = next(self._ids)
         req = {"id": rid, "kind": kind, "target": target, "argv": argv, "env": env, "cwd": cwd,
-               "new_session": new_session}  # fmt: skip
+               "new_session": new_session, "sigint_default": sigint_default}  # fmt: skip
         with self._send_lock:
             socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
         return self._wait_for(lambda: self._spawned.pop(rid, None))
@@ -326,6 +330,20 @@ class _Zygote:
 
 _zygotes: dict[tuple, _Zygote] = {}
 _zygotes_lock = threading.Lock()
+_reaped_cpu_s = 0.0
+_reaped_lock = threading.Lock()  # not _zygotes_lock: readers take it while holding their condition
+
+
+def _add_reaped_cpu(seconds: float) -> None:
+    global _reaped_cpu_s
+    with _reaped_lock:
+        _reaped_cpu_s += seconds
+
+
+def reaped_cpu_s() -> float:
+    """CPU seconds (user + system) of the forked processes that have exited so far, with their
+    reaped descendants: what ``os.times().children_*`` would count had this process forked them."""
+    return _reaped_cpu_s
 
 
 @atexit.register
@@ -383,12 +401,19 @@ def _plan(cmd) -> tuple[str, str, list[str]] | None:
 
 
 def popen(cmd, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, start_new_session=False,
-          text=False, **kwargs):  # fmt: skip
-    """``subprocess.Popen(cmd, ...)``, forked from a zygote where the module docstring allows."""
+          text=False, sigint_default=False, **kwargs):  # fmt: skip
+    """``subprocess.Popen(cmd, ...)``, forked from a zygote where the module docstring allows.
+
+    ``sigint_default``: the command gets SIGINT's default disposition (Python raises
+    ``KeyboardInterrupt``) even when this process ignores SIGINT, as a shell's background job
+    (``nohup``, ``&``) starts pytest. ``stdin=PIPE`` and other ``Popen`` arguments run as written.
+    """
     env = dict(os.environ if env is None else env)
-    plan = None if (_DISABLED or kwargs) else _plan(cmd)
+    plan = None if (_DISABLED or kwargs or stdin == subprocess.PIPE) else _plan(cmd)
     zygote = _zygote_for(env) if plan else None
     if zygote is None:
+        if sigint_default:
+            kwargs["preexec_fn"] = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
         return subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env,
                                 start_new_session=start_new_session, text=text, **kwargs)  # fmt: skip
     kind, target, argv = plan
@@ -417,7 +442,7 @@ def popen(cmd, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, star
     err_fd = out_fd if stderr == subprocess.STDOUT else fd_of(stderr, "stderr", 2)
     try:
         pid = zygote.spawn(kind, target, argv, env, str(cwd or os.getcwd()), [in_fd, out_fd, err_fd],
-                           start_new_session)  # fmt: skip
+                           start_new_session, sigint_default)  # fmt: skip
     finally:
         for fd in opened:
             os.close(fd)

@@ -134,3 +134,14 @@ def test_cap_closes_idle_zygotes(monkeypatch):
     assert first.returncode == second.returncode == 0 and "usage" in second.stdout
     assert z1 is not z2 and z1.proc.poll() == 0, "the idle zygote was not closed"
     z2.close()
+
+
+def test_reaped_cpu_is_counted(probe):
+    """The suite's cost record counts a forked process's CPU (``tests/conftest.py``)."""
+    (probe / "burn.py").write_text(
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5:\n    pass\n"
+    )
+    before = preload.reaped_cpu_s()
+    out = preload.run([sys.executable, "burn.py"], cwd=probe, env=_env(), capture_output=True, timeout=900)
+    assert out.returncode == 0 and preload._key(_env()) in preload._zygotes
+    assert preload.reaped_cpu_s() - before >= 1.5

@@ -21,6 +21,7 @@ import time
 import psutil
 import pytest
 
+from tests import preload
 from vllm_omni import process_guard
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -83,11 +84,12 @@ def test_exhausted_restarts_shut_down_and_exit(tmp_path):
     script.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.pop(process_guard.OWNER_ENV, None)
-    driver = subprocess.Popen(
+    driver = preload.popen(
         [sys.executable, str(script), str(model), str(adapter)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,  # built above and, until now, never passed
     )
     seen: list[psutil.Process] = []
     lines: list[str] = []

@@ -14,6 +14,7 @@ import textwrap
 import psutil
 import pytest
 
+from tests import preload
 from tests.waiting import wait_gone, wait_until
 from vllm_omni import process_guard
 
@@ -51,7 +52,7 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
     script.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.pop(process_guard.OWNER_ENV, None)
-    driver = subprocess.Popen(
+    driver = preload.popen(
         [sys.executable, str(script), str(tiny_llm_assets.model_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -59,7 +60,7 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
         env=env,
         # a shell's background job (nohup, `&`) starts pytest with SIGINT ignored, and Python keeps an
         # inherited SIG_IGN instead of raising KeyboardInterrupt: the driver must get the default
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        sigint_default=True,
     )
     try:
         line = ""
