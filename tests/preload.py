@@ -252,6 +252,7 @@ class _Zygote:
         self._exits: dict[int, int] = {}
         self._spawned: dict[int, int] = {}
         self._pids: set[int] = set()
+        self._children_cpu_s = 0.0  # what this zygote reported of its children
         self._ids = iter(range(1 << 62))
         self._ready = False
         self._gone = False
@@ -277,6 +278,7 @@ class _Zygote:
                     self._pids.add(msg["spawned"])
                 else:
                     self._exits[msg["exit"]] = msg["code"]
+                    self._children_cpu_s += msg["cpu_s"]
                     _add_reaped_cpu(msg["cpu_s"])
                 self._cond.notify_all()
 
@@ -320,6 +322,8 @@ class _Zygote:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self.proc.wait()
+        # reaping the zygote added its children's CPU to os.times() here: do not count it twice
+        _add_reaped_cpu(-self._children_cpu_s)
         self._log.close()
         with contextlib.suppress(OSError):
             os.unlink(self._log.name)

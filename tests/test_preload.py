@@ -47,6 +47,9 @@ PROBE = textwrap.dedent(
 )
 
 
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5:\n    pass\n"
+
+
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     folder = tmp_path_factory.mktemp("preload")
@@ -120,7 +123,7 @@ def test_what_is_not_forked(probe):
     assert isinstance(proc, subprocess.Popen) and proc.wait() == 3
 
 
-def test_cap_closes_idle_zygotes(monkeypatch):
+def test_cap_closes_idle_zygotes(monkeypatch, probe):
     """Past :data:`MAX_ZYGOTES` environments, an idle zygote is closed for the new one."""
     monkeypatch.setattr(preload, "MAX_ZYGOTES", 1)
     monkeypatch.setattr(preload, "_zygotes", {})
@@ -130,17 +133,21 @@ def test_cap_closes_idle_zygotes(monkeypatch):
     (z1,) = preload._zygotes.values()
     second = preload.run([sys.executable, "-m", "json.tool", "--help"], env=_env(OMNI_PRELOAD_T="b"),
                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    (probe / "burn.py").write_text(BURN)
+    burn = preload.run([sys.executable, "burn.py"], cwd=probe, env=_env(OMNI_PRELOAD_T="b"), timeout=900)
     (z2,) = preload._zygotes.values()
-    assert first.returncode == second.returncode == 0 and "usage" in second.stdout
+    assert first.returncode == second.returncode == burn.returncode == 0 and "usage" in second.stdout
     assert z1 is not z2 and z1.proc.poll() == 0, "the idle zygote was not closed"
-    z2.close()
+    before = os.times().children_user + os.times().children_system + preload.reaped_cpu_s()
+    z2.close()  # its child's CPU moves from reaped_cpu_s() to os.times(): counted once
+    after = os.times().children_user + os.times().children_system + preload.reaped_cpu_s()
+    assert z2._children_cpu_s >= 1.5
+    assert 0 <= after - before < 1.0  # the zygote's own start only (Python and json), not burn.py again
 
 
 def test_reaped_cpu_is_counted(probe):
     """The suite's cost record counts a forked process's CPU (``tests/conftest.py``)."""
-    (probe / "burn.py").write_text(
-        "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5:\n    pass\n"
-    )
+    (probe / "burn.py").write_text(BURN)
     before = preload.reaped_cpu_s()
     out = preload.run([sys.executable, "burn.py"], cwd=probe, env=_env(), capture_output=True, timeout=900)
     assert out.returncode == 0 and preload._key(_env()) in preload._zygotes
