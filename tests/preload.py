@@ -96,7 +96,7 @@ def _reap(sock: socket.socket) -> None:
 
 
 def _child(sock: socket.socket, req: dict, fds: list[int]) -> None:
-    code = 1
+    code, die_by = 1, None
     try:
         sock.close()
         if req["new_session"]:
@@ -133,15 +133,15 @@ def _child(sock: socket.socket, req: dict, fds: list[int]) -> None:
         else:
             print(exc.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:
-        code = 128 + signal.SIGINT
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
+    except BaseException as exc:  # as the interpreter: the hook prints it (our frames left out); exit 1
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc.__traceback__
+        if isinstance(exc, KeyboardInterrupt):
+            die_by = signal.SIGINT  # CPython ends by SIGINT then, so the parent sees -2
     finally:
-        _exit_like_python(code)
+        _exit_like_python(code, die_by)
 
 
 def _run_script(path: str) -> None:
@@ -160,13 +160,17 @@ def _run_script(path: str) -> None:
     exec(code, main.__dict__)
 
 
-def _exit_like_python(code: int) -> None:
-    """What the interpreter does when ``__main__`` ends: join threads, run atexit, flush; exit."""
+def _exit_like_python(code: int, die_by: int | None = None) -> None:
+    """What the interpreter does when ``__main__`` ends: join threads, run atexit, flush; exit
+    with ``code`` (or by the signal ``die_by``)."""
     try:
         threading._shutdown()  # non-daemon threads, as at a normal interpreter exit
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
+        if die_by is not None:
+            signal.signal(die_by, signal.SIG_DFL)
+            os.kill(os.getpid(), die_by)
     finally:
         os._exit(code & 0xFF)
 

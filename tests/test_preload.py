@@ -152,3 +152,19 @@ def test_reaped_cpu_is_counted(probe):
     out = preload.run([sys.executable, "burn.py"], cwd=probe, env=_env(), capture_output=True, timeout=900)
     assert out.returncode == 0 and preload._key(_env()) in preload._zygotes
     assert preload.reaped_cpu_s() - before >= 1.5
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["import sys\nsys.exit('refused')\n", "def f():\n    raise ValueError('bad')\nf()\n",
+     "raise KeyboardInterrupt\n", "import sys\nsys.exit(0)\n", "print('end')\n"],
+    ids=["exit-message", "exception", "keyboard-interrupt", "exit-0", "falls-off"],
+)  # fmt: skip
+def test_endings_equal_fresh(probe, body):
+    """However a script ends, the status and stderr are those of a fresh interpreter."""
+    (probe / "ending.py").write_text(body)
+    cmd = [sys.executable, "ending.py"]
+    fresh = subprocess.run(cmd, cwd=probe, env=_env(), capture_output=True, text=True, timeout=900)
+    forked = preload.run(cmd, cwd=probe, env=_env(), capture_output=True, text=True, timeout=900)
+    assert preload._plan(cmd) is not None and preload._key(_env()) in preload._zygotes
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
