@@ -52,6 +52,12 @@ def _parse(argv):
         "--only-switches", action="store_true", help="only the random-switch recompile count (no timings)"
     )
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype (bfloat16 runs on AMX where the CPU has it)",
+    )
     p.add_argument("--assets", default=str(REPO / ".cache" / "bench_assets"))
     p.add_argument("--json", default="benchmarks/results/diffusion_compile.json")
     p.add_argument("--restart-probe", default=None, help=argparse.SUPPRESS)  # internal: cache dir
@@ -72,12 +78,17 @@ class Bench:
         from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 
         torch.set_num_threads(args.threads)
+        self.dtype = getattr(torch, args.dtype)
+        if self.dtype == torch.bfloat16:
+            from vllm_omni.platform import request_amx_permission
+
+            request_amx_permission()  # as the diffusion worker does before running bf16 kernels
         init_diffusion_parallel_state(world_size=1, rank=0)
         self.args = args
         self.cfg = model_config(args.dim, args.layers, args.refiner_layers, cap_dim=512)
         self.folder = ensure_transformer(Path(args.assets), self.cfg)
-        self.eager = ZImageTransformer2DModel.from_pretrained(self.folder)
-        self.compiled = ZImageTransformer2DModel.from_pretrained(self.folder)
+        self.eager = ZImageTransformer2DModel.from_pretrained(self.folder, dtype=self.dtype)
+        self.compiled = ZImageTransformer2DModel.from_pretrained(self.folder, dtype=self.dtype)
         self.managers: dict = {}
         self.compiler = RegionalCompiler(
             self.compiled,
@@ -90,8 +101,11 @@ class Bench:
         import torch
 
         latent = latent or self.args.latent
-        xs = [torch.randn(16, 1, latent, latent, generator=self.gen) for _ in range(batch)]
-        caps = [torch.randn(self.args.cap_tokens + 7 * i, 512, generator=self.gen) for i in range(batch)]
+        xs = [torch.randn(16, 1, latent, latent, generator=self.gen).to(self.dtype) for _ in range(batch)]
+        caps = [
+            torch.randn(self.args.cap_tokens + 7 * i, 512, generator=self.gen).to(self.dtype)
+            for i in range(batch)
+        ]
         return xs, torch.linspace(0.2, 0.8, batch), caps
 
     def step(self, model, inputs):
@@ -150,6 +164,7 @@ def _compile_times(bench, cache_dir: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.diffusion_compile", "--restart-probe", cache_dir]
     cmd += ["--dim", str(args.dim), "--layers", str(args.layers), "--latent", str(args.latent)]
     cmd += ["--refiner-layers", str(args.refiner_layers), "--cap-tokens", str(args.cap_tokens)]
+    cmd += ["--dtype", args.dtype, "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     return {

@@ -160,15 +160,17 @@ class LoRABank(nn.Module):
         rows = x.shape[0]
         scales = self.table.index_select(0, self.group.reshape(1))[0, :rows]  # [rows, max_loras] float32
         a = self.a
-        h = F.linear(x if x.dtype == a.dtype else x.to(a.dtype), a)
+        # 2-D GEMMs throughout: a column block of a 2-D ``h`` is a strided matrix BLAS reads in place,
+        # where a slice of a 3-D ``h`` made the expand a batched matmul over copies
+        x2 = x.reshape(-1, x.shape[-1])
+        h = F.linear(x2 if x2.dtype == a.dtype else x2.to(a.dtype), a)  # [rows * L, slices * width]
         coef = scales.to(a.dtype)[:, None, :, None].expand(rows, self.n_slices, self.max_loras, self.max_rank)
-        coef = coef.reshape(rows, *([1] * (x.dim() - 2)), a.shape[0])
-        h = h * coef
+        h = (h.view(rows, -1, a.shape[0]) * coef.reshape(rows, 1, a.shape[0])).view(h.shape)
         width = self.max_loras * self.max_rank
-        parts = [h.narrow(-1, i * width, width) @ bt for i, bt in enumerate(self.bts())]
+        parts = [h[:, i * width : (i + 1) * width] @ bt for i, bt in enumerate(self.bts())]
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         active = (scales != 0).any(-1).reshape(rows, *([1] * (y.dim() - 1)))
-        return torch.where(active, y + delta.to(y.dtype), y)
+        return torch.where(active, y + delta.view(y.shape).to(y.dtype), y)
 
 
 class LoRABankSet:
