@@ -213,15 +213,6 @@ class ForkedProcess:
         self.wait(timeout)
         return out.result(), err.result()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for f in (self.stdout, self.stderr):
-            if f is not None:
-                f.close()
-        self.wait()
-
 
 class _Drain:
     def __init__(self, f):
