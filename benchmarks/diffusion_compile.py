@@ -76,8 +76,10 @@ class Bench:
         from vllm_omni.diffusion.compile import RegionalCompiler
         from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
         from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+        from vllm_omni.platform import keep_freed_cpu_memory
 
         torch.set_num_threads(args.threads)
+        keep_freed_cpu_memory()  # as the CPU diffusion worker does before it builds a model
         self.dtype = getattr(torch, args.dtype)
         if self.dtype == torch.bfloat16:
             from vllm_omni.platform import request_amx_permission

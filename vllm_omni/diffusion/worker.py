@@ -47,7 +47,7 @@ from vllm_omni.ipc import (
     load_error,
 )
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.platform import request_amx_permission
+from vllm_omni.platform import keep_freed_cpu_memory, request_amx_permission
 
 logger = logging.getLogger(__name__)
 _to_rank = decoder(Call | Shutdown)
@@ -86,6 +86,7 @@ class DiffusionWorker:
             self.device = torch.device("cuda", index)
         else:
             self.device = torch.device("cpu")
+            keep_freed_cpu_memory()  # activations reuse heap pages instead of faulting them in per step
         if od_config.use_in_tree:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             init_diffusion_parallel_state(world_size, rank, distributed_init_method, backend)
