@@ -47,9 +47,12 @@ def _faults_per_block(tmp_path, mode: str) -> float:
 def test_freed_blocks_are_reused_without_page_faults(tmp_path):
     default = _faults_per_block(tmp_path, "default")
     kept = _faults_per_block(tmp_path, "keep")
-    # 48 MiB is 12,288 pages of 4 KiB: glibc's default faults (nearly) all of them in again per block
-    assert default > 6000, f"expected the default heap to fault the block in again, saw {default}"
-    assert kept < 100, f"freed blocks still fault in after keep_freed_cpu_memory: {kept} per block"
+    # 48 MiB is 12,288 pages of 4 KiB (24 of 2 MiB where transparent huge pages are "always"): glibc's
+    # default faults (nearly) all of them in again per block; a kept heap faults none
+    assert default >= 20, f"expected the default heap to fault the block in again, saw {default}"
+    assert kept <= default / 10, (
+        f"freed blocks still fault in after keep_freed_cpu_memory: {kept} vs {default}"
+    )
 
 
 @pytest.mark.parametrize(
