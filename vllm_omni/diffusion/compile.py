@@ -1,7 +1,7 @@
 """Regional ``torch.compile`` of a diffusion denoiser (``enforce_eager=False``).
 
 Only the repeated transformer blocks are compiled, one compiled function per block *class*: every
-block of a list runs the same compiled code (dynamo caches per code object and, with nn modules
+block of that class (in a list of many, a list of one or on its own) runs the same compiled code (dynamo caches per code object and, with nn modules
 inlined, a block's parameters are graph inputs), so the first compile costs one block per graph
 variant, not the whole network (the idea of diffusers' ``compile_repeated_blocks`` and of vLLM's
 piecewise compilation). Embedders, the final layer, patchify / unpatchify and the ragged per-sample
@@ -75,6 +75,26 @@ def repeated_block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
+def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every submodule of a repeated block class, wherever it sits, outermost only.
+
+    The classes are those of :func:`repeated_block_lists` plus the names in ``_repeated_blocks``;
+    an instance in a list of one (Z-Image with one refiner layer) or outside any list is compiled
+    too, as diffusers' ``compile_repeated_blocks`` compiles every instance of a listed class. A
+    block nested inside another selected block runs inside that block's graph.
+    """
+    classes = {type(blocks[0]) for _, blocks in repeated_block_lists(module)}
+    names = set(getattr(module, "_repeated_blocks", None) or ())
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        if child is module or not (type(child) in classes or type(child).__name__ in names):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.append((name, child))
+    return found
+
+
 @dataclass
 class CompileStats:
     """What a :class:`RegionalCompiler` has compiled so far.
@@ -127,8 +147,8 @@ class RegionalCompiler:
         variant: Callable[[], object] | None = None,
         label: str = "diffusion stage",
     ) -> None:
-        lists = repeated_block_lists(denoiser)
-        if not lists:
+        found = repeated_blocks(denoiser)
+        if not found:
             raise ValueError(f"{type(denoiser).__name__} has no repeated block list to compile")
         self.cache_dir = cache_dir
         os.makedirs(cache_dir, exist_ok=True)
@@ -137,7 +157,8 @@ class RegionalCompiler:
         self.check_rows = check_rows
         self.variant = variant
         self.label = label
-        self.block_lists = [name for name, _ in lists]
+        #: qualified names of the compiled blocks
+        self.block_names = [name for name, _ in found]
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         dynamo_config.accumulated_recompile_limit = max(
@@ -145,18 +166,17 @@ class RegionalCompiler:
         )
         compiled: dict[type, Callable] = {}
         self.blocks = 0
-        for _, blocks in lists:
-            for block in blocks:
-                cls = type(block)
-                if cls not in compiled:
-                    compiled[cls] = torch.compile(cls.forward, backend=backend)
-                block.forward = _CompiledBlock(self, block, compiled[cls])
-                self.blocks += 1
+        for _, block in found:
+            cls = type(block)
+            if cls not in compiled:
+                compiled[cls] = torch.compile(cls.forward, backend=backend)
+            block.forward = _CompiledBlock(self, block, compiled[cls])
+            self.blocks += 1
         logger.info(
             "%s: torch.compile of %d repeated blocks (%s) in %s; each graph compiles on its first call",
             label,
             self.blocks,
-            ", ".join(self.block_lists),
+            ", ".join(sorted({type(b).__name__ for _, b in found})),
             cache_dir,
         )
 
@@ -230,5 +250,6 @@ __all__ = [
     "RegionalCompiler",
     "default_cache_dir",
     "repeated_block_lists",
+    "repeated_blocks",
     "stage_cache_key",
 ]
