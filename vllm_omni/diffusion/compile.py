@@ -1,9 +1,9 @@
 """Regional ``torch.compile`` of a diffusion denoiser (``enforce_eager=False``).
 
 Only the repeated transformer blocks are compiled, one compiled function per block *class*: every
-block of that class (in a list of many, a list of one or on its own) runs the same compiled code (dynamo caches per code object and, with nn modules
-inlined, a block's parameters are graph inputs), so the first compile costs one block per graph
-variant, not the whole network (the idea of diffusers' ``compile_repeated_blocks`` and of vLLM's
+block of that class (in a list of many, a list of one or on its own) runs the same compiled code
+(dynamo caches per code object and, with nn modules inlined, a block's parameters are graph inputs),
+so the first compile costs one block per graph variant, not the whole network (the idea of diffusers' ``compile_repeated_blocks`` and of vLLM's
 piecewise compilation). Embedders, the final layer, patchify / unpatchify and the ragged per-sample
 Python of the model stay eager.
 
