@@ -47,7 +47,7 @@ def _parse(argv):
     p.add_argument("--cap-tokens", type=int, default=32)
     p.add_argument("--ranks", type=int, nargs="*", default=[16, 64])
     p.add_argument("--ks", type=int, nargs="*", default=[1, 4])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--switches", type=int, default=200)
     p.add_argument(
         "--only-switches", action="store_true", help="only the random-switch recompile count (no timings)"
@@ -200,7 +200,8 @@ def _ratios(bench, timer, args, k: int, r: int) -> dict:
             lambda m=manager: m.set_active_adapters(reqs, [1.0] * k),
         )
     t0 = time.perf_counter()
-    res = paired(timer, sides, args.repeats, warm_base=True)
+    # one untimed step after each switch: the timed step is one of a request that keeps its adapters
+    res = paired(timer, sides, args.repeats, warm_base=True, settle=1)
     image_tokens = (args.latent // 2) ** 2
     floor, share = flop_floor(bench.cfg, k * r, image_tokens, args.cap_tokens + (-args.cap_tokens) % 32)
     for manager in bench.managers.values():
@@ -211,6 +212,9 @@ def _ratios(bench, timer, args, k: int, r: int) -> dict:
         "compiled_ratio": res["compiled"]["ratio"],
         "compiled_base_s": res["compiled"]["base_s"],
         "eager_base_s": res["eager"]["base_s"],
+        # the LoRA step's extra cost itself, per step (ms): compiled vs eager on the same adapters
+        "compiled_lora_ms": 1e3 * (res["compiled"]["lora_s"] - res["compiled"]["base_s"]),
+        "eager_lora_ms": 1e3 * (res["eager"]["lora_s"] - res["eager"]["base_s"]),
         "flop_floor": 1 + floor * share,
         "bank_bytes": banks.nbytes(),
         "slot_bytes": sum(bench.managers["compiled"].cached_nbytes(q.lora_int_id) for q in reqs),

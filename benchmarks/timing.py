@@ -34,11 +34,14 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
-def paired(timer: Timer, sides: dict, repeats: int, warm_base: bool) -> dict:
+def paired(timer: Timer, sides: dict, repeats: int, warm_base: bool, settle: int = 0) -> dict:
     """Per side, interleaved no-LoRA / LoRA steps; all sides take turns inside each repeat.
 
     ``sides`` maps a name to ``(step_fn, prepare_base, prepare_lora)``. Interleaving both the two
     conditions and the two sides means a change in the machine's load hits every number alike.
+    ``settle`` untimed steps run after each prepare, so that the timed step is one of a request
+    that keeps its adapters (caches warm, the graph variant already selected), not the first step
+    after a switch.
     Returns per side the medians of the times, the median of the per-pair ratios (``ratio``) and the
     ratio of the fastest runs (``ratio_min``, the least disturbed ones).
     """
@@ -53,8 +56,12 @@ def paired(timer: Timer, sides: dict, repeats: int, warm_base: bool) -> dict:
     for _ in range(repeats):
         for name, (step, prepare_base, prepare_lora) in sides.items():
             prepare_base()
+            for _ in range(settle):
+                step()
             tb[name].append(timer(step))
             prepare_lora()
+            for _ in range(settle):
+                step()
             tl[name].append(timer(step))
     return {
         name: {

@@ -160,3 +160,35 @@ def test_bank_memory_is_slots_at_max_rank(toys):
         g = wrapper.geometry
         want += 3 * RANK * (len(g.slices) * g.in_local + g.out_local) * 4
     assert banked.banks.nbytes() == want + banked.banks.table.numel() * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bank_expand_adds_every_slice_in_place(dtype):
+    """The compiled expand op: each output slice gets its own column block of ``h`` times its ``B^T``,
+    written into ``y`` itself (the GEMM accumulates, one rounding in bfloat16), other columns untouched."""
+    from vllm_omni.diffusion.lora.ops import bank_expand_
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, width, rows = (6, 4, 6), 3, 5
+    y = torch.randn(rows, sum(sizes), generator=gen).to(dtype)
+    h = torch.randn(rows, len(sizes) * width, generator=gen).to(dtype)
+    bts = [torch.randn(width, n, generator=gen).to(dtype) for n in sizes]
+    want = y.clone()
+    offset = 0
+    for i, (n, bt) in enumerate(zip(sizes, bts, strict=True)):
+        ref = y[:, offset : offset + n].float() + h[:, i * width : (i + 1) * width].float() @ bt.float()
+        want[:, offset : offset + n] = ref.to(dtype)  # exact sum, rounded once
+        offset += n
+    ptr = y.data_ptr()
+    torch.ops.vllm_omni.lora_bank_expand_.default(y, h, bts)
+    assert y.data_ptr() == ptr
+    tol = 1e-5 if dtype == torch.float32 else 0.0
+    # bfloat16: equal to the once-rounded exact result up to one unit in the last place
+    ulp = (want.float().abs() * 2**-7).clamp_min(1e-30)
+    err = (y.float() - want.float()).abs()
+    assert (err <= tol + (ulp if dtype == torch.bfloat16 else 0)).all(), err.max()
+    # and with a single slice spanning y, via the Python entry point
+    y1, h1, bt1 = y[:, :6].contiguous(), h[:, :width].contiguous(), bts[0]
+    before = y1.clone()
+    bank_expand_(y1, h1, [bt1])
+    torch.testing.assert_close(y1.float(), (before.float() + h1.float() @ bt1.float()), atol=0.05, rtol=0.02)

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni.diffusion.lora.geometry import LayerGeometry
+from vllm_omni.diffusion.lora.ops import bank_expand_
 from vllm_omni.diffusion.lora.weights import SlotWeights
 from vllm_omni.errors import ConfigError, InvalidAdapterError, InvalidRequestError
 
@@ -146,16 +147,22 @@ class LoRABank(nn.Module):
 
     # ------------------------------------------------------------ forward
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus every slot's scaled delta, rows whose scales are all zero left as they are.
+        """``y`` plus every slot's scaled delta; rows whose scales are all zero come back unchanged.
 
-        Traced by dynamo: reads only tensors (and shapes), never their values.
+        Traced by dynamo: reads only tensors (and shapes), never their values. A row whose scales
+        are all zero gets ``h = 0`` (``torch.where`` on the small ``h``, so even an inf or NaN in
+        ``x A^T`` stays out), hence a delta of exact zeros: adapters with a NaN or inf weight, or
+        whose update overflows the layer's dtype, are refused when they load
+        (:func:`~vllm_omni.lora.adapter_files.update_range_problem`), and ``y + 0`` is ``y``.
 
         Args:
             x: layer input on this rank, ``[rows, ..., in_local]`` (rows: denoiser samples).
-            y: layer output on this rank before any collective, ``[rows, ..., out_local]``.
+            y: layer output on this rank before any collective, ``[rows, ..., out_local]``; updated
+                in place (and returned) when it is contiguous and of the bank's dtype, which the
+                output of the base GEMM is.
 
         Returns:
-            A new tensor shaped like ``y``.
+            ``y`` with the delta added (a new tensor when ``y`` could not be updated in place).
         """
         rows = x.shape[0]
         scales = self.table.index_select(0, self.group.reshape(1))[0, :rows]  # [rows, max_loras] float32
@@ -165,12 +172,16 @@ class LoRABank(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         h = F.linear(x2 if x2.dtype == a.dtype else x2.to(a.dtype), a)  # [rows * L, slices * width]
         coef = scales.to(a.dtype)[:, None, :, None].expand(rows, self.n_slices, self.max_loras, self.max_rank)
-        h = (h.view(rows, -1, a.shape[0]) * coef.reshape(rows, 1, a.shape[0])).view(h.shape)
+        active = (scales != 0).any(-1).reshape(rows, 1, 1)
+        h = torch.where(active, h.view(rows, -1, a.shape[0]) * coef.reshape(rows, 1, a.shape[0]), 0)
+        h = h.view(-1, a.shape[0])
+        if y.dtype == a.dtype and y.is_contiguous():
+            bank_expand_(y.view(-1, y.shape[-1]), h, self.bts())
+            return y
         width = self.max_loras * self.max_rank
         parts = [h[:, i * width : (i + 1) * width] @ bt for i, bt in enumerate(self.bts())]
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        active = (scales != 0).any(-1).reshape(rows, *([1] * (y.dim() - 1)))
-        return torch.where(active, y + delta.view(y.shape).to(y.dtype), y)
+        return y + delta.view(y.shape).to(y.dtype)
 
 
 class LoRABankSet:
