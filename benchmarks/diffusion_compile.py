@@ -6,9 +6,11 @@ One run on the in-tree Z-Image transformer (random weights in diffusers format u
 1. first compile time of the base graph (fresh cache directory) and the warm-restart time (a new
    process with the same cache directory after another process filled it and exited: dynamo traces
    again, inductor's FX graph cache hits);
-2. compiled base / eager base step time (one denoiser forward, interleaved pairs, process CPU time);
+2. compiled base / eager base step time (one denoiser forward, interleaved pairs, process CPU time,
+   each timed step after one untimed step of the same condition: a request's steady state);
 3. for K = 1, 4 adapters and r = 16, 64 (manager sized ``max_loras=K``, ``max_rank=r``): compiled
-   LoRA / compiled base next to eager LoRA / eager base and the FLOP floor of the patched layers;
+   LoRA / compiled base next to eager LoRA / eager base and the FLOP floor of the patched layers,
+   and the LoRA step's own cost in ms on each side;
 4. dynamo graphs created over ``--switches`` random switches (adapter sets, scales incl. 0, per-step
    and per-block schedules, mixed batches, batch sizes 2..4 and two image sizes): must be 0;
 5. bytes of the banks vs the host cache's prepared slot weights of the same adapters.
