@@ -375,11 +375,14 @@ def update_range_problem(
         scaling: the adapter scaling ``s`` (``lora_alpha / r`` or ``lora_alpha / sqrt(r)``).
         dtype: the floating-point dtype the stage computes the update in.
 
-    The update must be representable: ``s``, ``A`` and ``s * B`` finite in ``dtype``, and the bound
+    The update must be representable: ``s``, ``A`` and ``s * B`` finite in ``dtype``; the shrink
+    ``x A^T`` finite for inputs of magnitude <= 1 (``max|A| * in_features`` at most
+    ``finfo(dtype).max``: an inf there becomes NaN when multiplied by a zero ``B`` or a zero scale,
+    and a compiled stage's bank computes every resident slot's shrink for every row); and the bound
     ``|s| * max|B| * max|A| * in_features`` on one output of the update for inputs of magnitude <= 1
     at most ``sqrt(finfo(dtype).max)``, since the layers that follow square their inputs (norms,
-    attention scores): a larger update turns a whole batch into inf / NaN in that dtype. The bound
-    is computed in float64, so the check itself never overflows.
+    attention scores): a larger update turns a whole batch into inf / NaN in that dtype. The bounds
+    are computed in float64, so the check itself never overflows.
     """
     info = torch.finfo(dtype)
     s = abs(float(scaling))
@@ -389,7 +392,13 @@ def update_range_problem(
     max_b = float(lora_b.detach().abs().max().double()) if lora_b.numel() else 0.0
     if max_a > info.max or s * max_b > info.max:
         return f"its weights (max |A| {max_a:.3g}, max |s*B| {s * max_b:.3g}) overflow {dtype} (max {info.max:.3g})"
-    bound = s * max_b * max_a * int(lora_a.shape[-1])
+    shrink = max_a * int(lora_a.shape[-1])
+    if shrink > info.max:
+        return (
+            f"its shrink bound max|A|*in_features = {shrink:.3g} exceeds the {dtype} max {info.max:.3g} "
+            "(x A^T would overflow to inf for inputs of magnitude 1)"
+        )
+    bound = s * max_b * shrink
     limit = math.sqrt(info.max)
     if bound > limit:
         return (

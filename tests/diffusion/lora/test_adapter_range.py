@@ -1,8 +1,10 @@
 """An adapter whose update overflows the LoRA dtype is refused when loaded (issue 13, item 2).
 
 alpha 3e38 or B x 1e30 are finite in float32 but turn every image of the batch black (inf / NaN
-after the layers that square their inputs); the manager refuses them naming the file and the layer,
-and its cache and slots stay as they were.
+after the layers that square their inputs); A = 3e38 with B = 0 adds nothing on paper, but its
+shrink ``x A^T`` is inf and ``inf * 0`` is NaN (a compiled stage's bank multiplies every resident
+slot for every row, so it reached rows that did not use the adapter). The manager refuses them
+naming the file and the layer, and its cache and slots stay as they were.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.request import LoRARequest
 
 
-def _variant(src: str, dst: str, *, alpha=None, b_factor=None) -> str:
+def _variant(src: str, dst: str, *, alpha=None, b_factor=None, a_value=None) -> str:
     shutil.copytree(src, dst)
     if alpha is not None:
         cfg_path = os.path.join(dst, "adapter_config.json")
@@ -30,10 +32,14 @@ def _variant(src: str, dst: str, *, alpha=None, b_factor=None) -> str:
         cfg["lora_alpha"] = alpha
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-    if b_factor is not None:
+    if b_factor is not None or a_value is not None:
         weights = os.path.join(dst, "adapter_model.safetensors")
         tensors = load_file(weights)
-        save_file({k: v * b_factor if "lora_B" in k else v for k, v in tensors.items()}, weights)
+        if b_factor is not None:
+            tensors = {k: v * b_factor if "lora_B" in k else v for k, v in tensors.items()}
+        if a_value is not None:
+            tensors = {k: torch.full_like(v, a_value) if "lora_A" in k else v for k, v in tensors.items()}
+        save_file(tensors, weights)
     return dst
 
 
@@ -44,6 +50,8 @@ def _variant(src: str, dst: str, *, alpha=None, b_factor=None) -> str:
         (dict(b_factor=1e30), torch.float32),
         (dict(alpha=3e38), torch.bfloat16),
         (dict(b_factor=1e30), torch.bfloat16),
+        (dict(a_value=3e38, b_factor=0.0), torch.float32),
+        (dict(a_value=3e38, b_factor=0.0), torch.bfloat16),
     ],
 )
 def test_overflowing_adapter_is_refused_and_the_cache_is_unchanged(toy_base, adapters, tmp_path, kind, dtype):

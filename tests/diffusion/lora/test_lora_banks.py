@@ -192,3 +192,28 @@ def test_bank_expand_adds_every_slice_in_place(dtype):
     before = y1.clone()
     bank_expand_(y1, h1, [bt1])
     torch.testing.assert_close(y1.float(), (before.float() + h1.float() @ bt1.float()), atol=0.05, rtol=0.02)
+
+
+def test_a_slot_at_scale_zero_adds_nothing_even_when_its_shrink_is_not_finite(toys):
+    """Each slot's shrink is selected per row, not only multiplied by its scale: a slot whose ``x A^T``
+    is inf or NaN (here forced into its bank rows; at load, adapters that could do this for unit
+    inputs are refused) changes neither the rows that list it at scale 0 nor the rows without it."""
+    r, banked = toys[-1], toys[3]
+    _warm(toys)
+    sets = [([r["a"], r["b"]], [1.0, 0.0]), ([r["a"]], [0.7]), ([], [])]
+    want, clean = _run(toys, sets, 3, seed=5)  # also makes a and b resident
+    slot = banked.slot_assignment()[r["b"].lora_int_id]
+    saved = {name: bank.a.clone() for name, bank in banked.banks.banks.items()}
+    try:
+        for bank in banked.banks.banks.values():
+            width = bank.max_loras * bank.max_rank
+            for i in range(bank.n_slices):
+                start = i * width + slot * bank.max_rank
+                bank.a[start : start + bank.max_rank] = float("inf")
+        got = _run(toys, sets, 3, seed=5)[1]
+    finally:
+        for name, bank in banked.banks.banks.items():
+            bank.a.copy_(saved[name])
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, clean)
+    assert (want - got).abs().max().item() <= TOL

@@ -149,10 +149,11 @@ class LoRABank(nn.Module):
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus every slot's scaled delta; rows whose scales are all zero come back unchanged.
 
-        Traced by dynamo: reads only tensors (and shapes), never their values. A row whose scales
-        are all zero gets ``h = 0`` (``torch.where`` on the small ``h``, so even an inf or NaN in
-        ``x A^T`` stays out), hence a delta of exact zeros: adapters with a NaN or inf weight, or
-        whose update overflows the layer's dtype, are refused when they load
+        Traced by dynamo: reads only tensors (and shapes), never their values. Each slot's columns
+        of ``h`` are zero in the rows where its scale is zero (``torch.where`` on the small ``h``,
+        so even an inf or NaN in that slot's ``x A^T`` stays out), hence a row whose scales are all
+        zero gets a delta of exact zeros: adapters with a NaN or inf weight, or whose shrink or
+        update overflows the layer's dtype, are refused when they load
         (:func:`~vllm_omni.lora.adapter_files.update_range_problem`), and ``y + 0`` is ``y``.
 
         Args:
@@ -172,9 +173,11 @@ class LoRABank(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         h = F.linear(x2 if x2.dtype == a.dtype else x2.to(a.dtype), a)  # [rows * L, slices * width]
         coef = scales.to(a.dtype)[:, None, :, None].expand(rows, self.n_slices, self.max_loras, self.max_rank)
-        active = (scales != 0).any(-1).reshape(rows, 1, 1)
-        h = torch.where(active, h.view(rows, -1, a.shape[0]) * coef.reshape(rows, 1, a.shape[0]), 0)
-        h = h.view(-1, a.shape[0])
+        coef = coef.reshape(rows, 1, a.shape[0])
+        # a select, not only a product: a slot whose scale is 0 in a row contributes exact zeros to
+        # that row whatever its shrink holds (inf * 0 would be NaN), so no slot reaches rows or
+        # slots that do not use it
+        h = torch.where(coef != 0, h.view(rows, -1, a.shape[0]) * coef, 0).view(-1, a.shape[0])
         if y.dtype == a.dtype and y.is_contiguous():
             bank_expand_(y.view(-1, y.shape[-1]), h, self.bts())
             return y
