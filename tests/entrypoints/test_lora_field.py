@@ -57,6 +57,44 @@ def test_object_list_and_aliases():
 
 
 @pytest.mark.parametrize(
+    "peer",
+    [
+        {"adapter": "s", "lora_scale": 0.5},  # vllm-omni
+        {"lora_name": "s", "strength": 0.5},  # vLLM's name, ComfyUI's scale
+        {"name": "s", "weight": 0.5},  # A1111
+        {"adapter": "s", "scale": {"steps": 0.5}},
+    ],
+)
+def test_peer_spellings_parse_as_the_canonical_keys(peer):
+    canonical = parse_lora_field({"name": "s", "scale": 0.5})
+    parsed = parse_lora_field(peer)
+    assert parsed[0].name == canonical[0].name == "s"
+    scale = parsed[0].scale
+    assert (scale.steps if not isinstance(scale, float) else scale) == canonical[0].scale == 0.5
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"name": "s", "adapter": "t"}, "'name' and 'adapter' are spellings of the same field 'name'"),
+        ({"name": "s", "scale": 1, "strength": 1}, "'scale' and 'strength' are spellings of the same field"),
+        ({"name": "s", "lora_scale": 1, "weight": 2}, "'lora_scale' and 'weight' are spellings"),
+        ({"name": "s", "strenght": 0.5}, "unknown key(s) 'strenght' (did you mean 'strength'?)"),
+        ({"name": "s", "lora_sacle": 0.5}, "'lora_sacle' (did you mean 'lora_scale'?)"),
+        ({"name": "s", "zzz": 0.5}, "unknown key(s) 'zzz'; allowed keys: ['name', 'lora_name', 'adapter'"),
+        ({"name": "s", "scale": {}}, "lora.scale is an empty schedule"),
+        ({"name": "s", "weight": []}, "lora.scale must hold 1 to 1000 entries, got 0"),
+        ({"name": "s", "strength": {"steps": []}}, "lora.scale.steps must hold 1 to 1000 entries"),
+    ],
+)
+def test_spelling_refusals_name_the_keys(value, message):
+    with pytest.raises(OpenAIError) as info:
+        parse_lora_field(value)
+    assert info.value.status == 400 and info.value.param == "lora"
+    assert message in info.value.message
+
+
+@pytest.mark.parametrize(
     "value",
     [
         "s",

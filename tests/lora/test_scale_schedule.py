@@ -74,6 +74,11 @@ def test_step_fraction_convention():
         ({"steps": 1.0, "blocks": {"": 1.0}}, "must be a module-name pattern or a block index"),
         ({"steps": 1.0, "blocks": [1, 2]}, "must map patterns or block indices"),
         ({"step": 1.0}, r"unknown key\(s\) \['step'\]"),
+        ({}, "s is an empty schedule"),  # was read as the default scale
+        ({"blocks": {}}, "s is an empty schedule"),
+        ({"steps": None, "blocks": None}, "s is an empty schedule"),
+        ([], r"s must hold 1 to 1000 entries, got 0"),
+        ({"steps": []}, r"s.steps must hold 1 to 1000 entries, got 0"),
         ("high", "must be a finite number"),
     ],
 )

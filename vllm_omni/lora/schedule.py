@@ -105,7 +105,9 @@ class LoRAScaleSchedule:
         """A schedule from a list (per-step values or ranges), a ``{"steps", "blocks"}`` dict or a schedule.
 
         Raises:
-            InvalidRequestError: a wrong type, key or value; the message starts with ``where``.
+            InvalidRequestError: a wrong type, key or value, or an empty schedule (``{}``, ``[]``,
+                ``{"steps": []}``, ``{"blocks": {}}``: none of them says a scale); the message starts
+                with ``where``.
         """
         if isinstance(value, LoRAScaleSchedule):
             steps, blocks = value.steps, value.blocks
@@ -126,6 +128,11 @@ class LoRAScaleSchedule:
             _parse_steps(steps, f"{where}.steps" if isinstance(value, Mapping) else where),
             _parse_blocks(blocks, f"{where}.blocks"),
         )
+        if schedule.steps is None and not schedule.blocks:
+            raise InvalidRequestError(
+                f"{where} is an empty schedule; give a number, a list of per-step values or ranges, "
+                "or {'steps': ..., 'blocks': {...}} with at least one of them (omit the scale for the default)"
+            )
         schedule._check_products(where)
         return schedule
 

@@ -2,12 +2,13 @@
 
 ``lora`` is an object or a list of objects with the keys
 
-- ``name`` (or ``lora_name``): adapter name; optional when ``path`` is given;
+- ``name`` (or ``lora_name``, ``adapter``): adapter name; optional when ``path`` is given;
 - ``path`` (or ``local_path``): a PEFT directory or one ``.safetensors`` file;
-- ``scale``: per-request weight (diffusion stages; LLM stages take 1.0 only). Unset means 1.0,
-  or the stage's ``--lora-scale`` for a ``--lora-path`` adapter. On diffusion stages it may also be
-  a list with one value per denoising step, a list of step-fraction ranges
-  ``{"start", "end", "scale"}``, or ``{"steps": <number | list>, "blocks": {<pattern or block index>:
+- ``scale`` (or ``lora_scale``, ``strength``, ``weight``): per-request weight (diffusion stages;
+  LLM stages take 1.0 only). Unset means 1.0, or the stage's ``--lora-scale`` for a ``--lora-path``
+  adapter. On diffusion stages it may also be a list with one value per denoising step, a list of
+  step-fraction ranges ``{"start", "end", "scale"}``, or ``{"steps": <number | list>, "blocks":
+  {<pattern or block index>:
   <multiplier>}}`` (:mod:`vllm_omni.lora.schedule`);
 - ``int_id``: optional adapter id; by default a stable function of the path
   (:func:`~vllm_omni.lora.request.stable_lora_int_id`), so the same name with another
@@ -20,8 +21,9 @@
   ``"transformer"`` / ``"high_noise"`` or ``"transformer_2"`` / ``"low_noise"``; unset follows
   :func:`~vllm_omni.lora.request.assign_denoisers` (``[high_noise, low_noise]`` by position).
 
-A bare ``{"name": ...}`` selects an adapter the engine's registry knows (``--lora-modules``,
-``/v1/load_lora_adapter``, ``--lora-path`` or ``AsyncOmni.add_lora``).
+Two spellings of one field in one object are refused, and so is any other key (the message names the
+nearest allowed key). A bare ``{"name": ...}`` selects an adapter the engine's registry knows
+(``--lora-modules``, ``/v1/load_lora_adapter``, ``--lora-path`` or ``AsyncOmni.add_lora``).
 
 Paths in requests are served only when they are inside a ``--lora-dirs`` root after
 ``realpath`` (so ``..`` and symlinks leading out are refused) or were registered at
@@ -32,6 +34,7 @@ says the same thing whether or not the target exists. Pickle-only adapters are r
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +48,18 @@ from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, canonical_denoiser, stable_lora_int_id
 from vllm_omni.lora.schedule import LoRAScaleSchedule, coerce_scale
 
-ALLOWED_KEYS = ("name", "lora_name", "path", "local_path", "scale", "int_id", "stage", "denoiser")
+#: Each field and the spellings accepted for it (the first is the canonical one): ``lora_scale`` and
+#: ``adapter`` as the vllm-omni project writes them, ``lora_name`` / ``local_path`` as vLLM's
+#: ``/v1/load_lora_adapter`` does, ``strength`` / ``weight`` as ComfyUI and A1111 call a LoRA's scale.
+FIELD_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "name": ("name", "lora_name", "adapter"),
+    "path": ("path", "local_path"),
+    "scale": ("scale", "lora_scale", "strength", "weight"),
+    "int_id": ("int_id",),
+    "stage": ("stage",),
+    "denoiser": ("denoiser",),
+}
+ALLOWED_KEYS = tuple(key for spellings in FIELD_SPELLINGS.values() for key in spellings)
 MAX_STAGE_ID = 1023
 MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
@@ -65,21 +79,41 @@ class LoRASpec:
     denoiser: str | None = None  # None: by the request's position rule (two-denoiser stages)
 
 
-def _one_of(entry: dict, keys: tuple[str, str], where: str) -> Any:
-    present = [k for k in keys if k in entry]
-    if len(present) > 1:
-        raise bad_request(f"{where}: give either {keys[0]!r} or {keys[1]!r}, not both", "lora")
-    return entry[present[0]] if present else None
+def _canonical_fields(entry: dict, where: str) -> dict[str, Any]:
+    """``entry`` with every key in its canonical spelling (:data:`FIELD_SPELLINGS`).
+
+    Raises:
+        OpenAIError: (400) an unknown key (naming the nearest allowed key), or two spellings of one field.
+    """
+    unknown = sorted(str(k) for k in entry if k not in ALLOWED_KEYS)
+    if unknown:
+        hints = []
+        for key in unknown:
+            near = difflib.get_close_matches(key.lower(), ALLOWED_KEYS, n=1, cutoff=0.6)
+            hints.append(f"{key!r} (did you mean {near[0]!r}?)" if near else repr(key))
+        raise bad_request(
+            f"{where} has unknown key(s) {', '.join(hints)}; allowed keys: {list(ALLOWED_KEYS)}", "lora"
+        )
+    fields: dict[str, Any] = {}
+    for field, spellings in FIELD_SPELLINGS.items():
+        present = [k for k in spellings if k in entry]
+        if len(present) > 1:
+            raise bad_request(
+                f"{where}: {' and '.join(repr(k) for k in present)} are spellings of the same field "
+                f"{field!r}; give only one",
+                "lora",
+            )
+        if present:
+            fields[field] = entry[present[0]]
+    return fields
 
 
 def _parse_entry(entry: Any, where: str) -> LoRASpec:
     if not isinstance(entry, dict):
         raise bad_request(f"{where} must be an object, got {type(entry).__name__}", "lora")
-    unknown = sorted(str(k) for k in entry if k not in ALLOWED_KEYS)
-    if unknown:
-        raise bad_request(f"{where} has unknown key(s) {unknown}; allowed keys: {list(ALLOWED_KEYS)}", "lora")
-    name = _one_of(entry, ("name", "lora_name"), where)
-    path = _one_of(entry, ("path", "local_path"), where)
+    entry = _canonical_fields(entry, where)
+    name = entry.get("name")
+    path = entry.get("path")
     if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LEN):
         raise bad_request(
             f"{where}.name must be a non-empty string of at most {MAX_NAME_LEN} characters", "lora"
