@@ -67,3 +67,11 @@ def tiny_z_image_loras(tiny_z_image_dir) -> dict[str, Path]:
     from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
 
     return ensure_tiny_z_image_loras(tiny_z_image_dir, _assets_root())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_dir() -> Path:
+    """Tiny diffusers ``QwenImagePipeline`` directory (see ``tools/make_tiny_qwen_image.py``)."""
+    from tools.make_tiny_qwen_image import ensure_tiny_qwen_image
+
+    return ensure_tiny_qwen_image(_assets_root())

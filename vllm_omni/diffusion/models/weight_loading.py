@@ -20,6 +20,7 @@ from torch import nn
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+from vllm_omni.diffusion.distributed.parallel_state import current_vllm_config_for_layers
 from vllm_omni.errors import ConfigError
 
 StackedParamsMapping = list[tuple[str, str, str | int]]
@@ -137,3 +138,40 @@ def finalize_linear_layers(model: nn.Module, keep_base_weights: bool = True) -> 
             if keep_base_weights:
                 module._cpu_skip_gemm_dispatch = True
             module.quant_method.process_weights_after_loading(module)
+
+
+def read_component_config(folder: str | Path) -> dict:
+    """A diffusers component's ``config.json`` without its private ``_``-keys (``_class_name``, ...).
+
+    Raises:
+        FileNotFoundError: the folder has no ``config.json``.
+    """
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+
+
+def load_denoiser(
+    cls: type[nn.Module],
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    keep_base_weights: bool = True,
+) -> nn.Module:
+    """Build ``cls(**config.json, dtype=dtype)`` from a diffusers ``transformer/`` folder and load it.
+
+    The model is constructed under the diffusion worker's vLLM config on ``device``, filled by its
+    ``load_weights(iter_safetensors(folder))`` (strict), its vLLM linear layers finalised
+    (:func:`finalize_linear_layers`), and returned in eval mode without gradients.
+    Requires an initialised diffusion parallel state.
+
+    Raises:
+        FileNotFoundError: missing config or weights. ConfigError: checkpoint/config mismatch.
+    """
+    config = read_component_config(folder)
+    with current_vllm_config_for_layers(), torch.device(device):
+        model = cls(**config, dtype=dtype)
+    model.load_weights(iter_safetensors(folder))
+    finalize_linear_layers(model, keep_base_weights=keep_base_weights)
+    return model.eval().requires_grad_(False)

@@ -23,11 +23,9 @@ omni inputs, no controlnet residuals).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,44 +38,17 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 
-from vllm_omni.diffusion.distributed.parallel_state import (
-    current_vllm_config_for_layers,
-    get_tp_rank_and_size,
-)
+from vllm_omni.diffusion.distributed.parallel_state import get_tp_rank_and_size
 from vllm_omni.diffusion.forward_context import rows_per_sample
-from vllm_omni.diffusion.models.weight_loading import (
-    finalize_linear_layers,
-    iter_safetensors,
-    load_stacked_weights,
-)
+from vllm_omni.diffusion.models.layers import RMSNorm
+from vllm_omni.diffusion.models.layers import linear_out as _linear
+from vllm_omni.diffusion.models.weight_loading import load_denoiser, load_stacked_weights
 from vllm_omni.errors import ConfigError
 
 ADALN_EMBED_DIM = 256
 SEQ_MULTI_OF = 32
 T_EMBED_MID = 1024
 T_FREQ_DIM = 256
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in fp32 statistics; ``weight`` shape ``(dim,)``."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        out = x * inv_rms
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            out = out.to(self.weight.dtype)
-        return out * self.weight
-
-
-def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Call a vLLM linear layer and drop the separately returned bias (always ``None`` here)."""
-    out = layer(x)
-    return out[0] if isinstance(out, tuple) else out
 
 
 class TimestepEmbedder(nn.Module):
@@ -554,14 +525,7 @@ class ZImageTransformer2DModel(nn.Module):
         Raises:
             FileNotFoundError: missing config or weights. ValueError: checkpoint/config mismatch.
         """
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        config = {k: v for k, v in config.items() if not k.startswith("_")}
-        with current_vllm_config_for_layers(), torch.device(device):
-            model = cls(**config, dtype=dtype)
-        model.load_weights(iter_safetensors(folder))
-        finalize_linear_layers(model, keep_base_weights=keep_base_weights)
-        return model.eval().requires_grad_(False)
+        return load_denoiser(cls, folder, dtype, device, keep_base_weights)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors through :attr:`stacked_params_mapping`; strict (see ``load_stacked_weights``)."""

@@ -1,0 +1,235 @@
+"""Write a tiny, randomly initialised Qwen-Image text-to-image directory for tests.
+
+``tiny-qwen-image`` is in the on-disk layout ``diffusers.QwenImagePipeline`` reads with
+``DiffusionPipeline.from_pretrained(path)``: a 2-block ``QwenImageTransformer2DModel`` (2 heads of
+32 channels), a minimal ``AutoencoderKLQwenImage`` (8x spatial compression, 16 latent channels), a
+2-layer ``Qwen2_5_VLForConditionalGeneration`` text encoder (hidden size 32, with a 1-block vision
+tower) and a byte-level BPE ``Qwen2Tokenizer`` built locally, plus
+``FlowMatchEulerDiscreteScheduler`` with Qwen-Image's dynamic shifting.
+
+The pipeline drops the first 34 tokens of its prompt template (the system turn and
+``<|im_start|>user\\n``), so the tokenizer carries one merge chain per word of that prefix and
+encodes it in exactly 34 tokens, as Qwen's real tokenizer does (checked while building).
+Image sides must be multiples of 16 (8x VAE, 2x2 patches).
+
+Every weight comes from a fixed seed, so rebuilding gives identical files. Run as a script
+(``python tools/make_tiny_qwen_image.py OUT_DIR``) or call :func:`ensure_tiny_qwen_image`; it
+builds under a file lock, in a temporary directory renamed into place once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+QWEN_IMAGE_DIR = "tiny-qwen-image"
+# Bump when the layout or any size changes so stale caches are rebuilt.
+QWEN_IMAGE_ASSET_VERSION = "1"
+TEXT_HIDDEN = 32
+#: diffusers ``QwenImagePipeline.prompt_template_encode`` up to the prompt, and the number of tokens
+#: the pipeline drops (``prompt_template_encode_start_idx``).
+TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+TEMPLATE_PREFIX_TOKENS = 34
+_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]
+_WORDS = ["system", "user", "assistant", "Describe"]
+_SPACED = [
+    "the",
+    "image",
+    "by",
+    "detailing",
+    "color",
+    "shape",
+    "size",
+    "texture",
+    "quantity",
+    "text",
+    "spatial",
+    "relationships",
+    "of",
+    "objects",
+    "and",
+    "background",
+    "a",
+    "red",
+    "cat",
+    "on",
+    "mat",
+    "blue",
+    "dog",
+]
+
+
+def _tokenizer():
+    """Byte-level BPE ``Qwen2Tokenizer``: 256 byte symbols, one left-to-right merge chain per word."""
+    from transformers import Qwen2Tokenizer
+
+    from tools.make_tiny_diffusion import _byte_symbols
+
+    symbols = _byte_symbols()
+    space = symbols[ord(" ")]
+    vocab = {s: i for i, s in enumerate(symbols)}
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS + [space + w for w in _SPACED]:
+        current = word[0]
+        for ch in word[1:]:
+            if (current, ch) not in merges:
+                merges.append((current, ch))
+            current += ch
+            vocab.setdefault(current, len(vocab))
+    for tok in _SPECIALS:
+        vocab[tok] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=_SPECIALS[1:],
+    )
+    count = len(tokenizer(TEMPLATE_PREFIX).input_ids)
+    if count != TEMPLATE_PREFIX_TOKENS:
+        raise RuntimeError(f"tiny tokenizer encodes the template prefix in {count} tokens, not 34")
+    return tokenizer
+
+
+def _text_encoder(tokenizer):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = tokenizer.get_vocab()
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(vocab),
+            "hidden_size": TEXT_HIDDEN,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "pad_token_id": vocab["<|endoftext|>"],
+            "bos_token_id": vocab["<|endoftext|>"],
+            "eos_token_id": vocab["<|im_end|>"],
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": TEXT_HIDDEN,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|image_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+    )
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_tiny_qwen_image(out: Path) -> None:
+    """Write the tiny ``QwenImagePipeline`` directory to ``out`` (must not exist yet)."""
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    out.mkdir(parents=True)
+    tokenizer = _tokenizer()
+    tokenizer.save_pretrained(out / "tokenizer")
+    _text_encoder(tokenizer).save_pretrained(out / "text_encoder", safe_serialization=True)
+
+    torch.manual_seed(1)
+    QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_HIDDEN,
+        axes_dims_rope=(8, 12, 12),
+    ).save_pretrained(out / "transformer", safe_serialization=True)
+
+    torch.manual_seed(2)
+    AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).save_pretrained(out / "vae", safe_serialization=True)
+
+    # Qwen-Image's released scheduler settings (dynamic, exponential shift).
+    FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        time_shift_type="exponential",
+    ).save_pretrained(out / "scheduler")
+    index = {
+        "_class_name": "QwenImagePipeline",
+        "_diffusers_version": diffusers.__version__,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def ensure_tiny_qwen_image(root: str | os.PathLike) -> Path:
+    """Build (if missing or stale) and return ``root / "tiny-qwen-image"``.
+
+    Safe to call from several processes at once: a file lock serialises builders, the directory
+    is written to a temporary sibling and renamed into place, and a version stamp triggers a
+    rebuild after the layout changes.
+    """
+    from filelock import FileLock
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / QWEN_IMAGE_DIR
+    with FileLock(str(root / ".tiny_qwen_image.lock")):
+        stamp = final / ".asset_version"
+        if not (stamp.is_file() and stamp.read_text().strip() == QWEN_IMAGE_ASSET_VERSION):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{QWEN_IMAGE_DIR}-", dir=root))
+            try:
+                build_tiny_qwen_image(tmp / "model")
+                (tmp / "model" / ".asset_version").write_text(QWEN_IMAGE_ASSET_VERSION + "\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                (tmp / "model").rename(final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="directory to hold tiny-qwen-image/")
+    print(ensure_tiny_qwen_image(parser.parse_args().out))
+
+
+if __name__ == "__main__":
+    main()
