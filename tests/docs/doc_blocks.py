@@ -25,7 +25,9 @@ Conventions (also described in ``docs/contributing_docs.md``):
   chain runs as one script, each block at its own line numbers).
 * **Waiting.** Nothing runs against a wall-clock budget: a block's script, a server's start
   and its stop are waited on while they make progress (new output, or CPU time used by the
-  process tree) and fail after :data:`STALL_S` seconds without any, showing the last output.
+  process tree) and fail after :data:`STALL_S` seconds without any while every thread of the
+  tree sleeps (time spent waiting for a CPU on a loaded machine does not count), showing the
+  last output.
 """
 
 from __future__ import annotations
@@ -236,21 +238,48 @@ def block_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its live descendants."""
+def _tree_sample(pid: int) -> tuple[float, bool]:
+    """``(cpu_s, busy)`` of ``pid`` and its live descendants: CPU seconds used so far, and whether
+    the tree can be waiting for anything but itself.
+
+    ``busy``: a thread is runnable (``R``: running or waiting for a CPU on a loaded machine) or in
+    uninterruptible sleep (``D``: disk), or ``pid`` itself has exited (a zombie, or already reaped
+    while its exit status is on its way to us). Only a tree whose every thread sleeps in ``S`` (or
+    is stopped) can be stalled.
+    """
     import psutil
 
     try:
         root = psutil.Process(pid)
+        if root.status() == psutil.STATUS_ZOMBIE:
+            return 0.0, True
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0
-    total = 0.0
+        return 0.0, True  # gone: it exited
+    total, busy = 0.0, False
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             times = proc.cpu_times()
             total += times.user + times.system
-    return total
+        busy = busy or _any_thread_busy(proc.pid)
+    return total, busy
+
+
+def _any_thread_busy(pid: int) -> bool:
+    """A thread of ``pid`` is in state ``R`` or ``D`` (``/proc/<pid>/task/*/stat``)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("R", "D"):
+            return True
+    return False
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -276,24 +305,35 @@ def tail(path: Path, n: int = 40) -> str:
 def wait_on_progress(proc: subprocess.Popen, log: Path, what: str, until=None) -> int | None:
     """Wait for ``proc`` to exit (its status) or for ``until()`` to hold (``None``).
 
-    Fails (killing the process tree) only when neither new output in ``log`` nor CPU time in the
-    process tree appeared for :data:`STALL_S` seconds; the message shows what was last seen.
+    Fails (killing the process tree) only after :data:`STALL_S` seconds *asleep*: no new output in
+    ``log``, no CPU time used by the process tree, and every thread of the tree sleeping (see
+    :func:`_tree_sample`). Time the tree spends runnable but without a CPU (a loaded machine), in
+    disk waits or exiting never counts, so how busy the machine is cannot fail a block; the
+    message shows what was last seen.
     """
-    seen, last = (-1, -1.0), time.monotonic()
+    seen, asleep_s, asleep_since = (-1, -1.0), 0.0, None
     while True:
         if until is not None and until():
             return None
         status = proc.poll()
         if status is not None:
             return status
-        now = (log.stat().st_size if log.exists() else 0, _tree_cpu_s(proc.pid))
-        if now[0] != seen[0] or now[1] > seen[1] + 0.2:
-            seen, last = now, time.monotonic()
-        elif time.monotonic() - last > STALL_S:
-            _kill_tree(proc)
-            raise AssertionError(
-                f"{what}: no output and no CPU time for {STALL_S:.0f} s (stalled); its output ends:\n{tail(log)}"
-            )
+        size = log.stat().st_size if log.exists() else 0
+        cpu, busy = _tree_sample(proc.pid)
+        now = time.monotonic()
+        if size != seen[0] or cpu > seen[1] + 0.2:
+            seen, asleep_s, asleep_since = (size, cpu), 0.0, None
+        elif busy:
+            asleep_since = None
+        else:  # counted only between two samples that both found the tree asleep and unchanged
+            asleep_s += 0.0 if asleep_since is None else now - asleep_since
+            asleep_since = now
+            if asleep_s > STALL_S:
+                _kill_tree(proc)
+                raise AssertionError(
+                    f"{what}: no output, no CPU time and every thread asleep for {STALL_S:.0f} s (stalled); "
+                    f"its output ends:\n{tail(log)}"
+                )
         time.sleep(0.25)
 
 

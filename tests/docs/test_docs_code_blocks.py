@@ -80,9 +80,26 @@ def test_python_blocks_run_as_scripts_and_wait_on_progress(tmp_path, monkeypatch
         )
     with pytest.raises(AssertionError, match="no Python block before it"):
         run(Block("probe.md", 6, "python", "pass\n", {"continues": ""}))
+    # Only time asleep counts toward a stall (every thread sleeping, no output, no CPU), so these
+    # bounds are the scripts' own sleeps, never the machine's load: between two lines the ticking
+    # script sleeps 0.3 s, a fifth of the bound, however long it waits for a CPU or takes to exit.
     monkeypatch.setattr(doc_blocks, "STALL_S", 1.5)
-    ticking = "import time\nfor i in range(8):\n    print(i, flush=True)\n    time.sleep(0.5)\n"
-    run(Block("probe.md", 1, "python", ticking))  # 4 s > STALL_S, never silent for long
+    ticking = "import time\nfor i in range(8):\n    print(i, flush=True)\n    time.sleep(0.3)\n"
+    run(Block("probe.md", 1, "python", ticking))  # 2.4 s > STALL_S, never asleep for long
     assert runner.seconds["probe.md:1"] > 1.5
-    with pytest.raises(AssertionError, match=r"(?s)no output and no CPU time for 2 s.*started"):
-        run(Block("probe.md", 9, "python", "import time\nprint('started')\ntime.sleep(60)\n"))
+    with pytest.raises(AssertionError, match=r"(?s)every thread asleep for 2 s \(stalled\).*started"):
+        run(Block("probe.md", 9, "python", "import time\nprint('started', flush=True)\ntime.sleep(600)\n"))
+
+
+def test_a_tree_waiting_for_a_cpu_is_not_stalled(tmp_path, monkeypatch):
+    """Time the process tree spends runnable without a CPU (a loaded machine: ``busy``) or exiting
+    never counts toward :data:`doc_blocks.STALL_S`, however long it lasts."""
+    import doc_blocks
+    from doc_blocks import Block
+
+    monkeypatch.setattr(doc_blocks, "STALL_S", 0.5)
+    monkeypatch.setattr(doc_blocks, "_tree_sample", lambda pid: (0.0, True))  # starved: no CPU time gained
+    runner = PageRunner("probe.md", tmp_path, tmp_path)
+    runner.run_block(Block("probe.md", 1, "python", "import time\ntime.sleep(2)\n"))
+    runner.flush()
+    assert runner.seconds["probe.md:1"] > 4 * doc_blocks.STALL_S
