@@ -138,7 +138,7 @@ def fuzz_routes(server, routes, max_examples: int = 40) -> None:
     """Every field of every route in ``routes`` fuzzed: no status >= 500, the server keeps answering."""
     for route in routes:
         _route_fuzzer(server, route, max_examples)()
-        assert httpx.get(server.url("/health"), timeout=10).status_code == 200, route
+        assert httpx.get(server.url("/health"), timeout=300).status_code == 200, route
 
 
 def _route_fuzzer(server, route: str, max_examples: int):
@@ -206,4 +206,4 @@ def fuzz_edits(server, max_examples: int = 40) -> None:
             assert_openai_error(r, (400, 404, 413, 415, 422))
 
     check()
-    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    assert httpx.get(server.url("/health"), timeout=300).status_code == 200
