@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -156,3 +157,58 @@ def test_a_python_added_adapter_is_listed_and_named_in_replies(served, tiny_llm_
     body = reply.json()
     assert body["model"] == "py"  # the adapter that served, not the base model
     assert body["choices"][0]["message"]["content"][0]["type"] == "image_url"
+
+
+def test_a_seeded_image_request_is_reproducible_whichever_way_it_names_its_adapter(served, tiny_llm_assets):
+    """Issue 35 item 8: the request's ``seed`` reaches every stage. Two ``/v1/images/generations``
+    with ``seed: 0`` on ``llm_to_diffusion`` gave different images (stage 0 sampled its text unseeded);
+    now the PNGs are byte-identical, also with the adapter chosen by ``model``, ``lora.name`` or
+    ``lora.path`` (official ``openai`` client). The image equals ``AsyncOmni.generate`` with the
+    per-stage list the rule spells out (stage 0: the route's LLM params with the seed); from Python
+    one seeded ``OmniDiffusionSamplingParams`` seeds stage 0 the same way."""
+    import base64
+    import io
+
+    import numpy as np
+    import openai
+    from PIL import Image
+    from starlette.testclient import TestClient
+    from vllm import SamplingParams
+
+    from vllm_omni.entrypoints.openai.routes.common import default_llm_params
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    omni, app, root = served
+    path = str(copy_adapter(tiny_llm_assets.adapter_a, root / "seeded"))
+    assert asyncio.run(omni.add_lora(LoRARequest("seeded", 910, path)))
+    client = openai.OpenAI(base_url="http://test/v1", api_key="x", http_client=TestClient(app))
+    gen = {"num_inference_steps": 2, "height": 32, "width": 32}
+
+    def image(seed=0, model="tiny", lora=None):
+        extra = gen | {"seed": seed} | ({"lora": lora} if lora else {})
+        reply = client.images.generate(
+            model=model, prompt="a cat", response_format="b64_json", extra_body=extra
+        )
+        return reply.data[0].b64_json
+
+    first = image(model="seeded")
+    assert image(model="seeded") == first
+    assert image(lora={"name": "seeded"}) == first == image(lora={"path": path})
+    assert image(seed=1, model="seeded") != first  # the seed is what made them equal
+
+    llm = default_llm_params(SimpleNamespace(info=omni.entry_stage_info))
+    llm.seed = 0
+    dparams = OmniDiffusionSamplingParams(**gen, seed=0)
+    adapter = LoRARequest("seeded", 910, path)
+
+    async def run(params):
+        return [o async for o in omni.generate("a cat", params, lora_request=adapter)][-1]
+
+    explicit = asyncio.run(run([llm, dparams]))
+    pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(first))).convert("RGB"))
+    np.testing.assert_array_equal(np.asarray(explicit.images[0].convert("RGB")), pixels)
+    one, again = asyncio.run(run(dparams)), asyncio.run(run(dparams))
+    ruled = asyncio.run(run([SamplingParams(seed=0), dparams]))  # stage 0's default params, seed 0
+    assert one.prompt == again.prompt == ruled.prompt
+    np.testing.assert_array_equal(np.asarray(one.images[0]), np.asarray(ruled.images[0]))
+    assert dparams.seed == 0 and llm.max_tokens == 64  # nothing passed in was changed

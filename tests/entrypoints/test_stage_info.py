@@ -158,3 +158,25 @@ def test_one_params_object_is_the_requests_and_stages_with_defaults_keep_theirs(
     chain.config = build_omni_config(str(tiny_llm_assets.model_dir), "llm_chain")
     chain._orchestrator = SimpleNamespace(descriptions=[_llm(0), _llm(1)])
     assert chain._stage_params(one) == [one, one]
+
+
+def test_one_seeded_params_object_seeds_every_stage_and_changes_nothing_passed_in(tiny_llm_assets):
+    """Issue 35 item 8, the rule itself (no engines): on ``llm_to_diffusion`` one seeded params object
+    of either stage's type gives the other stage its default params with that seed (an LLM stage:
+    modulo 2**63, as vLLM's seeds are int64 and -1 unseeded); a stage's own seed and a per-stage list
+    are kept as given; the objects passed in are not changed."""
+    omni = AsyncOmni.__new__(AsyncOmni)
+    omni.config = build_omni_config(str(tiny_llm_assets.model_dir), "llm_to_diffusion")
+    omni._orchestrator = SimpleNamespace(descriptions=[_llm(0), _diffusion(1)])
+    image = OmniDiffusionSamplingParams(num_inference_steps=2, seed=7)
+    llm, diffusion = omni._stage_params(image)
+    assert diffusion is image and llm.seed == 7 and llm.max_tokens == SamplingParams().max_tokens
+    text = SamplingParams(max_tokens=3, seed=5)
+    llm, diffusion = omni._stage_params(text)
+    assert llm is text and diffusion == OmniDiffusionSamplingParams(seed=5)
+    for seed, llm_seed in ((2**64 - 1, 2**63 - 1), (-1, 2**63 - 1), (2**63, 0)):
+        assert omni._stage_params(OmniDiffusionSamplingParams(seed=seed))[0].seed == llm_seed
+    unseeded = SamplingParams(max_tokens=3)
+    assert omni._stage_params([text, None])[1] == OmniDiffusionSamplingParams()
+    assert omni._stage_params([unseeded, image])[0] is unseeded and unseeded.seed is None
+    assert omni._stage_params(None)[0].seed is None and image.seed == 7

@@ -18,7 +18,12 @@ from vllm_omni.config.pipeline_registry import (
 )
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.entrypoints.request_adapters import request_loras
-from vllm_omni.entrypoints.stage_info import EntryStageInfo, describe_entry_stage, seeded_stage_default
+from vllm_omni.entrypoints.stage_info import (
+    EntryStageInfo,
+    describe_entry_stage,
+    seed_unseeded,
+    seeded_stage_default,
+)
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.lora.registry import AdapterRegistry
@@ -143,8 +148,10 @@ class OmniBase:
         defaults** (``stage_defaults``: Qwen2.5-Omni's talker, whose tokens are codec tokens, and
         code2wav), which keeps them with the object's seed
         (:func:`~vllm_omni.entrypoints.stage_info.seeded_stage_default`, the HTTP routes' rule too);
-        an object of a type only such a stage takes (``AudioParams``) reaches it. A per-stage list
-        sets any stage's params.
+        an object of a type only such a stage takes (``AudioParams``) reaches it. Every other stage
+        that the object's seed does not reach gets its params with that seed
+        (:func:`~vllm_omni.entrypoints.stage_info.seed_unseeded`), so one seeded object makes the
+        whole pipeline reproducible. A per-stage list sets any stage's params, as given.
 
         Raises:
             InvalidRequestError: a per-stage list of the wrong length, or an entry of the wrong type.
@@ -179,7 +186,9 @@ class OmniBase:
                 raise InvalidRequestError(
                     f"sampling_params[{i}] for {stage.label} must be {kind.__name__}, got {type(params).__name__}"
                 )
-        return out
+        if per_stage:
+            return out
+        return [seed_unseeded(p, getattr(sampling_params, "seed", None)) for p in out]
 
     def _request_loras(
         self, n: int, entry_params: Any, **forms: Any

@@ -108,11 +108,31 @@ def seeded_stage_default(default: Any, request_params: Any) -> Any:
     seed = getattr(request_params, "seed", None)
     if default is None or seed is None or not hasattr(default, "seed"):
         return default
-    if hasattr(default, "clone"):  # vLLM SamplingParams
-        copy = default.clone()
-        copy.seed = seed
+    return _with_seed(default, seed)
+
+
+def seed_unseeded(params: Any, seed: int | None) -> Any:
+    """``params`` of one stage of a request whose seed is ``seed``: ``params`` itself when it has no
+    ``seed`` field, already sets one, carries its own ``generator``, or ``seed`` is ``None``; else a copy
+    carrying ``seed`` (the object passed in is never changed).
+
+    The rule of a seeded request (both front ends): every stage whose params set no seed of their own
+    takes the request's seed, so every stage's sampling (an LLM stage's tokens, a diffusion stage's
+    latents, a talker's codes) is reproducible, and the same request gives the same output.
+    """
+    if seed is None or params is None or getattr(params, "seed", 0) is not None:
+        return params
+    if getattr(params, "generator", None) is not None:
+        return params
+    return _with_seed(params, seed)
+
+
+def _with_seed(params: Any, seed: int) -> Any:
+    if hasattr(params, "clone"):  # vLLM SamplingParams: an int64, where -1 means unseeded
+        copy = params.clone()
+        copy.seed = seed % 2**63  # a diffusion seed outside [0, 2**63), e.g. -1 or 2**64 - 1
         return copy
-    return dataclasses.replace(default, seed=seed)
+    return dataclasses.replace(params, seed=seed)
 
 
 def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescription]) -> EntryStageInfo:

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors, not_found
 from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
-from vllm_omni.entrypoints.stage_info import seeded_stage_default
+from vllm_omni.entrypoints.stage_info import seed_unseeded, seeded_stage_default
 from vllm_omni.errors import ClientDisconnected, OpenAIError
 from vllm_omni.lora.request import RequestAdapter, llm_stage_adapter, validate_request_adapters
 
@@ -147,8 +147,14 @@ def stage_params(
 ) -> list[Any]:
     """One params object per stage: ``llm_params`` for LLM stages, ``diffusion_params`` for
     diffusion ones; a stage with its own defaults (a talker, an audio stage) gets those, an
-    audio stage ``audio_params`` when given, and a later stage with defaults the request's seed."""
+    audio stage ``audio_params`` when given, and a later stage with defaults the request's seed.
+
+    The request's seed (the body's ``seed``, carried by whichever of the params objects it built)
+    reaches every stage whose params set none (:func:`~vllm_omni.entrypoints.stage_info.seed_unseeded`):
+    an image request's LLM stage samples with it too, so a seeded request is reproducible end to end."""
     info = state.info
+    seeds = [getattr(p, "seed", None) for p in (llm_params, diffusion_params, audio_params)]
+    seed = next((s for s in seeds if s is not None), None)
     out = []
     for i, is_llm in enumerate(info.stage_is_llm):
         default = info.stage_defaults[i] if i < len(info.stage_defaults) else None
@@ -158,7 +164,7 @@ def stage_params(
             out.append(seeded_stage_default(default, llm_params))
         else:
             out.append(llm_params if is_llm else diffusion_params)
-    return out
+    return [seed_unseeded(p, seed) for p in out]
 
 
 def default_llm_params(state: ServerState) -> Any:
