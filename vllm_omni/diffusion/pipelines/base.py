@@ -93,3 +93,20 @@ class DiffusionPipeline(Protocol):
                 argument the pipeline does not take.
         """
         ...
+
+
+def resolve_image_size(
+    sp: OmniDiffusionSamplingParams,
+    default: tuple[int, int],
+    factor: int,
+    limit: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """``(height, width)`` of a request: its own sides, else ``default``; each checked by :func:`check_image_side`.
+
+    Raises:
+        InvalidRequestError: a side that is not a multiple of ``factor`` or exceeds ``limit``.
+    """
+    height, width = sp.height or default[0], sp.width or default[1]
+    for name, value, bound in zip(("height", "width"), (height, width), limit or (None, None)):
+        check_image_side(name, value, factor, bound)
+    return height, width

@@ -19,25 +19,31 @@ procedure reproduces diffusers' ``ZImagePipeline``:
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.utils.torch_utils import randn_tensor
 from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import denoising_step, set_forward_context
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import check_image_side
-from vllm_omni.diffusion.progress import step_progress
+from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
+from vllm_omni.diffusion.pipelines.denoise import (
+    attach_decoded,
+    denoiser_rows,
+    load_component,
+    lora_scope,
+    negative_texts,
+    prepare_scheduler,
+    resolution_shift_mu,
+    run_denoising_loop,
+    seeded_noise,
+    split_by_prompt,
+)
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -47,20 +53,8 @@ DEFAULT_GUIDANCE = 5.0
 logger = logging.getLogger(__name__)
 
 
-def _load_component(root: Path, name: str, spec: tuple[str, str], **kwargs):
-    library, cls_name = spec
-    cls = getattr(importlib.import_module(library), cls_name)
-    return cls.from_pretrained(str(root / name), **kwargs)
-
-
-def image_shift_mu(image_seq_len: int, scheduler_config) -> float:
-    """Linear interpolation of the time-shift ``mu`` between base and max image token counts."""
-    base_len = scheduler_config.get("base_image_seq_len", 256)
-    max_len = scheduler_config.get("max_image_seq_len", 4096)
-    base_shift = scheduler_config.get("base_shift", 0.5)
-    max_shift = scheduler_config.get("max_shift", 1.15)
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * slope + (base_shift - slope * base_len)
+#: kept for callers of the old name (diffusers' ``calculate_shift``)
+image_shift_mu = resolution_shift_mu
 
 
 class ZImagePipeline:
@@ -91,11 +85,11 @@ class ZImagePipeline:
         self.device = torch.device(device or od_config.resolved_device())
         self.dtype = od_config.torch_dtype()
         self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        self.text_encoder = _load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
+        self.text_encoder = load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
         self.vae = AutoencoderKL.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.scheduler = _load_component(root, "scheduler", comps["scheduler"])
+        self.scheduler = load_component(root, "scheduler", comps["scheduler"])
         self.transformer = ZImageTransformer2DModel.from_pretrained(
             root / "transformer",
             dtype=self.dtype,
@@ -173,49 +167,7 @@ class ZImagePipeline:
             InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor`` or
                 exceeds :attr:`max_image_size`.
         """
-        factor = self.vae_scale_factor * 2
-        default_h, default_w = self.default_size
-        height = sp.height or default_h
-        width = sp.width or default_w
-        for name, value, limit in zip(("height", "width"), (height, width), self.max_image_size):
-            check_image_side(name, value, factor, limit)
-        return height, width
-
-    def _negative_prompts(self, prompts: list[str], sp: OmniDiffusionSamplingParams) -> list[str]:
-        neg = sp.negative_prompt
-        if neg is None:
-            return [""] * len(prompts)
-        if isinstance(neg, str):
-            return [neg] * len(prompts)
-        if len(neg) != len(prompts):
-            raise InvalidRequestError(
-                f"negative_prompt has {len(neg)} entries for {len(prompts)} prompts; pass one per prompt"
-            )
-        return list(neg)
-
-    def _initial_latents(
-        self,
-        prompts: list[str],
-        sp: OmniDiffusionSamplingParams,
-        height: int,
-        width: int,
-        seeds: list[int | None] | None = None,
-    ):
-        n = sp.num_images_per_prompt
-        lat_h = 2 * (height // (self.vae_scale_factor * 2))
-        lat_w = 2 * (width // (self.vae_scale_factor * 2))
-        shape = (len(prompts) * n, self.transformer.in_channels, lat_h, lat_w)
-        if sp.generator is not None:
-            return randn_tensor(shape, generator=sp.generator, device=self.device, dtype=torch.float32)
-        gens = sp.make_generators(len(prompts))
-        if seeds is not None:
-            gens = [
-                g if seed is None else torch.Generator().manual_seed(seed) for g, seed in zip(gens, seeds)
-            ]
-        per_prompt = [
-            randn_tensor((n, *shape[1:]), generator=g, device=self.device, dtype=torch.float32) for g in gens
-        ]
-        return torch.cat(per_prompt, dim=0)
+        return resolve_image_size(sp, self.default_size, self.vae_scale_factor * 2, self.max_image_size)
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
@@ -225,7 +177,7 @@ class ZImagePipeline:
         sp: OmniDiffusionSamplingParams,
         *,
         seeds: list[int | None] | None = None,
-        lora_context: Callable[[list[int] | None], AbstractContextManager] | None = None,
+        lora_context: LoRAContextFactory | None = None,
     ) -> list[DiffusionOutput]:
         """Generate ``sp.num_images_per_prompt`` images for each prompt (one denoiser batch).
 
@@ -257,23 +209,16 @@ class ZImagePipeline:
         guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
         cfg = guidance > 0
         n = sp.num_images_per_prompt
-        pos = self.encode_prompts(list(prompts), sp.max_sequence_length)
-        neg = self.encode_prompts(self._negative_prompts(prompts, sp), sp.max_sequence_length) if cfg else []
-        pos = [p for p in pos for _ in range(n)]
-        neg = [p for p in neg for _ in range(n)]
-        latents = self._initial_latents(prompts, sp, height, width, seeds)
-        sample_prompts = [i for i in range(len(prompts)) for _ in range(n)]
-        if cfg:
-            sample_prompts = sample_prompts * 2
-        adapters = lora_context(sample_prompts) if lora_context is not None else contextlib.nullcontext()
-
-        latents = self._denoise(latents, pos + neg, guidance, sp.num_inference_steps, adapters)
-        results = [
-            DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())
-            for i, p in enumerate(prompts)
-        ]
+        texts = list(prompts) + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
+        captions = [c for c in self.encode_prompts(texts, sp.max_sequence_length) for _ in range(n)]
+        factor = self.vae_scale_factor * 2
+        shape = (self.transformer.in_channels, 2 * (height // factor), 2 * (width // factor))
+        latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)
+        adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg))
+        latents = self._denoise(latents, captions, guidance, sp.num_inference_steps, adapters)
+        results = split_by_prompt(prompts, latents, n)
         if sp.output_type != "latent":
-            self._decode_into(results, latents, sp.output_type, n)
+            attach_decoded(results, self.decode(latents, sp.output_type), sp.output_type, n)
         return results
 
     def _denoise(
@@ -289,38 +234,29 @@ class ZImagePipeline:
         the final latents, float32."""
         batch = latents.shape[0]
         cfg = guidance > 0
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)
-        mu = image_shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), scheduler.config)
+        mu = resolution_shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), self.scheduler.config)
         sigmas = torch.linspace(1.0, 1.0 / steps, steps).tolist()
-        scheduler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
-        scheduler.set_begin_index(0)
-        with adapters, set_forward_context():
-            timesteps = scheduler.timesteps
-            progress = step_progress(timesteps, len(timesteps), "denoise", self.od_config.enable_progress_bar)
-            for i, t in enumerate(progress):
-                t_model = (1000 - t.expand(batch)) / 1000
-                x = latents.to(self.transformer.dtype)
-                if cfg:
-                    x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
-                with denoising_step(i, len(timesteps)):
-                    out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
-                out = torch.stack([o.float() for o in out]).squeeze(2)
-                pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
-                latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
-        return latents
+        scheduler = prepare_scheduler(self.scheduler, self.device, sigmas=sigmas, mu=mu)
 
-    def _decode_into(
-        self, results: list[DiffusionOutput], latents: torch.Tensor, output_type: str, n: int
-    ) -> None:
-        """Decode ``latents`` with the VAE and give each result its ``n`` images (``pil``) or array."""
+        def predict(_step: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            t_model = (1000 - t.expand(batch)) / 1000
+            x = x.to(self.transformer.dtype)
+            if cfg:
+                x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
+            out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
+            out = torch.stack([o.float() for o in out]).squeeze(2)
+            pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
+            return -pred
+
+        return run_denoising_loop(
+            scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
+        )
+
+    def decode(self, latents: torch.Tensor, output_type: str):
+        """VAE-decode ``latents`` (``latents / scaling_factor + shift_factor``) and post-process them
+        into ``output_type`` (``"pil"`` list, ``"np"`` array, ``"pt"`` tensor)."""
         decoded = self.vae.decode(
             (latents.to(self.vae.dtype) / self.vae.config.scaling_factor) + self.vae.config.shift_factor,
             return_dict=False,
         )[0]
-        images = self.image_processor.postprocess(decoded, output_type=output_type)
-        for i, res in enumerate(results):
-            chunk = images[i * n : (i + 1) * n]
-            if output_type == "pil":
-                res.images = list(chunk)
-            else:
-                res.array = chunk
+        return self.image_processor.postprocess(decoded, output_type=output_type)
