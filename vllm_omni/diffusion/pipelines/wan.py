@@ -1,0 +1,377 @@
+"""Wan text-to-video pipeline (Wan2.1, Wan2.2 A14B two-expert, Wan2.2 TI2V-5B) around the in-tree denoiser.
+
+Components come from one diffusers-format directory (``model_index.json``): the T5 tokenizer and
+``UMT5EncoderModel`` through ``transformers``, ``AutoencoderKLWan``, the scheduler and
+``VideoProcessor`` through ``diffusers``, and the denoiser(s) from
+:class:`~vllm_omni.diffusion.models.wan.WanTransformer3DModel`. The sampling procedure is
+diffusers' ``WanPipeline.__call__``:
+
+1. prompts are cleaned (diffusers' ``prompt_clean``), tokenised to ``max_sequence_length``, encoded,
+   and the embeddings past each prompt's length are zeroed (the denoiser attends to the padding).
+2. CFG runs when ``guidance_scale > 1`` with ``pred = neg + g * (pos - neg)`` (negative prompt
+   defaults to ``""``); both branches go through the denoiser in one batch.
+3. ``scheduler.set_timesteps(steps)``; with ``boundary_ratio`` (Wan2.2 A14B) the steps whose timestep
+   is ``>= boundary_ratio * num_train_timesteps`` run ``transformer`` (high noise, guidance
+   ``guidance_scale``), the others ``transformer_2`` (low noise, ``guidance_scale_2``, default
+   ``guidance_scale``). The expert switch is a step boundary: a step runs one expert.
+4. latents ``(B, C, (num_frames - 1) / t + 1, H / s, W / s)`` (``t``, ``s``: the VAE's temporal and
+   spatial factors) are decoded as ``vae.decode(latents * std + mean)`` and post-processed.
+
+``expand_timesteps`` (TI2V-5B) gives every token the step's timestep; in text-to-video every token
+has the same one, so the denoiser is called with one timestep per sample (the same maths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
+from transformers import AutoTokenizer
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import denoising_step, set_forward_context
+from vllm_omni.diffusion.models.wan import WanTransformer3DModel
+from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
+from vllm_omni.diffusion.pipelines.base import check_image_side
+from vllm_omni.diffusion.pipelines.diffusers_fallback import pop_lora_scale
+from vllm_omni.diffusion.progress import step_progress
+from vllm_omni.errors import InvalidRequestError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+#: diffusers' ``WanPipeline`` defaults
+DEFAULT_SIZE = (480, 832)
+DEFAULT_FRAMES = 81
+DEFAULT_GUIDANCE = 5.0
+#: ``extra_args`` this pipeline takes (diffusers' call arguments of the same names)
+EXTRA_ARGS = ("num_frames", "guidance_scale_2", "attention_kwargs")
+
+LoRAContext = Callable[..., AbstractContextManager]
+
+
+# ---------------------------------------------------------------------- generic steps
+def negative_texts(prompts: list[str], negative: str | list[str] | None) -> list[str]:
+    """One negative text per prompt (``None``: ``""``; one string: repeated).
+
+    Raises:
+        InvalidRequestError: a list whose length is not the number of prompts.
+    """
+    if negative is None:
+        return [""] * len(prompts)
+    if isinstance(negative, str):
+        return [negative] * len(prompts)
+    if len(negative) != len(prompts):
+        raise InvalidRequestError(
+            f"negative_prompt has {len(negative)} entries for {len(prompts)} prompts; pass one per prompt"
+        )
+    return list(negative)
+
+
+def seeded_noise(
+    shape: tuple[int, ...],
+    n: int,
+    sp: OmniDiffusionSamplingParams,
+    num_prompts: int,
+    seeds: list[int | None] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Initial noise ``(num_prompts * n, *shape)`` float32: ``sp.generator`` draws the whole batch (diffusers'
+    semantics); otherwise prompt ``i`` draws its ``n`` samples one after another from its own generator
+    (``seeds[i]``, else ``sp``'s), as diffusers does with a list of per-sample generators."""
+    if sp.generator is not None:
+        return randn_tensor(
+            (num_prompts * n, *shape), generator=sp.generator, device=device, dtype=torch.float32
+        )
+    gens = sp.make_generators(num_prompts)
+    if seeds is not None:
+        gens = [g if seed is None else torch.Generator().manual_seed(seed) for g, seed in zip(gens, seeds)]
+    draws = [
+        randn_tensor((1, *shape), generator=g, device=device, dtype=torch.float32)
+        for g in gens
+        for _ in range(n)
+    ]
+    return torch.cat(draws, dim=0)
+
+
+def denoiser_rows(num_prompts: int, n: int, cfg: bool) -> list[int]:
+    """Prompt index of every denoiser sample: ``n`` per prompt, then the same again for the CFG copies."""
+    rows = [i for i in range(num_prompts) for _ in range(n)]
+    return rows * 2 if cfg else rows
+
+
+def lora_scope(
+    lora_context: LoRAContext | None, rows: list[int], lora_scale: float
+) -> AbstractContextManager:
+    """The LoRA context of one call (see ``pipelines.base.LoRAContextFactory``); a no-op without one."""
+    if lora_context is None:
+        return contextlib.nullcontext()
+    return lora_context(rows, lora_scale=lora_scale) if lora_scale != 1.0 else lora_context(rows)
+
+
+def _load_component(root: Path, name: str, spec: tuple[str, str], **kwargs):
+    library, cls_name = spec
+    return getattr(importlib.import_module(library), cls_name).from_pretrained(str(root / name), **kwargs)
+
+
+# ---------------------------------------------------------------------- the pipeline
+class WanPipeline:
+    """Wan text-to-video on the in-tree denoiser(s) (one instance per TP rank).
+
+    Attributes:
+        transformer: the (high-noise) :class:`WanTransformer3DModel`; LoRA patches it.
+        transformer_2: the low-noise expert of Wan2.2 A14B directories, else ``None``.
+        boundary_ratio: expert switch (``model_index.json``), ``None`` with one expert.
+        text_encoder, tokenizer, vae, scheduler, video_processor: the library components.
+        vae_scale_factor: spatial VAE compression; sizes must be multiples of twice it.
+
+    Must be constructed after ``init_diffusion_parallel_state`` in the same process.
+    """
+
+    #: requests with different adapter sets share one denoiser batch (rows reported to lora_context)
+    mixed_lora_batch = True
+    #: each denoiser call runs inside ``denoising_step`` (per-step LoRA schedules work)
+    reports_denoising_step = True
+    output_kind = "video"
+    accepts_image = False
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
+        root = Path(od_config.model)
+        comps = od_config.components
+        self.od_config = od_config
+        self.device = torch.device(device or od_config.resolved_device())
+        self.dtype = od_config.torch_dtype()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        self.text_encoder = _load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
+        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        self.vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
+        self.vae.to(self.device).eval().requires_grad_(False)
+        self.scheduler = _load_component(root, "scheduler", comps["scheduler"])
+        experts = [name for name in ("transformer", "transformer_2") if comps.get(name)]
+        if "transformer" not in experts:
+            raise InvalidRequestError(f"{root}: the in-tree Wan pipeline needs a 'transformer' component")
+        loaded = {
+            name: WanTransformer3DModel.from_pretrained(
+                root / name,
+                dtype=self.dtype,
+                device=self.device,
+                keep_base_weights=od_config.keep_base_weights,
+            )
+            for name in experts
+        }
+        self.transformer = loaded["transformer"]
+        self.transformer_2 = loaded.get("transformer_2")
+        self.boundary_ratio = od_config.model_index.get("boundary_ratio")
+        if self.transformer_2 is not None and self.boundary_ratio is None:
+            raise InvalidRequestError(
+                f"{root}: transformer_2 is present but model_index.json sets no boundary_ratio"
+            )
+        self.vae_scale_factor = int(self.vae.config.scale_factor_spatial)
+        self.vae_scale_factor_temporal = int(self.vae.config.scale_factor_temporal)
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def max_image_size(self) -> tuple[int, int]:
+        """Largest ``(height, width)`` in pixels the rotary table reaches (``rope_max_seq_len`` patches)."""
+        _, p_h, p_w = self.transformer.patch_size
+        reach = self.transformer.rope.max_seq_len * self.vae_scale_factor
+        return reach * p_h, reach * p_w
+
+    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
+        """``(height, width)``: the request's, else diffusers' 480x832 bounded by :attr:`max_image_size`.
+
+        Raises:
+            InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor`` or beyond the limit.
+        """
+        factor = self.vae_scale_factor * 2
+        defaults = [min(d, limit) // factor * factor for d, limit in zip(DEFAULT_SIZE, self.max_image_size)]
+        height, width = sp.height or defaults[0], sp.width or defaults[1]
+        for name, value, limit in zip(("height", "width"), (height, width), self.max_image_size):
+            check_image_side(name, value, factor, limit)
+        return height, width
+
+    def resolve_frames(self, value) -> int:
+        """``num_frames`` (``extra_args``; default 81): ``1 + k * temporal factor`` up to the rotary reach.
+
+        Raises:
+            InvalidRequestError: not such a count (diffusers rounds it silently; we name it instead).
+        """
+        t = self.vae_scale_factor_temporal
+        frames = DEFAULT_FRAMES if value is None else value
+        reach = (self.transformer.rope.max_seq_len * self.transformer.patch_size[0] - 1) * t + 1
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % t:
+            raise InvalidRequestError(
+                f"num_frames must be 1 + a multiple of {t} (the VAE's temporal compression), e.g. "
+                f"{t + 1}, {4 * t + 1}, 81; got {frames!r}"
+            )
+        if frames > reach:
+            raise InvalidRequestError(f"num_frames {frames} exceeds this model's maximum of {reach}")
+        return frames
+
+    def _call_options(self, sp: OmniDiffusionSamplingParams) -> tuple[int, float, float, float]:
+        """``(num_frames, guidance, guidance_2, lora_scale)`` from ``sp`` and its ``extra_args``.
+
+        Raises:
+            InvalidRequestError: an ``extra_args`` key this pipeline does not take (named), a bad value.
+        """
+        extra = dict(sp.extra_args)
+        lora_scale = pop_lora_scale(extra)
+        if extra.get("attention_kwargs"):
+            raise InvalidRequestError(
+                f"extra_args['attention_kwargs'] keys {sorted(extra['attention_kwargs'])} are not used by the "
+                "in-tree Wan pipeline (only 'scale', the LoRA scale of the call)"
+            )
+        unknown = sorted(set(extra) - set(EXTRA_ARGS))
+        if unknown:
+            raise InvalidRequestError(
+                f"extra_args {unknown} are not used by the in-tree Wan pipeline (it takes {list(EXTRA_ARGS)}); "
+                "run the stage with pipeline_backend='diffusers' to pass other diffusers arguments"
+            )
+        guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
+        guidance_2 = extra.get("guidance_scale_2")
+        if guidance_2 is not None and self.boundary_ratio is None:
+            raise InvalidRequestError(
+                "extra_args['guidance_scale_2'] needs a two-expert model (boundary_ratio)"
+            )
+        if guidance_2 is not None and (
+            isinstance(guidance_2, bool) or not isinstance(guidance_2, int | float)
+        ):
+            raise InvalidRequestError(f"extra_args['guidance_scale_2'] must be a number, got {guidance_2!r}")
+        guidance_2 = guidance if guidance_2 is None else float(guidance_2)
+        return self.resolve_frames(extra.get("num_frames")), guidance, guidance_2, lora_scale
+
+    # ------------------------------------------------------------------ prompts
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+        """UMT5 features ``(len(prompts), max_sequence_length, d)`` in the denoiser dtype, zero past each
+        prompt's tokens (diffusers' ``_get_t5_prompt_embeds``)."""
+        enc = self.tokenizer(
+            [prompt_clean(p) for p in prompts],
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        mask = enc.attention_mask.to(self.device)
+        hidden = self.text_encoder(enc.input_ids.to(self.device), mask).last_hidden_state
+        hidden = (
+            hidden
+            * (torch.arange(hidden.shape[1], device=self.device)[None, :] < mask.sum(1)[:, None])[..., None]
+        )
+        return hidden.to(self.transformer.dtype)
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        sp: OmniDiffusionSamplingParams,
+        *,
+        seeds: list[int | None] | None = None,
+        lora_context: LoRAContext | None = None,
+    ) -> list[DiffusionOutput]:
+        """``sp.num_images_per_prompt`` videos per prompt, all prompts in one denoiser batch.
+
+        Args:
+            prompts: the texts. sp: shared settings; ``extra_args`` may hold ``num_frames``,
+                ``guidance_scale_2`` and ``attention_kwargs={"scale": s}`` (the LoRA scale of the call).
+            seeds: per-prompt seeds overriding ``sp.seed`` (ignored with ``sp.generator``).
+            lora_context: entered once around the loop with each denoiser sample's prompt index (CFG
+                copies included); the adapters it activates act on both experts' layers.
+
+        Returns one :class:`DiffusionOutput` per prompt: float32 CPU ``latents`` ``(n, C, f, h, w)``; with
+        ``output_type="pil"`` ``videos`` (``n`` lists of frames), ``"np"`` / ``"pt"`` ``array``.
+
+        Raises:
+            InvalidRequestError: bad sizes, frame count, negative prompts or ``extra_args``.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        height, width = self.resolve_size(sp)
+        frames, guidance, guidance_2, lora_scale = self._call_options(sp)
+        n = sp.num_images_per_prompt
+        cfg = guidance > 1.0
+        texts = list(prompts) + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
+        embeds = self.encode_prompts(texts, sp.max_sequence_length)
+        embeds = embeds.repeat_interleave(n, dim=0)  # [pos (n per prompt); neg (n per prompt)]
+        shape = (
+            self.transformer.in_channels,
+            (frames - 1) // self.vae_scale_factor_temporal + 1,
+            height // self.vae_scale_factor,
+            width // self.vae_scale_factor,
+        )
+        latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)
+        adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
+        latents = self._denoise(
+            latents, embeds, (guidance, guidance_2), cfg, sp.num_inference_steps, adapters
+        )
+        results = [
+            DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())
+            for i, p in enumerate(prompts)
+        ]
+        if sp.output_type != "latent":
+            self._decode_into(results, latents, sp.output_type, n)
+        return results
+
+    def expert_for(self, timestep: float) -> tuple[WanTransformer3DModel, int]:
+        """The denoiser of a step and its index into the guidance pair (0: high noise, 1: low noise)."""
+        if self.boundary_ratio is None:
+            return self.transformer, 0
+        boundary = self.boundary_ratio * self.scheduler.config.num_train_timesteps
+        return (self.transformer, 0) if timestep >= boundary else (self.transformer_2, 1)
+
+    def _denoise(
+        self,
+        latents: torch.Tensor,
+        embeds: torch.Tensor,
+        guidances: tuple[float, float],
+        cfg: bool,
+        steps: int,
+        adapters: AbstractContextManager,
+    ) -> torch.Tensor:
+        """The flow-matching loop on ``latents`` ``(B, C, f, h, w)`` float32; ``embeds`` holds ``B`` positive
+        then (with CFG) ``B`` negative text features. Returns the final latents, float32."""
+        batch = latents.shape[0]
+        scheduler = type(self.scheduler).from_config(self.scheduler.config)
+        scheduler.set_timesteps(steps, device=self.device)
+        scheduler.set_begin_index(0)
+        timesteps = scheduler.timesteps
+        with adapters, set_forward_context():
+            progress = step_progress(timesteps, len(timesteps), "denoise", self.od_config.enable_progress_bar)
+            for i, t in enumerate(progress):
+                model, expert = self.expert_for(float(t))
+                x = latents.to(model.dtype)
+                x = torch.cat([x, x]) if cfg else x
+                with denoising_step(i, len(timesteps)):
+                    out = model(x, t.expand(x.shape[0]), embeds).float()
+                pred = out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out
+                latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        return latents
+
+    def _decode_into(
+        self, results: list[DiffusionOutput], latents: torch.Tensor, output_type: str, n: int
+    ) -> None:
+        """Decode with the VAE (``latents * std + mean``) and give each result its ``n`` videos."""
+        config = self.vae.config
+        latents = latents.to(self.vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        video = self.video_processor.postprocess_video(video, output_type=output_type)
+        for i, res in enumerate(results):
+            chunk = video[i * n : (i + 1) * n]
+            if output_type == "pil":
+                res.videos = [list(frames) for frames in chunk]
+            else:
+                res.array = chunk
