@@ -33,6 +33,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_omni.config.stage_config import LLMStageConfig
+from vllm_omni.engine import tensor_lora
 from vllm_omni.engine.lora_validation import LLMAdapterValidator
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
@@ -387,6 +388,7 @@ class LLMStageEngine(StageDriver):
         ):
             return
         self.validator.validate(lora_request)
+        tensor_lora.remember(lora_request, self, self.stage.label)  # in-memory adapters' tensors
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
 
     def _lora_name(self, lora: LoRARequest) -> str:
@@ -409,6 +411,7 @@ class LLMStageEngine(StageDriver):
         if lora_int_id in self._removal_deferred:
             return False
         if lora_int_id not in self._ids_in_use():
+            tensor_lora.forget(lora_int_id, self)
             return self._engine.remove_lora(lora_int_id)
         held = lora_int_id in self._engine.list_loras()
         if held:
@@ -419,6 +422,7 @@ class LLMStageEngine(StageDriver):
         """Remove the deferred adapters no running request uses any more (driver thread)."""
         done = self._removal_deferred - self._ids_in_use()
         for lora_int_id in done:
+            tensor_lora.forget(lora_int_id, self)
             self._engine.remove_lora(lora_int_id)
         self._removal_deferred -= done
 

@@ -61,6 +61,7 @@ from vllm_omni.lora.adapter_files import (
     update_range_problem,
 )
 from vllm_omni.lora.request import LoRARequest, lora_request_problem
+from vllm_omni.lora.tensor_request import TensorLoRARequest
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -79,11 +80,18 @@ class LoRAScope:
         prefixes: module-name prefixes (in ``hf_class``'s names) of the layers vLLM wraps with
             LoRA; an adapter module elsewhere would be loaded and silently not applied.
         tower_prefixes: further prefixes vLLM wraps when ``enable_tower_connector_lora`` is set.
+        refused: ``(module-name fragment, why)``: adapter modules whose name holds the fragment are
+            refused with that reason (layers this stage never adapts, e.g. MoE experts on CPU).
     """
 
     hf_class: str
     prefixes: tuple[str, ...]
     tower_prefixes: tuple[str, ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
+
+    def refusal(self, module: str) -> str | None:
+        """Why ``module`` (an adapter module name) is refused, or ``None``."""
+        return next((why for fragment, why in self.refused if fragment in module), None)
 
 
 _QWEN2_5_OMNI_THINKER = LoRAScope(
@@ -91,11 +99,26 @@ _QWEN2_5_OMNI_THINKER = LoRAScope(
     ("thinker.model.",),
     ("thinker.audio_tower.", "thinker.visual."),
 )
+#: Why MoE expert targets are refused (see ``keep_moe_experts_out_of_lora`` in vllm_omni/platform.py).
+MOE_EXPERTS_REFUSED = (
+    "a MoE expert weight: vllm_omni keeps MoE experts out of LoRA, because vLLM's fused-MoE LoRA "
+    "layer runs on Triton kernels only (on CPU its first forward dies) and vLLM would otherwise load "
+    "such weights and silently not apply them; target attention or dense layers"
+)
+_QWEN3_OMNI_THINKER = LoRAScope(
+    "Qwen3OmniMoeForConditionalGeneration",
+    ("thinker.model.",),
+    ("thinker.audio_tower.", "thinker.visual."),
+    refused=((".mlp.experts", MOE_EXPERTS_REFUSED),),
+)
 #: vLLM classes that adapt a part of a larger transformers model (others: the whole causal LM).
 LORA_SCOPES: dict[str, LoRAScope] = {
     # vLLM runs a whole Qwen2.5-Omni checkpoint as its thinker; talker / token2wav are dropped
     "Qwen2_5OmniForConditionalGeneration": _QWEN2_5_OMNI_THINKER,
     "OmniQwen2_5OmniThinkerForConditionalGeneration": _QWEN2_5_OMNI_THINKER,
+    # the same for Qwen3-Omni (MoE thinker)
+    "Qwen3OmniMoeForConditionalGeneration": _QWEN3_OMNI_THINKER,
+    "OmniQwen3OmniMoeThinkerForConditionalGeneration": _QWEN3_OMNI_THINKER,
 }
 
 
@@ -198,7 +221,10 @@ class LLMAdapterValidator:
         if bound is not None:
             return
         try:
-            self._check(path, name)
+            if isinstance(request, TensorLoRARequest):  # in memory: the same checks, no file
+                self._check_content(request.peft_config, request.lora_tensors, name)
+            else:
+                self._check(path, name)
         except InvalidAdapterError:
             raise
         except Exception as exc:  # unreadable file, bad JSON, bad safetensors header ...
@@ -217,17 +243,25 @@ class LLMAdapterValidator:
     def _check(self, path: str, name: str) -> None:
         files = locate_adapter(path, shown=name, directory_only=True)
         _, raw = read_adapter_config(files.config, source=name)
+        self._check_content(raw, read_safetensors(files.weights, name)[0], name)
+
+    def _check_content(self, raw: dict, state_dict: dict[str, torch.Tensor], name: str) -> None:
+        """Checks 2-5 of the module docstring on a config dict and its tensors (a file's or in memory)."""
         try:  # vLLM's helper from the JSON read above (from_local_dir would read the file again)
             helper = PEFTHelper.from_dict({**raw, "vllm_max_position_embeddings": None})
             helper.validate_legal(self.lora_config)
         except ValueError as exc:
             raise InvalidAdapterError(f"{name} cannot be served by {self.stage_label}: {exc}") from exc
-        pairs, _ = pair_lora_tensors(read_safetensors(files.weights, name)[0], name)
+        pairs, _ = pair_lora_tensors(state_dict, name)
         self._check_shapes(pairs, name, helper)
 
     def _check_shapes(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str, helper) -> None:
         shapes, outside = self._model_modules()
         modules = {key: key.removeprefix(_PEFT_PREFIX) for key in sorted(pairs)}
+        scope = LORA_SCOPES.get(self.model_arch or _architecture(self.model_path))
+        refused = sorted({f"{m}: {scope.refusal(m)}" for m in modules.values() if scope and scope.refusal(m)})
+        if refused:
+            raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {_summary(refused)}")
         if modules and not any(m in shapes for m in modules.values()):
             raise InvalidAdapterError(self._binds_nothing(name, modules, outside))
         problems: list[str] = []

@@ -63,6 +63,7 @@ from vllm_omni.lora.records import (
 )
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser
 from vllm_omni.lora.restarts import RestartLosses, expected_on, failed_on_stages
+from vllm_omni.lora.tensor_request import TensorLoRARequest, tensor_identity
 
 __all__ = ["AdapterRecord", "AdapterRegistry", "StageCall", "StageState"]
 
@@ -175,6 +176,8 @@ class AdapterRegistry:
             AdapterNotFoundError (an ``InvalidAdapterError`` and a ``FileNotFoundError``) / InvalidAdapterError:
                 the files cannot be found or read (naming the adapter).
         """
+        if isinstance(lora, TensorLoRARequest):  # in memory: its copied tensors' hash is the version
+            return tensor_identity(lora)
         location = resolved_location(str(lora.lora_path))
         try:
             files = locate_adapter(location, shown=describe_adapter(lora))
@@ -231,6 +234,8 @@ class AdapterRegistry:
         """
         if not isinstance(lora, LoRARequest) or not lora.lora_path or isinstance(lora.lora_int_id, bool):
             return lora
+        if isinstance(lora, TensorLoRARequest):
+            return self._resolve_tensors(lora)
         location = resolved_location(str(lora.lora_path))
         record = self._by_id.get(lora.lora_int_id)
         if record is not None and record.location == location:
@@ -270,9 +275,37 @@ class AdapterRegistry:
             self._by_id[record.int_id] = replace(new, version=record.version + 1)
         return new.engine
 
+    def _resolve_tensors(self, lora: TensorLoRARequest) -> LoRARequest:
+        """:meth:`resolve` of an in-memory adapter: the version its tensors are (same id and name with
+        other tensors is a new version; a registered one is registered again, the old one dropped)."""
+        record = self._by_id.get(lora.lora_int_id)
+        if record is not None and record.location != lora.lora_path:
+            record = None  # another adapter's id: refused below
+        elif record is not None and record.fingerprint == lora.content_sha256:
+            return record.engine
+        elif record is not None and record.registered:
+            self.add(lora, record.targets or None, denoiser=record.denoiser)
+            return self._by_id[record.int_id].engine
+        with self._lock:
+            why = self._id_conflict(lora, lora.lora_path, record)
+            if why is not None:
+                raise InvalidAdapterError(f"{describe_adapter(lora)}: {why}; give this adapter another id")
+            new = self._new_record(lora, tensor_identity(lora), registered=False, source="request")
+            if record is not None:
+                new = replace(new, version=record.version + 1)
+            self._by_id[lora.lora_int_id] = new
+        if record is not None and record.engine.lora_int_id != new.engine.lora_int_id:
+            try:  # the stages drop the old version's tensors (best effort: a running batch may hold it)
+                self._unload(record.engine, record.targets)
+            except Exception as exc:
+                logger.info("old version of %s stays until evicted: %s", describe_adapter(lora), exc)
+        return new.engine
+
     def _new_record(self, lora: LoRARequest, identity: tuple, **fields: Any) -> AdapterRecord:
         location, files, digest, signature = identity
         engine = self._engine_request(lora.lora_name, lora.lora_int_id, location, digest)
+        if isinstance(lora, TensorLoRARequest):  # the stages get the tensors, under the version's id
+            engine = lora.engine_form(engine.lora_name, engine.lora_int_id)
         return AdapterRecord(
             lora.lora_name, lora.lora_int_id, location, files, digest, engine, signature=signature, **fields
         )

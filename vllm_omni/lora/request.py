@@ -32,6 +32,7 @@ from vllm.lora.request import LoRARequest
 
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.lora.schedule import MAX_ADAPTER_SCALE, LoRAScaleSchedule, coerce_scale
+from vllm_omni.lora.tensor_request import TensorLoRARequest
 
 __all__ = [
     "DENOISER_ALIASES",
@@ -39,6 +40,7 @@ __all__ = [
     "LoRARequest",
     "LoRAScaleSchedule",
     "RequestAdapter",
+    "TensorLoRARequest",
     "assign_denoisers",
     "canonical_denoiser",
     "gather_request_adapters",

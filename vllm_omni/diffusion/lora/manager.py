@@ -38,9 +38,11 @@ from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+from vllm_omni.diffusion.lora.tensor_adapter import adapter_from_tensors
 from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.lora.schedule import LoRAScaleSchedule
+from vllm_omni.lora.tensor_request import TensorLoRARequest
 
 DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
 #: Names of a denoiser's main block list, tried in order when it declares no ``lora_block_list``.
@@ -188,7 +190,7 @@ class DiffusionLoRAManager:
 
     def _load_entry(self, request: LoRARequest) -> CacheEntry:
         lora_id, path = check_request(request)
-        adapter = self._loader(path)
+        adapter = adapter_from_tensors(request) if isinstance(request, TensorLoRARequest) else self._loader(path)
         bound = bind_adapter(adapter, self._index, self.max_rank)
         prepared = {}
         for name, weights in bound.items():

@@ -1,0 +1,127 @@
+"""In-memory adapters (:class:`~vllm_omni.lora.tensor_request.TensorLoRARequest`) on LLM stages.
+
+vLLM 0.32's ``LoRARequest`` carries no tensors: its worker (``vllm/lora/worker_manager.py``,
+``WorkerLoRAManager._load_adapter``) reads ``adapter_config.json`` with ``PEFTHelper.from_local_dir``
+and the weights with ``LoRAModel.from_local_checkpoint``, which itself ends in
+``LoRAModel.from_lora_tensors``. An LLM stage's vLLM engine core runs in the stage's own process
+(:func:`vllm_omni.engine.vllm_process.engine_core_in_stage_process`), so the stage keeps the adapters
+handed over in memory in a process-local table (:func:`remember`, keyed by the per-version
+``lora_int_id`` the registry issues) and :func:`install` wraps ``_load_adapter``: a request whose
+``lora_path`` starts with ``tensors://`` is built with ``PEFTHelper.from_dict`` and
+``LoRAModel.from_lora_tensors`` from that table, the same calls vLLM makes after reading files; any
+other request takes vLLM's own path. No file is written. vLLM may load an adapter again whenever its
+own LRU cache evicted it, so an entry stays until the stage removes that id from the engine
+(:func:`forget`).
+
+The tensors reach the stage's process with the request: by reference (``inline``), through shared
+memory (``mp``: torch's ``ForkingPickler``), or Ray's object store (``ray``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.lora.tensor_request import TENSOR_SCHEME, TensorLoRARequest
+
+__all__ = ["forget", "held", "install", "remember"]
+
+_lock = threading.Lock()
+#: engine lora_int_id -> (the request, the stages holding it: ``id(stage)``)
+_held: dict[int, tuple[TensorLoRARequest, set[int]]] = {}
+_installed = False
+
+
+def held(lora_int_id: int) -> TensorLoRARequest | None:
+    """The in-memory adapter this process holds under ``lora_int_id``, or ``None``."""
+    with _lock:
+        entry = _held.get(lora_int_id)
+    return None if entry is None else entry[0]
+
+
+def remember(lora: Any, owner: object, stage_label: str) -> None:
+    """Keep ``lora``'s tensors for vLLM's worker when it is a :class:`TensorLoRARequest` (else nothing).
+
+    Raises:
+        InvalidAdapterError: vLLM's engine core runs in a process of its own
+            (``VLLM_ENABLE_V1_MULTIPROCESSING`` set to a true value), where this table is not seen.
+    """
+    if not isinstance(lora, TensorLoRARequest):
+        return
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() not in ("0", "false"):
+        raise InvalidAdapterError(
+            f"{lora.source}: {stage_label} runs vLLM's engine core in a process of its own "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=1), which in-memory adapters cannot reach; unset it "
+            "(stages are processes already with worker_backend='mp' or 'ray')"
+        )
+    install()
+    with _lock:
+        entry = _held.setdefault(lora.lora_int_id, (lora, set()))
+        if entry[0].content_sha256 != lora.content_sha256:
+            raise InvalidAdapterError(
+                f"{lora.source}: lora_int_id {lora.lora_int_id} holds other in-memory weights on {stage_label}; "
+                "give the new weights another id"
+            )
+        entry[1].add(id(owner))
+
+
+def forget(lora_int_id: int, owner: object) -> None:
+    """``owner`` no longer holds ``lora_int_id`` in its engine; the tensors go when no stage does."""
+    with _lock:
+        entry = _held.get(lora_int_id)
+        if entry is not None:
+            entry[1].discard(id(owner))
+            if not entry[1]:
+                del _held[lora_int_id]
+
+
+def _load_from_tensors(manager: Any, lora_request: Any) -> Any:
+    """``WorkerLoRAManager._load_adapter`` for an in-memory adapter (vLLM's steps, from the table)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    lora = held(lora_request.lora_int_id)
+    if lora is None:
+        raise ValueError(
+            f"in-memory adapter {lora_request.lora_name!r} (id {lora_request.lora_int_id}) is not held "
+            "by this process any more; send its TensorLoRARequest again"
+        )
+    helper = PEFTHelper.from_dict(
+        {**lora.peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+    )
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    loaded = manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_request.lora_int_id,
+        tensors=lora.lora_tensors,
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    loaded.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    manager._adapter_manager._validate_moe_lora_format(loaded)
+    return loaded
+
+
+def install() -> None:
+    """Wrap vLLM's ``WorkerLoRAManager._load_adapter`` once per process (see the module docstring)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from vllm.lora.worker_manager import WorkerLoRAManager
+
+        original = WorkerLoRAManager._load_adapter
+
+        def _load_adapter(self, lora_request):
+            if str(lora_request.lora_path).startswith(TENSOR_SCHEME):
+                return _load_from_tensors(self, lora_request)
+            return original(self, lora_request)
+
+        WorkerLoRAManager._load_adapter = _load_adapter
+        _installed = True
