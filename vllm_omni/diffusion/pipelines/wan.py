@@ -23,26 +23,29 @@ has the same one, so the denoiser is called with one timestep per sample (the sa
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import denoising_step, set_forward_context
 from vllm_omni.diffusion.models.wan import WanTransformer3DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import check_image_side
+from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
+from vllm_omni.diffusion.pipelines.denoise import (
+    denoiser_rows,
+    load_component,
+    lora_scope,
+    negative_texts,
+    prepare_scheduler,
+    run_denoising_loop,
+    seeded_noise,
+    split_by_prompt,
+)
 from vllm_omni.diffusion.pipelines.diffusers_fallback import pop_lora_scale
-from vllm_omni.diffusion.progress import step_progress
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -52,72 +55,6 @@ DEFAULT_FRAMES = 81
 DEFAULT_GUIDANCE = 5.0
 #: ``extra_args`` this pipeline takes (diffusers' call arguments of the same names)
 EXTRA_ARGS = ("num_frames", "guidance_scale_2", "attention_kwargs")
-
-LoRAContext = Callable[..., AbstractContextManager]
-
-
-# ---------------------------------------------------------------------- generic steps
-def negative_texts(prompts: list[str], negative: str | list[str] | None) -> list[str]:
-    """One negative text per prompt (``None``: ``""``; one string: repeated).
-
-    Raises:
-        InvalidRequestError: a list whose length is not the number of prompts.
-    """
-    if negative is None:
-        return [""] * len(prompts)
-    if isinstance(negative, str):
-        return [negative] * len(prompts)
-    if len(negative) != len(prompts):
-        raise InvalidRequestError(
-            f"negative_prompt has {len(negative)} entries for {len(prompts)} prompts; pass one per prompt"
-        )
-    return list(negative)
-
-
-def seeded_noise(
-    shape: tuple[int, ...],
-    n: int,
-    sp: OmniDiffusionSamplingParams,
-    num_prompts: int,
-    seeds: list[int | None] | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Initial noise ``(num_prompts * n, *shape)`` float32: ``sp.generator`` draws the whole batch (diffusers'
-    semantics); otherwise prompt ``i`` draws its ``n`` samples one after another from its own generator
-    (``seeds[i]``, else ``sp``'s), as diffusers does with a list of per-sample generators."""
-    if sp.generator is not None:
-        return randn_tensor(
-            (num_prompts * n, *shape), generator=sp.generator, device=device, dtype=torch.float32
-        )
-    gens = sp.make_generators(num_prompts)
-    if seeds is not None:
-        gens = [g if seed is None else torch.Generator().manual_seed(seed) for g, seed in zip(gens, seeds)]
-    draws = [
-        randn_tensor((1, *shape), generator=g, device=device, dtype=torch.float32)
-        for g in gens
-        for _ in range(n)
-    ]
-    return torch.cat(draws, dim=0)
-
-
-def denoiser_rows(num_prompts: int, n: int, cfg: bool) -> list[int]:
-    """Prompt index of every denoiser sample: ``n`` per prompt, then the same again for the CFG copies."""
-    rows = [i for i in range(num_prompts) for _ in range(n)]
-    return rows * 2 if cfg else rows
-
-
-def lora_scope(
-    lora_context: LoRAContext | None, rows: list[int], lora_scale: float
-) -> AbstractContextManager:
-    """The LoRA context of one call (see ``pipelines.base.LoRAContextFactory``); a no-op without one."""
-    if lora_context is None:
-        return contextlib.nullcontext()
-    return lora_context(rows, lora_scale=lora_scale) if lora_scale != 1.0 else lora_context(rows)
-
-
-def _load_component(root: Path, name: str, spec: tuple[str, str], **kwargs):
-    library, cls_name = spec
-    return getattr(importlib.import_module(library), cls_name).from_pretrained(str(root / name), **kwargs)
 
 
 # ---------------------------------------------------------------------- the pipeline
@@ -148,11 +85,11 @@ class WanPipeline:
         self.device = torch.device(device or od_config.resolved_device())
         self.dtype = od_config.torch_dtype()
         self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        self.text_encoder = _load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
+        self.text_encoder = load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
         self.text_encoder.to(self.device).eval().requires_grad_(False)
         self.vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.scheduler = _load_component(root, "scheduler", comps["scheduler"])
+        self.scheduler = load_component(root, "scheduler", comps["scheduler"])
         experts = [name for name in ("transformer", "transformer_2") if comps.get(name)]
         if "transformer" not in experts:
             raise InvalidRequestError(f"{root}: the in-tree Wan pipeline needs a 'transformer' component")
@@ -191,11 +128,10 @@ class WanPipeline:
             InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor`` or beyond the limit.
         """
         factor = self.vae_scale_factor * 2
-        defaults = [min(d, limit) // factor * factor for d, limit in zip(DEFAULT_SIZE, self.max_image_size)]
-        height, width = sp.height or defaults[0], sp.width or defaults[1]
-        for name, value, limit in zip(("height", "width"), (height, width), self.max_image_size):
-            check_image_side(name, value, factor, limit)
-        return height, width
+        defaults = tuple(
+            min(d, limit) // factor * factor for d, limit in zip(DEFAULT_SIZE, self.max_image_size)
+        )
+        return resolve_image_size(sp, defaults, factor, self.max_image_size)
 
     def resolve_frames(self, value) -> int:
         """``num_frames`` (``extra_args``; default 81): ``1 + k * temporal factor`` up to the rotary reach.
@@ -277,7 +213,7 @@ class WanPipeline:
         sp: OmniDiffusionSamplingParams,
         *,
         seeds: list[int | None] | None = None,
-        lora_context: LoRAContext | None = None,
+        lora_context: LoRAContextFactory | None = None,
     ) -> list[DiffusionOutput]:
         """``sp.num_images_per_prompt`` videos per prompt, all prompts in one denoiser batch.
 
@@ -313,13 +249,12 @@ class WanPipeline:
         )
         latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)
         adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
-        latents = self._denoise(
-            latents, embeds, (guidance, guidance_2), cfg, sp.num_inference_steps, adapters
+        scheduler = prepare_scheduler(self.scheduler, self.device, steps=sp.num_inference_steps)
+        predict = self._predictor(embeds, (guidance, guidance_2), cfg)
+        latents = run_denoising_loop(
+            scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
         )
-        results = [
-            DiffusionOutput(prompt=p, latents=latents[i * n : (i + 1) * n].cpu())
-            for i, p in enumerate(prompts)
-        ]
+        results = split_by_prompt(prompts, latents, n)
         if sp.output_type != "latent":
             self._decode_into(results, latents, sp.output_type, n)
         return results
@@ -331,33 +266,19 @@ class WanPipeline:
         boundary = self.boundary_ratio * self.scheduler.config.num_train_timesteps
         return (self.transformer, 0) if timestep >= boundary else (self.transformer_2, 1)
 
-    def _denoise(
-        self,
-        latents: torch.Tensor,
-        embeds: torch.Tensor,
-        guidances: tuple[float, float],
-        cfg: bool,
-        steps: int,
-        adapters: AbstractContextManager,
-    ) -> torch.Tensor:
-        """The flow-matching loop on ``latents`` ``(B, C, f, h, w)`` float32; ``embeds`` holds ``B`` positive
-        then (with CFG) ``B`` negative text features. Returns the final latents, float32."""
-        batch = latents.shape[0]
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)
-        scheduler.set_timesteps(steps, device=self.device)
-        scheduler.set_begin_index(0)
-        timesteps = scheduler.timesteps
-        with adapters, set_forward_context():
-            progress = step_progress(timesteps, len(timesteps), "denoise", self.od_config.enable_progress_bar)
-            for i, t in enumerate(progress):
-                model, expert = self.expert_for(float(t))
-                x = latents.to(model.dtype)
-                x = torch.cat([x, x]) if cfg else x
-                with denoising_step(i, len(timesteps)):
-                    out = model(x, t.expand(x.shape[0]), embeds).float()
-                pred = out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out
-                latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        return latents
+    def _predictor(self, embeds: torch.Tensor, guidances: tuple[float, float], cfg: bool):
+        """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG) against
+        ``embeds`` (``B`` positive then ``B`` negative rows), ``neg + g * (pos - neg)``, float32."""
+
+        def predict(_step: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            batch = latents.shape[0]
+            model, expert = self.expert_for(float(t))
+            x = latents.to(model.dtype)
+            x = torch.cat([x, x]) if cfg else x
+            out = model(x, t.expand(x.shape[0]), embeds).float()
+            return out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out
+
+        return predict
 
     def _decode_into(
         self, results: list[DiffusionOutput], latents: torch.Tensor, output_type: str, n: int
