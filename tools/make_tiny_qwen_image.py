@@ -225,6 +225,78 @@ def ensure_tiny_qwen_image(root: str | os.PathLike) -> Path:
     return final
 
 
+#: adapters for the tiny transformer: name -> (seed, targets). ``attn`` covers every layer kind of
+#: the in-tree model (packed q/k/v of both streams, row-parallel outputs, column-parallel MLP and
+#: modulation, replicated embedders); ``mlp`` touches only the MLPs (mixed-batch partner).
+LORA_SPECS: dict[str, tuple[int, list[str]]] = {
+    "attn": (
+        11,
+        ["to_q", "to_k", "add_v_proj", "add_q_proj", "to_out.0", "to_add_out", "img_mod.1", "img_in"],
+    ),
+    "mlp": (12, ["net.0.proj", "net.2", "txt_mod.1", "proj_out"]),
+}
+LORA_RANK, LORA_ALPHA, LORA_STD = 4, 8.0, 0.3
+LORA_ASSET_VERSION = "1"
+
+
+def build_qwen_image_lora(transformer_dir: Path, out: Path, seed: int, targets: list[str]) -> None:
+    """A PEFT LoRA folder (rank 4, alpha 8, weights ~ N(0, 0.3) from ``seed``) on ``targets`` of the
+    diffusers transformer in ``transformer_dir``."""
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig, get_peft_model
+
+    base = QwenImageTransformer2DModel.from_pretrained(str(transformer_dir)).eval()
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
+    model.save_pretrained(str(out))
+    cfg_path = out / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = None  # independent of where the tiny model lives
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").unlink(missing_ok=True)
+
+
+def ensure_tiny_qwen_image_loras(model_dir: str | os.PathLike, root: str | os.PathLike) -> dict[str, Path]:
+    """Build (if missing or stale) the tiny Qwen-Image adapters under ``root / "tiny-qwen-image-loras"``.
+
+    Returns ``{name: path}``: the PEFT folders of :data:`LORA_SPECS` and, from ``attn``, the
+    single-file layouts its users have (``tools/lora_layouts.py``): ``attn_diffusers``
+    (``transformer.`` keys + metadata), ``attn_kohya`` (musubi-tuner / kohya ``lora_unet_`` + ``.alpha``)
+    and ``attn_comfyui`` (``diffusion_model.`` + ``.alpha``).
+    """
+    from filelock import FileLock
+
+    from tools.lora_layouts import write_comfyui, write_diffusers, write_kohya
+
+    root = Path(root)
+    final = root / "tiny-qwen-image-loras"
+    files = {"attn_diffusers": write_diffusers, "attn_kohya": write_kohya, "attn_comfyui": write_comfyui}
+    paths = {name: final / name for name in LORA_SPECS}
+    paths.update({name: final / f"{name}.safetensors" for name in files})
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / ".tiny_qwen_image_loras.lock")):
+        stamp = final / ".asset_version"
+        if not (stamp.is_file() and stamp.read_text().strip() == LORA_ASSET_VERSION):
+            tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen-image-loras-", dir=root))
+            try:
+                for name, (seed, targets) in LORA_SPECS.items():
+                    build_qwen_image_lora(Path(model_dir) / "transformer", tmp / name, seed, targets)
+                for name, writer in files.items():
+                    writer(str(tmp / "attn"), str(tmp / f"{name}.safetensors"))
+                (tmp / ".asset_version").write_text(LORA_ASSET_VERSION + "\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory to hold tiny-qwen-image/")

@@ -75,3 +75,12 @@ def tiny_qwen_image_dir() -> Path:
     from tools.make_tiny_qwen_image import ensure_tiny_qwen_image
 
     return ensure_tiny_qwen_image(_assets_root())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_loras(tiny_qwen_image_dir) -> dict[str, Path]:
+    """Adapters for the tiny Qwen-Image transformer: PEFT folders ``attn`` / ``mlp`` and ``attn`` as
+    diffusers, kohya (musubi) and ComfyUI files (see ``tools/make_tiny_qwen_image.py``)."""
+    from tools.make_tiny_qwen_image import ensure_tiny_qwen_image_loras
+
+    return ensure_tiny_qwen_image_loras(tiny_qwen_image_dir, _assets_root())

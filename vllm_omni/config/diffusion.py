@@ -41,6 +41,7 @@ DTYPES = {
 #: ``model_index.json`` ``_class_name`` -> ``"module:Class"`` of the in-tree pipeline.
 IN_TREE_PIPELINES: dict[str, str] = {
     "ZImagePipeline": "vllm_omni.diffusion.pipelines.z_image:ZImagePipeline",
+    "QwenImagePipeline": "vllm_omni.diffusion.pipelines.qwen_image:QwenImagePipeline",
     "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
 }
 
