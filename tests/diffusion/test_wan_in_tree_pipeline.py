@@ -2,8 +2,8 @@
 peft on the same tiny Wan2.2-style two-expert weights (``tools/make_tiny_wan.py --moe``), float32.
 
 Same prompt, seed, size, frame count, steps and CFG as ``test_wan_moe_distill`` (4 steps: with the
-scheduler's shift 3 and ``boundary_ratio`` 0.5 the first two run ``transformer``, the last two
-``transformer_2``). Adapters: a diffusers/PEFT file at two scales, the ``[high, low]`` pair, a
+scheduler's shift 3 the timesteps are 1000, 858, 602, 9, so with ``boundary_ratio`` 0.5 steps 0-2 run
+``transformer`` and step 3 ``transformer_2``). Adapters: a diffusers/PEFT file at two scales, the ``[high, low]`` pair, a
 ComfyUI file (``diffusion_model.blocks.N.self_attn.q...``) and a musubi-tuner / kohya file
 (``lora_unet_blocks_N_self_attn_q...``), each read by diffusers' own ``load_lora_weights``; two
 requests with different adapters in one batch equal each alone.
@@ -159,11 +159,34 @@ def test_mixed_batch_equals_each_request_alone(omni, loras):
     (the pipeline reports its CFG row layout), each equal to its request run alone."""
     prompts = [PROMPT, "a blue dog on a ball", PROMPT]
     sets = [[loras["high"]], [loras["comfy"]], []]
+    stage = omni._orchestrator.runtimes[0]
+    before = len(stage.batch_sizes)
     outs = omni.generate(prompts, _sp(), lora_requests=sets, use_tqdm=False)
+    assert stage.batch_sizes[before:] == [3], "the three requests must share one denoiser batch"
     for prompt, adapters, out in zip(prompts, sets, outs, strict=True):
         [alone] = omni.generate([prompt], _sp(), lora_requests=adapters, use_tqdm=False)
         assert _err(out.latents, alone.latents) <= TOL
     assert _err(outs[0].latents, outs[2].latents) > 0.02
+
+
+def test_per_step_schedules_across_the_expert_switch(omni, wan_moe_dir, files, loras):
+    """Per-step scales of the pair (high on ``transformer``, low on ``transformer_2``) equal diffusers
+    changing ``set_adapters`` weights in ``callback_on_step_end``; the switch to the low-noise expert
+    after step 2 is a step boundary, so each step's scale acts on the expert that runs it."""
+    high, low = [1.0, 0.5, 1.5, 0.0], [0.0, 0.0, 0.0, 0.5]
+
+    def callback(pipe, i, _t, _kwargs):
+        if i + 1 < len(high):
+            pipe.set_adapters(["t1_0", "t2_0"], [high[i + 1], low[i + 1]])
+        return {}
+
+    want = _diffusers(
+        wan_moe_dir, [files["high"]], [files["low"]], weights=[high[0], low[0]], callback_on_step_end=callback
+    )
+    constant = _diffusers(wan_moe_dir, [files["high"]], [files["low"]], weights=[1.0, 0.5])
+    assert _err(want, constant) > 0.02  # the schedule matters
+    got = _latents(omni, lora_requests=[loras["high"], loras["low"]], lora_scales=[high, low])
+    assert _err(got, want) <= TOL
 
 
 @pytest.mark.parametrize(
