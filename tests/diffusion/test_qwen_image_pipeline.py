@@ -129,3 +129,55 @@ def test_mixed_adapter_batch_equals_each_alone(omni, loras):
         solo = _latents(omni, prompt, lora_requests=s, lora_scales=sc)
         assert (out.latents - solo).abs().max().item() <= 1e-5, (prompt, [r.lora_name for r in s])
     assert (outs[0].latents - outs[2].latents).abs().max().item() > 50 * TOL  # the adapter acted
+
+
+def test_per_step_schedule_matches_diffusers_step_callback(omni, tiny_qwen_image_dir, loras):
+    from diffusers import QwenImagePipeline
+
+    steps = [1.5, 0.25]
+    got = _latents(omni, lora_requests=[LoRARequest("attn", 1, str(loras["attn"]))], lora_scales=[steps])
+    pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image_dir))
+    pipe.set_progress_bar_config(disable=True)
+    load_peft_into_transformer(pipe.transformer, loras["attn"], "a")
+    pipe.set_adapters(["a"], [steps[0]])
+
+    def callback(_pipe, i, _t, _kwargs):
+        if i + 1 < len(steps):
+            pipe.set_adapters(["a"], [steps[i + 1]])
+        return {}
+
+    with torch.no_grad():
+        expected = pipe(
+            PROMPT,
+            negative_prompt=NEG,
+            true_cfg_scale=4.0,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(5),
+            output_type="latent",
+            callback_on_step_end=callback,
+            **SIZE,
+        ).images
+    assert (got - expected).abs().max().item() <= TOL
+    constant = _latents(omni, lora_requests=[LoRARequest("attn", 1, str(loras["attn"]))], lora_scales=[1.5])
+    assert (got - constant).abs().max().item() > 50 * TOL  # the second step's scale mattered
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(height=40), "height must be a multiple of 16"),
+        (dict(extra_args={"num_frames": 3}), r"extra_args \['num_frames'\] are not used"),
+        (dict(max_sequence_length=2048), "max_sequence_length must be at most 1024"),
+    ],
+    ids=["size", "extra-arg", "sequence"],
+)
+def test_bad_requests_are_refused_by_name(omni, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        omni.generate(PROMPT, params(**kwargs))
+
+
+def test_adapter_for_another_model_is_refused_and_changes_nothing(omni, tiny_z_image_loras):
+    cached = omni.list_loras()
+    with pytest.raises(ValueError, match=r"layers\.0\.attention"):
+        omni.generate(PROMPT, params(), lora_request=LoRARequest("z", 40, str(tiny_z_image_loras["attn"])))
+    assert omni.list_loras() == cached
