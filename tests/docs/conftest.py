@@ -20,10 +20,12 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
 
     from tools.make_tiny_diffusion import ensure_tiny_diffusion_assets
     from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+    from tools.make_tiny_qwen_image import ensure_tiny_qwen_image, ensure_tiny_qwen_image_loras
 
     root = Path(os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO_ROOT / ".cache" / "test_assets")
     z_image = ensure_tiny_diffusion_assets(root)["z_image"]
     z_loras = ensure_tiny_z_image_loras(z_image, root)
+    qwen_image = ensure_tiny_qwen_image(root)
     assets = {
         "llm_model": tiny_llm_assets.model_dir,
         "llm_adapter_a": tiny_llm_assets.adapter_a,
@@ -32,6 +34,8 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "z_attn": z_loras["attn"],
         "z_ff": z_loras["ff"],
         "z_attn_file": z_loras["attn_file"],
+        "qwen_image": qwen_image,
+        "qwen_image_kohya": ensure_tiny_qwen_image_loras(qwen_image, root)["attn_kohya"],
         "omni_model": tiny_omni_assets.model_dir,
         "omni_thinker_adapter": tiny_omni_assets.thinker_adapter,
     }

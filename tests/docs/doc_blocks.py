@@ -74,12 +74,14 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "z_image_loras/style": ("z_attn", True),  # PEFT, r 4, attention
     "z_image_loras/detail": ("z_ff", True),  # PEFT, r 8, feed-forward
     "z_image_loras/style.safetensors": ("z_attn_file", True),  # diffusers single file (distill)
+    "qwen_image": ("qwen_image", False),  # tiny Qwen-Image diffusers directory
+    "qwen_image_loras/style.safetensors": ("qwen_image_kohya", True),  # kohya / musubi file, attention
     "qwen2_5_omni": ("omni_model", False),  # tiny Qwen2.5-Omni checkpoint
     "qwen2_5_omni_loras/thinker": ("omni_thinker_adapter", True),  # PEFT, whole-model keys
     "does_not_exist": (None, False),  # never created: for examples of errors
 }
 # folders that exist because their entries do (usable as --lora-dirs roots)
-PLACEHOLDER_DIRS = {"llm_loras", "z_image_loras", "qwen2_5_omni_loras"}
+PLACEHOLDER_DIRS = {"llm_loras", "z_image_loras", "qwen2_5_omni_loras", "qwen_image_loras"}
 
 
 @dataclass
