@@ -43,6 +43,7 @@ def run_case(omni, prompt_len: int, think: int, rounds: int) -> dict:
     from vllm import PoolingParams, SamplingParams
 
     from vllm_omni.inputs.audio import AudioParams
+    from vllm_omni.inputs.stage_request import StageRequest
     from vllm_omni.stages.qwen2_5_omni.pipeline import thinker2talker
 
     thinker, talker, code2wav = omni._orchestrator.runtimes
@@ -52,21 +53,21 @@ def run_case(omni, prompt_len: int, think: int, rounds: int) -> dict:
     per_token = []
     for _ in range(rounds):
         sp = SamplingParams(temperature=0, max_tokens=think, ignore_eos=True)
-        t, out = _timed(lambda sp=sp: thinker.submit(prompt, sp).result())
+        t, out = _timed(lambda sp=sp: thinker.submit(StageRequest(prompt, sp)).result())
         times["thinker"].append(t)
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]
         t, _ = _timed(
             lambda ids=ids: talker.states.submit(
-                {"prompt_token_ids": ids}, PoolingParams(task="token_embed")
+                StageRequest({"prompt_token_ids": ids}, PoolingParams(task="token_embed"))
             ).result()
         )
         times["pooling"].append(t)
         payload = thinker2talker(out, [None, None, audio], None)
         tp = SamplingParams(temperature=0, max_tokens=TALKER_TOKENS, stop_token_ids=[-1])
-        t, res = _timed(lambda payload=payload, tp=tp: talker.submit(payload, tp).result())
+        t, res = _timed(lambda payload=payload, tp=tp: talker.submit(StageRequest(payload, tp)).result())
         times["talker"].append(t)
         per_token.append(t / max(1, res.codes.numel()))
-        t, _ = _timed(lambda res=res: code2wav.submit(res.payload, audio).result())
+        t, _ = _timed(lambda res=res: code2wav.submit(StageRequest(res.payload, audio)).result())
         times["code2wav"].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {

@@ -74,6 +74,7 @@ def measure(backend: str, deploy: str, args) -> dict[str, list[float]]:
 
     from vllm_omni import Omni
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+    from vllm_omni.inputs.stage_request import StageRequest
 
     llm = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     diff = OmniDiffusionSamplingParams(
@@ -89,7 +90,7 @@ def measure(backend: str, deploy: str, args) -> dict[str, list[float]]:
 
         def stage(runtime, inputs, params) -> None:
             with runtime.hold():
-                futures = [runtime.submit(p, params) for p in inputs]
+                futures = [runtime.submit(StageRequest(p, params)) for p in inputs]
             for f in futures:
                 f.result()
 

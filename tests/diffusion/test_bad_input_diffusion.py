@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.inputs.data import MAX_IMAGES_PER_PROMPT, MAX_SEQUENCE_LENGTH, OmniDiffusionSamplingParams
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 
 SMALL = dict(height=32, width=32, num_inference_steps=2, guidance_scale=3.0, output_type="latent")
 
@@ -77,7 +77,7 @@ def test_non_finite_adapter_weights_are_refused_and_the_batch_is_not_poisoned(
     futures = []
     with omni._orchestrator.batching():
         for lora in (good, bad, None):
-            futures.append(omni._orchestrator.submit("a dog", [params], lora_request=lora))
+            futures.append(omni._orchestrator.submit("a dog", [params], {0: RequestAdapters.of(lora)}))
     with pytest.raises(LoRAFormatError, match="nan"):
         futures[1].result(timeout=300)
     latents = futures[0].result(timeout=300)[0].latents

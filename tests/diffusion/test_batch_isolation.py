@@ -16,6 +16,7 @@ import pytest
 
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.inputs.stage_request import StageRequest
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo_model"
 GOOD = [
@@ -70,7 +71,7 @@ def _submit_together(omni, stage, items):
     with omni._orchestrator.batching():
         for prompt, sp in items:
             try:
-                futures.append(stage.submit(prompt, sp))
+                futures.append(stage.submit(StageRequest(prompt, sp)))
             except InvalidRequestError as exc:
                 futures.append(None)
                 errors.append(exc)
@@ -92,7 +93,7 @@ def test_missing_size_is_the_model_default(omni):
 def test_too_large_size_is_refused_before_batching(omni, stage, alone):
     bad = params(height=1024, width=1024)
     with pytest.raises(InvalidRequestError, match="exceeds this model's maximum of 512"):
-        stage.validate_request("a red circle", bad)
+        stage.validate_request(StageRequest("a red circle", bad))
     before = len(stage.batch_sizes)
     items = [(p, params()) for p in GOOD[:3]] + [("a red circle", bad)] + [(p, params()) for p in GOOD[3:]]
     futures, errors = _submit_together(omni, stage, items)

@@ -16,10 +16,11 @@ import pytest
 import torch
 from lora_oracle import reference_latents, reference_pipeline
 
-from vllm_omni.entrypoints.request_adapters import entry_lora_kwargs
+from vllm_omni.entrypoints.request_adapters import request_adapters
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 
 TOL = 1e-4
 KW = dict(seed=5, steps=2, guidance=3.0, height=32, width=32)
@@ -207,8 +208,8 @@ def test_failed_load_changes_nothing_and_fails_only_its_request(omni, reqs, tiny
     # in a batch, the broken request fails alone; its neighbour is served
     stage = omni._orchestrator.runtimes[0]
     with stage.hold():
-        ok = stage.submit(PROMPT, params(), lora_request=reqs["attn"])
-        ko = stage.submit(PROMPT, params(), lora_request=broken)
+        ok = stage.submit(StageRequest(PROMPT, params(), RequestAdapters.of(reqs["attn"])))
+        ko = stage.submit(StageRequest(PROMPT, params(), RequestAdapters.of(broken)))
     assert _err(ok.result().latents, _latents(omni, lora_request=reqs["attn"])) <= 1e-5
     with pytest.raises(LoRAFormatError):
         ko.result()
@@ -245,7 +246,7 @@ def test_remove_during_request_waits_for_it(tiny_z_image_dir, reqs, tiny_z_image
         stage = omni._orchestrator.runtimes[0]
         sp = params(num_inference_steps=6)
         full = _latents(omni, sp=sp, lora_request=a)
-        fut = stage.submit(PROMPT, sp, lora_request=a)
+        fut = stage.submit(StageRequest(PROMPT, sp, RequestAdapters.of(a)))
         while not stage.batch_sizes[1:]:
             time.sleep(0.002)
         removed: list = []
@@ -307,39 +308,51 @@ def test_bad_stage_inputs_name_the_field(tiny_z_image_dir, tmp_path, omni):
 
 
 def test_request_adapters_built_at_the_entry_reach_the_worker_unchanged(omni, reqs):
-    """The HTTP form (a tuple of RequestAdapter) runs exactly as the lora_requests / lora_scales form."""
+    """The HTTP form (a tuple of RequestAdapter) runs exactly as the lora_requests / lora_scales form:
+    one converter at the edge gives one typed value, which reaches the worker as it is."""
     from vllm_omni.errors import InvalidRequestError
     from vllm_omni.lora.request import RequestAdapter
 
     adapters = (RequestAdapter(reqs["attn"], 0.5), RequestAdapter(reqs["qv"]))
-    [kw] = entry_lora_kwargs(omni.config, [None], params(), None, None, None, adapters=adapters)
-    assert kw == {"adapters": adapters}
-    via_adapters = omni._orchestrator.submit(PROMPT, [params()], **kw).result(timeout=300)[0].latents
+    descriptions = omni._orchestrator.descriptions
+    [per_stage] = request_adapters(omni.config, descriptions, 1, [params()], adapters=adapters)
+    assert per_stage == {0: RequestAdapters(adapters)}
+    [from_lists] = request_adapters(
+        omni.config, descriptions, 1, [params()], lora_requests=[reqs["attn"], reqs["qv"]], lora_scales=[0.5, 1.0]
+    )
+    assert [(a.lora, a.scale) for a in from_lists[0]] == [(reqs["attn"], 0.5), (reqs["qv"], 1.0)]
+    via_adapters = omni._orchestrator.submit(PROMPT, [params()], per_stage).result(timeout=300)[0].latents
     via_lists = omni.generate(
         PROMPT, params(), lora_requests=[reqs["attn"], reqs["qv"]], lora_scales=[0.5, 1.0]
     )[0].latents
     torch.testing.assert_close(via_adapters, via_lists, rtol=0, atol=0)
     with pytest.raises(InvalidRequestError, match="not both"):
-        entry_lora_kwargs(omni.config, [reqs["ff"]], params(), None, None, None, adapters=adapters)
-    with pytest.raises(InvalidRequestError, match=r"adapters\[1\].*appears twice"):
-        entry_lora_kwargs(omni.config, [None], params(), None, None, None, adapters=adapters[:1] * 2)
+        request_adapters(omni.config, descriptions, 1, [params()], lora_request=reqs["ff"], adapters=adapters)
+    with pytest.raises(InvalidRequestError, match=r"adapters\[1\].*appears twice") as info:
+        request_adapters(omni.config, descriptions, 1, [params()], adapters=adapters[:1] * 2)
+    assert info.value.param == "adapters"  # the field at fault (the HTTP layer names it "lora")
 
 
-def test_a_folder_holding_one_single_file_adapter_is_refused_through_omni(
+def test_a_folder_holding_one_single_file_adapter_is_that_file_through_omni(
     omni, reqs, tiny_z_image_loras, tmp_path
 ):
-    """Issue 21 rule 7 through ``Omni``: a folder with a single-file adapter and no
-    ``adapter_config.json`` is refused at ``add_lora`` and in a request, naming what a PEFT folder holds
-    and the file to pass instead; nothing is registered or cached. The file by its own path serves the
-    same latents as the PEFT folder of the same weights."""
+    """Issue 35 rule 4 through ``Omni``: a folder with one single-file adapter and no
+    ``adapter_config.json`` serves the latents of that file by its own path (and of the PEFT folder of
+    the same weights); with a second file it is refused at ``add_lora`` and in a request, naming what a
+    PEFT folder holds and the files to pass instead; nothing is registered or cached."""
     import shutil
 
     folder = tmp_path / "my_lora"
     folder.mkdir()
     single = folder / "attn_v2.safetensors"
     shutil.copy(tiny_z_image_loras["attn_file"], single)
+    by_folder = _latents(omni, lora_request=LoRARequest("folder", 30, str(folder)))
+    by_file = _latents(omni, lora_request=LoRARequest("file", 32, str(single)))
+    torch.testing.assert_close(by_folder, by_file, rtol=0, atol=0)
+    assert _err(by_file, _latents(omni, lora_request=reqs["attn"])) <= 1e-5
+    shutil.copy(single, folder / "attn_v3.safetensors")
     before, registered = omni.list_loras(), omni.adapter_registry.records()
-    lora = LoRARequest("folder", 31, str(folder))
+    lora = LoRARequest("two_files", 31, str(folder))
     for call in (lambda: omni.add_lora(lora), lambda: omni.generate(PROMPT, params(), lora_request=lora)):
         with pytest.raises(LoRAFormatError) as info:
             call()
@@ -347,5 +360,3 @@ def test_a_folder_holding_one_single_file_adapter_is_refused_through_omni(
         assert "missing adapter_config.json and adapter_model.safetensors" in message, message
         assert f"'{single}'" in message and "pass one by its own path instead" in message
     assert omni.list_loras() == before and omni.adapter_registry.records() == registered
-    by_file = _latents(omni, lora_request=LoRARequest("file", 32, str(single)))
-    assert _err(by_file, _latents(omni, lora_request=reqs["attn"])) <= 1e-5

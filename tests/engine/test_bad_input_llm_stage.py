@@ -14,6 +14,7 @@ from vllm import SamplingParams
 from tests.llm_reference import hf_greedy
 from tests.waiting import wait_until
 from vllm_omni.errors import InvalidAdapterError, StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 
 pytestmark = pytest.mark.engine
@@ -142,7 +143,7 @@ def test_lora_call_waiting_while_the_stage_shuts_down_does_not_hang(tiny_llm_ass
         return step()
 
     runtime._engine.step = slow_step
-    fut = runtime.submit(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    fut = runtime.submit(StageRequest(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True)))
     assert in_step.wait(600)
     result: dict = {}
 

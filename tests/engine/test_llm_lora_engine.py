@@ -15,7 +15,8 @@ from vllm import SamplingParams
 from tests.llm_reference import hf_greedy
 from tests.waiting import wait_until
 from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 
 N_TOKENS = 10
 PROMPTS = ["hello world", "the quick brown fox", "a b c"]
@@ -228,7 +229,11 @@ def test_async_omni_concurrent_adapters(tiny_llm_assets, adapters, async_omni):
 def test_cancelled_request_is_aborted_and_engine_keeps_serving(omni, adapters, tiny_llm_assets):
     runtime = omni._orchestrator.runtimes[0]
     fut = runtime.submit(
-        "hello world", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), adapters["a"]
+        StageRequest(
+            "hello world",
+            SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+            RequestAdapters.of(adapters["a"]),
+        )
     )
     steps = _count_steps(runtime)
     assert fut.cancel() or fut.done()
@@ -263,9 +268,11 @@ def test_request_cancelled_while_running_is_aborted_and_its_batch_mates_finish(o
     runtime = omni._orchestrator.runtimes[0]
     with runtime.hold():  # both start in one step
         doomed = runtime.submit(
-            "the quick brown fox", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            StageRequest("the quick brown fox", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         )
-        mate = runtime.submit("hello world", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        mate = runtime.submit(
+            StageRequest("hello world", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        )
     _wait_running(runtime, doomed)
     assert doomed.cancel()
     mate_tokens = mate.result(timeout=600).outputs[0].token_ids
@@ -277,9 +284,9 @@ def test_request_cancelled_while_running_is_aborted_and_its_batch_mates_finish(o
 def test_request_submitted_while_others_run_joins_at_the_next_step(omni, tiny_llm_assets):
     """The driver steps without taking its lock while nothing else is pending; new work is still seen."""
     runtime = omni._orchestrator.runtimes[0]
-    long = runtime.submit("a b c", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    long = runtime.submit(StageRequest("a b c", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)))
     _wait_running(runtime, long)
-    short = runtime.submit("hello world", greedy())
+    short = runtime.submit(StageRequest("hello world", greedy()))
     assert short.result(timeout=600).outputs[0].token_ids == _ref(tiny_llm_assets, "hello world", None)
     assert not long.done(), "the short request waited for the long one"
     assert len(long.result(timeout=900).outputs[0].token_ids) == 200
@@ -383,7 +390,7 @@ def test_a_running_request_keeps_its_adapter_version_to_the_end(omni, tiny_llm_a
     old = omni.adapter_registry.get("v").engine
     steps = _count_steps(runtime)
     try:
-        fut = runtime.submit("hello world", greedy(n), lora_request=old)
+        fut = runtime.submit(StageRequest("hello world", greedy(n), RequestAdapters.of(old)))
         _wait_running(runtime, fut)
         if change == "new_version":
             for name in ("adapter_config.json", "adapter_model.safetensors"):

@@ -19,6 +19,7 @@ from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 
 pytestmark = pytest.mark.engine
@@ -72,7 +73,7 @@ def test_llm_text_prompts_diffusion_stage_with_stage_scoped_lora(tiny_llm_assets
         assert out.stage_id == 1 and out.final_output_type == "image"
         assert out.prompt == text and out.images[0].size == (32, 32)
         # stage 1 ran on stage 0's text, without the request's adapter
-        direct = diffusion_runtime.submit(text, OmniDiffusionSamplingParams(**DIFF)).result()
+        direct = diffusion_runtime.submit(StageRequest(text, OmniDiffusionSamplingParams(**DIFF))).result()
         assert torch.equal(out.latents, direct.latents)
         assert omni.list_loras(stage_id=1) == set() and omni.list_loras(stage_id=0) == {1}
         # stage-scoped runtime management: the LLM adapter goes to stage 0 only

@@ -17,7 +17,8 @@ from vllm import SamplingParams
 
 from tests.engine.engine_process_probe import MIXED_NAMES, N_TOKENS, mixed_prompt, probe_result, run_probe
 from tests.llm_reference import hf_greedy
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 from vllm_omni.platform import PATCHED_LORA_OPS, patch_torch_lora_ops, torch_lora_ops_patched
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +129,8 @@ def test_omni_mixed_batch_equals_transformers_peft_per_request(tiny_llm_assets):
         params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
         with runtime.hold():  # all start in one step
             futures = [
-                runtime.submit(mixed_prompt(i), params, adapters.get(n)) for i, n in enumerate(MIXED_NAMES)
+                runtime.submit(StageRequest(mixed_prompt(i), params, RequestAdapters.of(adapters.get(n))))
+                for i, n in enumerate(MIXED_NAMES)
             ]
         outs = [list(f.result(timeout=300).outputs[0].token_ids) for f in futures]
         del runtime._engine.step

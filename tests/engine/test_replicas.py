@@ -24,7 +24,8 @@ from vllm_omni.errors import (
     LoRACacheError,
     StageEngineError,
 )
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 from vllm_omni.stats import MetricFamily, StatsRecorder
 
 
@@ -41,16 +42,16 @@ class FakeRuntime:
         self.refuse: Exception | None = None
         self.state = "ready"
 
-    def submit(self, prompt, params, lora_request=None, **kwargs):
+    def submit(self, request):
         if self.refuse is not None:
             raise self.refuse
         fut: Future = Future()
-        fut.prompt = prompt
+        fut.prompt = request.prompt
         self.submitted.append(fut)
         return fut
 
-    def validate_request(self, prompt, params, lora_request=None, **kwargs):
-        if prompt == "bad":
+    def validate_request(self, request):
+        if request.prompt == "bad":
             raise InvalidRequestError("bad prompt")
 
     def prepare_params(self, params):
@@ -148,20 +149,20 @@ def test_stats_sum_the_replicas_that_answer(rep):
 
 
 def test_least_loaded_dispatch_with_round_robin_ties(rep):
-    futures = [rep.submit(f"p{i}", None) for i in range(6)]  # all idle: 0 1 2 0 1 2
+    futures = [rep.submit(StageRequest(f"p{i}")) for i in range(6)]  # all idle: 0 1 2 0 1 2
     assert [len(r.submitted) for r in rep.runtimes] == [2, 2, 2]
     assert rep.in_flight() == [2, 2, 2]
     assert [f.prompt for f in rep.runtimes[1].submitted] == ["p1", "p4"]
     for fut in rep.runtimes[2].submitted:  # replica 2 drains: the next two requests go there
         fut.set_result("done")
     assert rep.in_flight() == [2, 2, 0]
-    rep.submit("p6", None)
-    rep.submit("p7", None)
+    rep.submit(StageRequest("p6"))
+    rep.submit(StageRequest("p7"))
     assert [len(r.submitted) for r in rep.runtimes] == [2, 2, 4]
     rep.runtimes[0].submitted[0].set_exception(RuntimeError("x"))  # a failed request counts as done too
     rep.runtimes[0].submitted[1].cancel()
     assert rep.in_flight() == [0, 2, 2]
-    rep.submit("p8", None)
+    rep.submit(StageRequest("p8"))
     assert len(rep.runtimes[0].submitted) == 3
     assert all(isinstance(f, Future) for f in futures)
 
@@ -169,7 +170,7 @@ def test_least_loaded_dispatch_with_round_robin_ties(rep):
 def test_concurrent_submits_stay_balanced(rep):
     def burst():
         for i in range(50):
-            rep.submit(i, None)
+            rep.submit(StageRequest(i))
 
     threads = [threading.Thread(target=burst) for _ in range(4)]
     for t in threads:
@@ -183,26 +184,26 @@ def test_concurrent_submits_stay_balanced(rep):
 
 def test_dead_replica_is_skipped_user_errors_are_not(rep):
     rep.runtimes[0].refuse = StageEngineError("replica 0 is dead")
-    rep.submit("p", None)
-    rep.submit("q", None)
+    rep.submit(StageRequest("p"))
+    rep.submit(StageRequest("q"))
     assert [len(r.submitted) for r in rep.runtimes] == [0, 1, 1]
     assert rep.in_flight() == [0, 1, 1]
     for r in rep.runtimes:
         r.refuse = StageEngineError("all dead")
     with pytest.raises(StageEngineError, match="all dead"):
-        rep.submit("p", None)
+        rep.submit(StageRequest("p"))
     assert rep.in_flight() == [0, 1, 1]
     rep.runtimes[1].refuse = InvalidRequestError("bad")
     rep.runtimes[2].refuse = None
     rep._next = 1
     with pytest.raises(InvalidRequestError):
-        rep.submit("p", None)
+        rep.submit(StageRequest("p"))
     assert [len(r.submitted) for r in rep.runtimes] == [0, 1, 1]  # not retried elsewhere
 
 
 def test_validate_prepare_hold(rep):
     with pytest.raises(InvalidRequestError):
-        rep.validate_request("bad", None)
+        rep.validate_request(StageRequest("bad"))
     assert rep.prepare_params(1) == ("prepared", 1)
     with rep.hold():
         assert [r.holds for r in rep.runtimes] == [1, 1, 1]
@@ -298,7 +299,7 @@ def test_shutdown_runs_replicas_at_once_within_the_timeout(rep):
     assert not barrier.broken, "the replicas were not shut down at once"
     assert all(len(r.stopped_with) == 1 and 0 < r.stopped_with[0] <= 300.0 for r in rep.runtimes)
     with pytest.raises(StageEngineError, match="shut down"):
-        rep.submit("p", None)
+        rep.submit(StageRequest("p"))
     rep.shutdown()  # idempotent at this level: each runtime's own shutdown is
 
 
@@ -352,13 +353,13 @@ def test_a_replica_that_lost_the_adapter_in_a_restart_is_skipped(stage):
     lost = AdapterRestoreError("Stage 0 (llm_ar): adapter 'a1' (id 1) could not be restored: /adapters/a1")
     fakes[0].refuse = lost
     fakes[0].failed_loras = lambda: {1: str(lost)}
-    runtime.submit("p", None, lora_request=_req(1))
+    runtime.submit(StageRequest("p", adapters=RequestAdapters.of(_req(1))))
     assert [len(r.submitted) for r in fakes] == [0, 1, 0]
     assert runtime.failed_loras() == {1: f"replica 0: {lost}"}
     for fake in fakes:
         fake.refuse = lost
     with pytest.raises(AdapterRestoreError, match="/adapters/a1"):
-        runtime.submit("p", None, lora_request=_req(1))
+        runtime.submit(StageRequest("p", adapters=RequestAdapters.of(_req(1))))
     fakes[1].state, fakes[2].state = "starting", "dead"
     fakes[0].state = "dead"
     assert runtime.health() == "starting"

@@ -167,7 +167,7 @@ def test_http_lora_entries_take_a_stage(http, chain, tiny_llm_assets):
 
     refused([{**b, "stage": 7}], "lora_request names stage 7")
     refused([{**b, "stage": "1"}], "lora[0].stage must be a stage id")
-    refused([b, {**b, "int_id": 99}], "stage 1: an LLM stage applies one adapter per request")
+    refused([b, {**b, "int_id": 99}], "Stage 1 (llm_ar): an LLM stage applies one adapter per request")
 
 
 @pytest.mark.parametrize(
@@ -176,7 +176,7 @@ def test_http_lora_entries_take_a_stage(http, chain, tiny_llm_assets):
         # True == 1.0, but a bool is not a scale (as on the entry stage)
         (True, r"adapters\[0\].*finite number"),
         ("1.0", r"adapters\[0\].*finite number"),
-        (0.5, r"stage 1: an LLM stage applies one adapter per request, at scale 1\.0"),
+        (0.5, r"Stage 1 \(llm_ar\): an LLM stage applies one adapter per request, at scale 1\.0"),
     ],
 )
 def test_a_later_stage_adapter_gets_the_entry_stages_scale_checks(chain, tiny_llm_assets, scale, match):

@@ -20,6 +20,7 @@ from test_qwen2_5_omni_audio import PROMPTS, _params, hf_reference
 
 from vllm_omni.engine.workers.client import WorkerStageRuntime
 from vllm_omni.errors import StageDeadError
+from vllm_omni.inputs.stage_request import StageRequest
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -115,7 +116,7 @@ def test_kill_9_of_a_ray_actor_restarts_it_with_the_same_output(omni, before, st
     label = r"Stage 1 \(llm_ar\)" if stage_id == 1 else r"Stage 2 \(llm_generation\)"
 
     def output():
-        out = runtime.submit(payload, params[stage_id]).result(timeout=600)
+        out = runtime.submit(StageRequest(payload, params[stage_id])).result(timeout=600)
         return out.codes.tolist() if stage_id == 1 else out.waveform
 
     runtime = RayStageRuntime(stage, config=omni._orchestrator.config, factory=runtime_factory(stage))

@@ -46,7 +46,7 @@ from vllm_omni.ipc import (
     load,
     load_error,
 )
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import NO_ADAPTERS, LoRARequest, RequestAdapters
 from vllm_omni.platform import keep_freed_cpu_memory, request_amx_permission
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class DiffusionWorker:
 
         Returns the outputs on rank 0 and ``None`` on other ranks; raises the first failure.
         """
-        results = self.generate_batch(prompts, sampling_params, [sampling_params.adapters] * len(prompts))
+        adapters = RequestAdapters(sampling_params.adapters)
+        results = self.generate_batch(prompts, sampling_params, [adapters] * len(prompts))
         if results is None:
             return None
         for res in results:
@@ -126,7 +127,7 @@ class DiffusionWorker:
             prompts: one prompt per request.
             sampling_params: the settings the requests share; ``negative_prompt`` may be a list
                 (one per prompt); its ``lora_requests`` are ignored here.
-            lora_sets: per prompt a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`; a
+            lora_sets: per prompt its :class:`~vllm_omni.lora.request.RequestAdapters`; a
                 ``None`` scale takes the default (start-up ``lora_scale`` or 1.0).
             seeds: per prompt seed (``None``: ``sampling_params.seed``).
 
@@ -135,7 +136,7 @@ class DiffusionWorker:
             prompt out of the batch (its adapter failed to load: caches unchanged); ``None``
             on other ranks. Errors of the pipeline call itself are raised.
         """
-        lora_sets = lora_sets or [()] * len(prompts)
+        lora_sets = lora_sets or [NO_ADAPTERS] * len(prompts)
         if len(lora_sets) != len(prompts) or (seeds is not None and len(seeds) != len(prompts)):
             raise ValueError("generate_batch needs one lora set (and seed) per prompt")
         results: list[Any] = [None] * len(prompts)

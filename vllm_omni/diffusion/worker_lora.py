@@ -29,14 +29,15 @@ from vllm_omni.diffusion.lora import DiffusionLoRAManager, find_denoisers, fuse_
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import (
     LoRARequest,
-    RequestAdapter,
+    RequestAdapters,
     assign_denoisers,
     startup_lora_request,
 )
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 
-#: One request's adapters, each with its scale (``None``: the default applies).
-LoRASet = tuple[RequestAdapter, ...]
+#: One request's adapters, each with its scale (``None``: the default applies): the typed value the
+#: entry point built (:class:`~vllm_omni.lora.request.RequestAdapters`).
+LoRASet = RequestAdapters
 
 
 class WorkerLoRA:

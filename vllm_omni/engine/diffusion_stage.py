@@ -31,7 +31,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,13 +51,8 @@ from vllm_omni.errors import (
     restate,
 )
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-from vllm_omni.lora.request import (
-    LoRARequest,
-    RequestAdapter,
-    gather_request_adapters,
-    to_request_adapters,
-    validate_request_adapters,
-)
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters, to_request_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +61,7 @@ logger = logging.getLogger(__name__)
 class _Pending:
     prompt: str
     params: OmniDiffusionSamplingParams
-    adapters: tuple[RequestAdapter, ...]
+    adapters: RequestAdapters
     seed: int | None
     future: Future
     submitted: float = field(default_factory=time.monotonic)
@@ -200,60 +194,35 @@ class DiffusionStageEngine(StageDriver):
         pipeline takes one; batch and size limits; composed adapters up to ``max_loras``."""
         return self._description
 
-    def submit(
-        self,
-        prompt: Any,
-        params: OmniDiffusionSamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
-        *,
-        lora_scale: float | None = None,
-        lora_requests: Sequence[LoRARequest] | None = None,
-        lora_scales: Sequence[float] | None = None,
-        adapters: Sequence[RequestAdapter] | None = None,
-    ) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one prompt; the future resolves to its :class:`~vllm_omni.diffusion.data.DiffusionOutput`.
 
         Args:
-            prompt: text, or a dict with ``"prompt"`` (and optionally ``"negative_prompt"``).
-            params: sampling settings (default ``OmniDiffusionSamplingParams()``).
-            lora_request / lora_scale: one adapter and its scale (conveniences).
-            lora_requests / lora_scales: several composed adapters (scales default to 1.0 each,
-                or the stage's ``lora_scale`` for a start-up adapter).
-            adapters: the request's adapters as built at the entry point
-                (:func:`~vllm_omni.lora.request.gather_request_adapters`, which merged
-                ``params.lora_requests`` into them); given, the conveniences above must be absent.
+            request: ``prompt`` is text, or a dict with ``"prompt"`` (and optionally
+                ``"negative_prompt"``); ``params`` the sampling settings (default
+                ``OmniDiffusionSamplingParams()``); ``adapters`` the composed adapters, as the entry
+                point built and checked them (``params.lora_requests`` must then be empty: the entry
+                point moved them into ``adapters``).
 
         Raises (synchronously, before any work):
             InvalidRequestError: a bad prompt, size not a multiple of the model's factor or above its
-                maximum (``max_size``), adapters given
-                twice, unequal lists, more adapters than ``max_loras``, an adapter twice, a
-                NaN / inf scale, a malformed scale schedule (e.g. a per-step list whose length is not
-                ``num_inference_steps``), or an adapter path that does not exist.
+                maximum (``max_size``), adapters also in ``params.lora_requests``, or an adapter path
+                that does not exist.
             StageEngineError: the stage is shut down or failed earlier.
         """
-        item = self._prepare(prompt, params, lora_request, lora_scale, lora_requests, lora_scales, adapters)
+        item = self._prepare(request)
         with self._cv:
             self._raise_if_unusable()
             self._queue.append(item)
             self._cv.notify()
         return item.future
 
-    def validate_request(
-        self, prompt: Any, params: OmniDiffusionSamplingParams | None = None, **kwargs
-    ) -> None:
-        """Run every check of :meth:`submit` without queueing anything (same arguments, same errors)."""
-        self._prepare(prompt, params, **kwargs)
+    def validate_request(self, request: StageRequest) -> None:
+        """Run every check of :meth:`submit` without queueing anything (same request, same errors)."""
+        self._prepare(request)
 
-    def _prepare(
-        self,
-        prompt: Any,
-        params: OmniDiffusionSamplingParams | None,
-        lora_request: LoRARequest | None = None,
-        lora_scale: float | None = None,
-        lora_requests: Sequence[LoRARequest] | None = None,
-        lora_scales: Sequence[float] | None = None,
-        adapters: Sequence[RequestAdapter] | None = None,
-    ) -> _Pending:
+    def _prepare(self, request: StageRequest) -> _Pending:
+        prompt, params = request.prompt, request.params
         params = params if params is not None else OmniDiffusionSamplingParams()
         if not isinstance(params, OmniDiffusionSamplingParams):
             raise InvalidRequestError(
@@ -271,9 +240,7 @@ class DiffusionStageEngine(StageDriver):
         if isinstance(neg, list | tuple) and len(neg) != 1:
             raise InvalidRequestError(f"negative_prompt has {len(neg)} entries for 1 prompt")
         self._check_size(params)
-        adapters = self._request_adapters(
-            params, adapters, lora_request, lora_scale, lora_requests, lora_scales
-        )
+        adapters = self._request_adapters(params, request.adapters)
         seed = params.seed if params.seed is not None else self.default_seed
         if seed is None and params.generator is None:
             seed = random.randrange(2**31 - 1)
@@ -286,19 +253,19 @@ class DiffusionStageEngine(StageDriver):
             check_image_side(name, getattr(params, name), self.size_factor, limit)
 
     def _request_adapters(
-        self,
-        params: OmniDiffusionSamplingParams,
-        adapters: Sequence[RequestAdapter] | None,
-        *conveniences: Any,
-    ) -> tuple[RequestAdapter, ...]:
-        """The request's adapters (built here unless the entry point did), within ``max_loras``, paths present."""
-        if adapters is None:
-            adapters = gather_request_adapters((params.lora_requests, params.lora_scales), *conveniences)
-        elif any(c is not None for c in conveniences):  # params' lists were merged into adapters
+        self, params: OmniDiffusionSamplingParams, adapters: RequestAdapters
+    ) -> RequestAdapters:
+        """The request's adapters, their files present (the list rules were checked by the entry point).
+
+        Raises:
+            InvalidRequestError: adapters in ``params.lora_requests`` too, or an adapter path that does not exist.
+        """
+        if params.lora_requests:
             raise InvalidRequestError(
-                "adapters is given together with another form of the request's adapters"
+                f"{self.stage.label}: OmniDiffusionSamplingParams.lora_requests reach a stage only through "
+                "the entry point, which moves them into the request's adapters (Omni.generate / "
+                "AsyncOmni.generate); give them there"
             )
-        adapters = validate_request_adapters(adapters, self.max_loras, num_steps=params.num_inference_steps)
         for adapter in adapters:
             lora = adapter.lora
             path = str(lora.lora_path)

@@ -47,6 +47,7 @@ from vllm_omni.engine.vllm_process import (
 )
 from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.models import register_omni_models
 from vllm_omni.platform import prepare_engine_process
@@ -227,18 +228,13 @@ class LLMStageEngine(StageDriver):
             else AdapterCapabilities("llm", int(lora.max_loras), 1, int(lora.max_lora_rank)),
         )
 
-    def submit(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        lora_request: LoRARequest | None = None,
-        on_partial: Callable[[RequestOutput], None] | None = None,
-    ) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one request; the future resolves to its final vLLM ``RequestOutput``.
 
+        ``request.adapters`` holds at most one adapter (:attr:`RequestAdapters.lora_request`).
         Cancelling the future aborts the request in the engine (or drops it from the queue).
-        With ``on_partial``, the engine runs the request with ``RequestOutputKind.DELTA`` and
-        the driver thread calls ``on_partial`` with each step's new piece (the last one has
+        With ``request.on_partial``, the engine runs the request with ``RequestOutputKind.DELTA``
+        and the driver thread calls ``on_partial`` with each step's new piece (the last one has
         ``finished=True``); the future still resolves to the complete output, equal to the
         one a non-streaming request gets.
 
@@ -247,8 +243,10 @@ class LLMStageEngine(StageDriver):
             InvalidAdapterError: the adapter failed validation (nothing reached vLLM).
             StageEngineError: the stage is shut down or its engine failed earlier.
         """
-        self.validate_request(prompt, params, lora_request)
-        return self._enqueue(prompt, params, lora_request, on_partial)
+        self.validate_request(request)
+        return self._enqueue(
+            request.prompt, request.params, request.adapters.lora_request, request.on_partial
+        )
 
     def _enqueue(
         self,
@@ -290,19 +288,15 @@ class LLMStageEngine(StageDriver):
             params.output_kind = RequestOutputKind.FINAL_ONLY
         return params
 
-    def validate_request(
-        self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None, **kwargs: Any
-    ) -> None:
-        """Check a request before anything is queued (``Omni.generate`` checks a whole list first).
+    def validate_request(self, request: StageRequest) -> None:
+        """Check a request before anything is queued (``Omni.generate`` checks a whole list first):
+        its params, and its adapter through the adapter gate (files, rank, modules).
 
         Raises:
-            ValueError: unsupported extra arguments (diffusion-only LoRA arguments).
+            ValueError: params of another type.
             LoRANotEnabledError / InvalidAdapterError: as :meth:`submit`.
         """
-        if kwargs:
-            raise InvalidRequestError(
-                f"{self.stage.label} does not take {sorted(kwargs)} (diffusion-stage arguments)"
-            )
+        params, lora_request = request.params, request.adapters.lora_request
         if not isinstance(params, self._params_type):
             raise ValueError(
                 f"{self.stage.label} takes vllm.{self._params_type.__name__}, got "

@@ -1,10 +1,10 @@
 """Runs requests through the stages of a pipeline in order.
 
-Each stage runtime exposes ``submit(prompt, params, lora_request=None) -> Future``. The
-orchestrator submits a request to the entry stage with the caller's adapter, and, when
-a stage finishes, builds the next stage's input from its sources' outputs (the
-``input_processor`` of the stage spec) and submits it **without** the adapter: a
-request's adapter reaches the entry stage only.
+Each stage runtime exposes ``submit(StageRequest) -> Future``. The orchestrator submits a
+request to the entry stage with its adapters, and, when a stage finishes, builds the next
+stage's input from its sources' outputs (the ``input_processor`` of the stage spec) and
+submits it with the adapters the request gave that stage (none unless it named the stage:
+per-stage request adapters).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.config.omni_config import VllmOmniConfig
@@ -31,13 +30,12 @@ from vllm_omni.engine.protocols import LoRAMethod, StageDescription, StageRuntim
 from vllm_omni.engine.stage_factory import make_stage_runtime
 from vllm_omni.engine.stage_registry import input_processor
 from vllm_omni.errors import (
-    InvalidAdapterError,
     InvalidRequestError,
     LoRANotEnabledError,
     StageEngineError,
-    restate,
 )
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import NO_ADAPTERS, RequestAdapters
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.stats import StageStats
 
@@ -66,8 +64,7 @@ class _Run:
     request_id: str
     prompt: Any
     stage_params: Sequence[Any]
-    lora_request: Any
-    stage_loras: dict[int, LoRARequest]
+    adapters: dict[int, RequestAdapters]
     end: int
     on_output: Callable[[OmniRequestOutput], None] | None
     on_partial: Callable[[OmniRequestOutput], None] | None
@@ -80,6 +77,13 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.prompts[0] = self.prompt
+
+    @property
+    def entry_lora(self) -> Any:
+        """The entry stage's adapter when it is an LLM stage's one adapter (input processors of later
+        stages derive theirs from it: Qwen2.5-Omni's talker reads the thinker's), else ``None``."""
+        entry = self.adapters.get(0, NO_ADAPTERS)
+        return entry.lora_request if len(entry) == 1 else None
 
 
 def _cancel_in_flight(done: Future, current: list[Future], lock: threading.Lock) -> None:
@@ -135,55 +139,60 @@ class Orchestrator:
         self,
         prompt: Any,
         stage_params: Sequence[Any],
-        lora_request: Any = None,
+        adapters: Mapping[int, RequestAdapters] | None = None,
         on_output: Callable[[OmniRequestOutput], None] | None = None,
         on_partial: Callable[[OmniRequestOutput], None] | None = None,
-        stage_loras: Mapping[int, LoRARequest] | None = None,
         last_stage: int | None = None,
-        **entry_kwargs: Any,
     ) -> Future:
         """Run one request through every stage (through ``last_stage`` only, when given).
 
         Args:
             prompt: the entry stage's prompt (text, token ids or a vLLM prompt dict).
             stage_params: one sampling-params object per stage.
-            lora_request: adapter for the entry stage only.
+            adapters: ``{stage_id: RequestAdapters}``, the request's adapters per stage as the entry
+                point built and checked them (:func:`vllm_omni.entrypoints.request_adapters.request_adapters`);
+                a stage it does not name runs without adapters.
             on_output: called (from an engine thread) with each final-output stage's result.
             on_partial: streaming: see :meth:`_partial_hook`.
-            stage_loras: ``{stage_id: adapter}`` for later LLM stages (see :meth:`check_stage_loras`).
             last_stage: the request ends after this stage (e.g. text only from an audio pipeline:
                 its later stages do not run); ``None``: the last stage.
-            entry_kwargs: extra per-request arguments of the entry stage runtime; for a diffusion
-                entry stage ``adapters`` (a tuple of :class:`~vllm_omni.lora.request.RequestAdapter`
-                built by the entry point), passed on unchanged.
 
         Returns:
             A future of the list of final-output :class:`OmniRequestOutput` in stage order.
             Cancelling it cancels the stage request in flight (an LLM stage aborts it in its
             engine at the next step) and starts no later stage.
 
-        Raises (synchronously, nothing started): errors of :meth:`check_stage_loras` and of the entry stage's ``submit``.
+        Raises (synchronously, nothing started): the entry stage's ``submit`` errors, and
+        ``InvalidRequestError`` for an ``adapters`` key that is not a stage id.
         """
         self.check_open()
-        self.check_stage_loras(stage_loras := dict(stage_loras or {}))
+        adapters = dict(adapters or {})
+        unknown = sorted(set(adapters) - set(range(len(self.runtimes))), key=repr)
+        if unknown:
+            raise InvalidRequestError(f"adapters name stages {unknown}, not stages of this pipeline")
         run = _Run(
             f"omni-{next(self._ids)}",
             prompt,
             stage_params,
-            lora_request,
-            stage_loras,
+            adapters,
             self._end(last_stage),
             on_output,
             on_partial,
         )
-        hook = self._partial_hook(run, 0)
-        first = self.runtimes[0].submit(
-            prompt, stage_params[0], lora_request=lora_request, **entry_kwargs, **hook
-        )
+        first = self.runtimes[0].submit(self._stage_request(run, 0, prompt))
         run.current.append(first)
         run.done.add_done_callback(lambda f: _cancel_in_flight(f, run.current, run.lock))
         first.add_done_callback(lambda f: self._stage_done(run, 0, f))
         return run.done
+
+    def _stage_request(self, run: _Run, stage_id: int, prompt: Any) -> StageRequest:
+        """``run``'s request to stage ``stage_id``: its prompt, params, adapters and streaming hook."""
+        return StageRequest(
+            prompt,
+            run.stage_params[stage_id],
+            run.adapters.get(stage_id, NO_ADAPTERS),
+            self._partial_hook(run, stage_id),
+        )
 
     def _stage_done(self, run: _Run, stage_id: int, future: Future) -> None:
         """Done-callback of ``run``'s request in stage ``stage_id``: hand its output to the
@@ -205,11 +214,8 @@ class Orchestrator:
             if nxt == run.end:
                 run.done.set_result(run.finals)
                 return
-            run.prompts[nxt] = self._next_input(nxt, run.prompt, run.raw, run.stage_params, run.lora_request)
-            hook = self._partial_hook(run, nxt)
-            if nxt in run.stage_loras:
-                hook["lora_request"] = run.stage_loras[nxt]
-            fut = self.runtimes[nxt].submit(run.prompts[nxt], run.stage_params[nxt], **hook)
+            run.prompts[nxt] = self._next_input(nxt, run.prompt, run.raw, run.stage_params, run.entry_lora)
+            fut = self.runtimes[nxt].submit(self._stage_request(run, nxt, run.prompts[nxt]))
             with run.lock:
                 run.current[:] = [fut]
             if run.done.cancelled():
@@ -233,59 +239,21 @@ class Orchestrator:
             raise InvalidRequestError(f"last_stage must be a stage id 0..{n - 1}, got {last_stage!r}")
         return last_stage + 1
 
-    def check_stage_loras(self, stage_loras: Mapping[int, LoRARequest]) -> None:
-        """Check the adapters of a request's later stages before anything starts.
+    def _partial_hook(self, run: _Run, stage_id: int) -> Callable[[Any], None] | None:
+        """The ``on_partial`` of ``run``'s request to stage ``stage_id`` (``None`` for most).
 
-        Args:
-            stage_loras: ``{stage_id: LoRARequest}``; every key a stage after the entry stage.
-
-        Raises:
-            InvalidRequestError: a key that is not a later stage of this pipeline, a diffusion
-                stage, or a value that is not a ``LoRARequest``;
-            LoRANotEnabledError: the named stage has no ``enable_lora`` (the message names the
-                stage and the option);
-            InvalidAdapterError: the adapter cannot be served by that stage.
-        """
-        n = len(self.runtimes)
-        for stage_id, lora in stage_loras.items():
-            if isinstance(stage_id, bool) or not isinstance(stage_id, int) or not 0 < stage_id < n:
-                raise InvalidRequestError(
-                    f"lora_request names stage {stage_id!r}, but pipeline {self.config.pipeline.name!r} "
-                    f"has stages 0..{n - 1} (stage 0, the entry stage, takes the request's own adapter)"
-                )
-            stage = self.config.stages[stage_id]
-            if not stage.is_llm:
-                raise InvalidRequestError(
-                    f"lora_request names {stage.label}: per-stage request adapters apply to LLM stages only"
-                )
-            if not isinstance(lora, LoRARequest):
-                raise InvalidRequestError(
-                    f"lora_request[{stage_id}] must be a LoRARequest, got {type(lora).__name__}: {lora!r:.200}"
-                )
-            try:
-                self.runtimes[stage_id].validate_request(None, SamplingParams(), lora)
-            except InvalidAdapterError as exc:  # name the entry and the stage it was meant for
-                raise restate(exc, f"lora_request[{stage_id}] for {stage.label}") from exc
-
-    def _partial_hook(self, run: _Run, stage_id: int) -> dict[str, Any]:
-        """Extra ``submit`` arguments of a stage for a streaming request (``{}`` for most).
-
-        A final-output LLM stage whose params ask for ``RequestOutputKind.DELTA`` gets an
-        ``on_partial`` that hands ``run.on_partial`` (called from the engine thread) each step's
-        piece as an :class:`OmniRequestOutput` whose ``request_output`` is that DELTA output;
-        the stage's complete output still goes to ``on_output``.
+        A final-output LLM stage whose params ask for ``RequestOutputKind.DELTA`` gets one that
+        hands ``run.on_partial`` (called from the engine thread) each step's piece as an
+        :class:`OmniRequestOutput` whose ``request_output`` is that DELTA output; the stage's
+        complete output still goes to ``on_output``.
         """
         stage = self.config.stages[stage_id]
         if run.on_partial is None or not (stage.is_llm and stage.final_output):
-            return {}
+            return None
         if getattr(run.stage_params[stage_id], "output_kind", None) != RequestOutputKind.DELTA:
-            return {}
+            return None
         on_partial = run.on_partial
-        return {
-            "on_partial": lambda ro: on_partial(
-                self._to_output(run.request_id, stage, run.prompts[stage_id], ro, run.raw)
-            )
-        }
+        return lambda ro: on_partial(self._to_output(run.request_id, stage, run.prompts[stage_id], ro, run.raw))
 
     def prepare_params(self, stage_params: Sequence[Any]) -> list[Any]:
         """``stage_params`` made ready once for many :meth:`submit` calls.

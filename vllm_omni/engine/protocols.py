@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
+    from vllm_omni.inputs.stage_request import StageRequest
     from vllm_omni.lora.request import LoRARequest
     from vllm_omni.stats import StageStats
 
@@ -96,20 +97,20 @@ class StageRuntime(Protocol):
 
     stage: BaseVllmOmniStageConfig
 
-    def submit(self, prompt: Any, params: Any, lora_request: LoRARequest | None = None) -> Future:
-        """Queue one request; the future resolves to the stage's output (a vLLM ``RequestOutput``
-        or a ``DiffusionOutput``). The entry stage may take extra keyword arguments; an LLM
-        stage takes ``on_partial`` (streaming: called with each step's DELTA output).
+    def submit(self, request: StageRequest) -> Future:
+        """Queue one request; the future resolves to the stage's output (a vLLM ``RequestOutput``,
+        a ``DiffusionOutput``, ...). ``request.adapters`` was built and checked against this
+        stage's :meth:`describe` by the entry point; the stage applies them (an LLM stage also
+        runs its adapter gate on the files). ``request.on_partial``: LLM stages stream each
+        step's DELTA output to it.
 
         Raises (synchronously): ``OmniUserError`` subclasses for a bad request,
         ``StageEngineError`` when the stage is shut down or dead.
         """
         ...
 
-    def validate_request(
-        self, prompt: Any, params: Any, lora_request: LoRARequest | None = None, **kwargs: Any
-    ) -> None:
-        """Every check of :meth:`submit`, queueing nothing (same arguments, same errors)."""
+    def validate_request(self, request: StageRequest) -> None:
+        """Every check of :meth:`submit`, queueing nothing (same request, same errors)."""
         ...
 
     def prepare_params(self, params: Any) -> Any:

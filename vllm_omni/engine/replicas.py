@@ -25,6 +25,7 @@ from typing import Any
 from vllm_omni.config.stage_config import BaseVllmOmniStageConfig
 from vllm_omni.engine.protocols import StageDescription, StageRuntime
 from vllm_omni.errors import AdapterRestoreError, StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stats import StageStats, merge_replicas
 
@@ -106,9 +107,7 @@ class ReplicatedStageRuntime:
         with self._lock:
             self._in_flight[index] -= 1
 
-    def submit(
-        self, prompt: Any, params: Any, lora_request: LoRARequest | None = None, **kwargs: Any
-    ) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one request on the least-loaded replica (see :meth:`StageRuntime.submit`).
 
         A replica that refuses with ``StageEngineError`` (shut down, dead) or
@@ -124,7 +123,7 @@ class ReplicatedStageRuntime:
         while True:
             index = self._pick(tried)
             try:
-                future = self.runtimes[index].submit(prompt, params, lora_request=lora_request, **kwargs)
+                future = self.runtimes[index].submit(request)
             except (StageEngineError, AdapterRestoreError) as exc:
                 self._finished(index)
                 tried.append(index)
@@ -140,11 +139,9 @@ class ReplicatedStageRuntime:
             future.add_done_callback(lambda _, i=index: self._finished(i))
             return future
 
-    def validate_request(
-        self, prompt: Any, params: Any, lora_request: LoRARequest | None = None, **kwargs: Any
-    ) -> None:
+    def validate_request(self, request: StageRequest) -> None:
         """Every check of :meth:`submit` (the replicas share one config: replica 0 checks)."""
-        self.runtimes[0].validate_request(prompt, params, lora_request=lora_request, **kwargs)
+        self.runtimes[0].validate_request(request)
 
     def prepare_params(self, params: Any) -> Any:
         """``params`` made ready once (the replicas share one config: replica 0 prepares)."""

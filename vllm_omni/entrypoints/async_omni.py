@@ -10,7 +10,8 @@ from typing import Any
 from vllm.sampling_params import RequestOutputKind
 
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.lora.request import LoRARequest, RequestAdapter
+from vllm_omni.entrypoints.request_adapters import without_params_loras
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, RequestAdapters
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.stats import StageStats
 
@@ -61,8 +62,8 @@ class AsyncOmni(OmniBase):
         lora_requests: list[LoRARequest] | None = None,
         lora_scales: list[float] | None = None,
         adapters: Sequence[RequestAdapter] | None = None,
+        adapters_field: str = "adapters",
         last_stage: int | None = None,
-        **entry_kwargs: Any,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Run one prompt through the pipeline, yielding each final-output stage's result.
 
@@ -73,7 +74,8 @@ class AsyncOmni(OmniBase):
         stage ``lora_scale`` scales it, and ``lora_requests`` / ``lora_scales`` compose several
         adapters (scales default to 1.0 each); concurrent requests share denoiser batches.
         ``adapters`` gives them instead as :class:`~vllm_omni.lora.request.RequestAdapter`
-        (``scale=None``: the stage default), the form the HTTP layer builds. ``last_stage``
+        (``scale=None``: the stage default), the form the HTTP layer builds (``adapters_field`` names
+        them in messages: ``"lora"`` for the HTTP field). ``last_stage``
         ends the request after that stage (later stages do not run; e.g. text only from
         ``qwen2_5_omni`` with ``last_stage=0``).
 
@@ -96,8 +98,8 @@ class AsyncOmni(OmniBase):
         params = self._stage_params(sampling_params)
         forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
         forms.update(lora_scales=lora_scales, adapters=adapters)
-        [(lora_kwargs, stage_loras)] = self._request_loras(1, params[0], **forms)
-        entry_kwargs = {**lora_kwargs, **entry_kwargs}
+        [request_adapters] = self._request_adapters(1, params, adapters_field, **forms)
+        params = [without_params_loras(p) for p in params]  # their adapters are in request_adapters now
         streamed = self._streamed_stages(params)
 
         def put(out: OmniRequestOutput) -> None:
@@ -112,11 +114,10 @@ class AsyncOmni(OmniBase):
         done = await self._submit(
             prompt,
             params,
+            request_adapters,
             on_output=on_output,
             on_partial=put if streamed else None,
-            stage_loras=stage_loras,
             last_stage=last_stage,
-            **entry_kwargs,
         )
         finished = asyncio.wrap_future(done)
         try:
@@ -137,13 +138,10 @@ class AsyncOmni(OmniBase):
         }
 
     def _submit_versioned(
-        self, prompt: Any, params: Any, *, stage_loras: dict[int, Any], **kwargs: Any
+        self, prompt: Any, params: list[Any], adapters: dict[int, RequestAdapters], **kwargs: Any
     ) -> Future:
         """The request's adapters in their per-version form (files are checked), then ``Orchestrator.submit``."""
-        kwargs, stage_loras = self._versioned(kwargs, stage_loras)
-        return self._orchestrator.submit(
-            prompt, self._versioned_params(params), stage_loras=stage_loras, **kwargs
-        )
+        return self._orchestrator.submit(prompt, params, self._versioned(adapters), **kwargs)
 
     async def _submit(self, *args: Any, **kwargs: Any) -> Future:
         """:meth:`_submit_versioned` on a worker thread; a caller cancelled meanwhile cancels the request."""

@@ -9,8 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vllm_omni.entrypoints.omni_base import OmniBase
+from vllm_omni.entrypoints.request_adapters import without_params_loras
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.request import LoRARequest, RequestAdapter
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import NO_ADAPTERS, LoRARequest, RequestAdapter, RequestAdapters
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -34,7 +36,6 @@ class Omni(OmniBase):
         adapters: Sequence[RequestAdapter] | None = None,
         use_tqdm: bool = True,
         last_stage: int | None = None,
-        **entry_kwargs: Any,
     ) -> list[OmniRequestOutput]:
         """Run prompts through every stage; requests run concurrently.
 
@@ -77,17 +78,13 @@ class Omni(OmniBase):
         prompt_list = _prompt_list(prompts, prompt)
         self._orchestrator.check_open()
         # made ready once (e.g. an LLM stage's one-final-output clone), not per request
-        params = self._versioned_params(
-            self._orchestrator.prepare_params(self._stage_params(sampling_params))
-        )
+        params = self._orchestrator.prepare_params(self._stage_params(sampling_params))
         forms = dict(lora_request=lora_request, lora_scale=lora_scale, lora_requests=lora_requests)
         forms.update(lora_scales=lora_scales, adapters=adapters)
-        versioned = [
-            self._versioned(kw, later)
-            for kw, later in self._request_loras(len(prompt_list), params[0], **forms)
-        ]
-        requests = [(p, kw, later) for p, (kw, later) in zip(prompt_list, versioned, strict=True)]
-        futures = self._submit_all(requests, params, last_stage, entry_kwargs)
+        per_prompt = self._request_adapters(len(prompt_list), params, **forms)
+        params = [without_params_loras(p) for p in params]  # their adapters are in per_prompt now
+        requests = [(p, self._versioned(a)) for p, a in zip(prompt_list, per_prompt, strict=True)]
+        futures = self._submit_all(requests, params, last_stage)
         _wait_all(futures, use_tqdm)
         results: list[OmniRequestOutput] = []
         for fut in futures:  # prompt order; raises the first failure in that order
@@ -96,31 +93,27 @@ class Omni(OmniBase):
 
     def _submit_all(
         self,
-        requests: list[tuple[Any, dict[str, Any], dict[int, Any]]],
+        requests: list[tuple[Any, dict[int, RequestAdapters]]],
         params: list[Any],
         last_stage: int | None,
-        entry_kwargs: dict[str, Any],
     ) -> list[Future]:
-        """Check every request, then submit them all in one batching block (compatible diffusion
-        requests share denoiser batches); one future per request, in order.
+        """Check every request at its entry stage, then submit them all in one batching block
+        (compatible diffusion requests share denoiser batches); one future per request, in order.
 
         Args:
-            requests: per prompt, (prompt, its entry-stage adapter arguments, its later stages' adapters).
+            requests: per prompt, (prompt, its adapters per stage, checked and versioned).
 
         Raises:
-            the errors of the entry stage's ``validate_request`` and of ``check_stage_loras``,
-            before any request is submitted.
+            the errors of the entry stage's ``validate_request``, before any request is submitted.
         """
         entry = self._orchestrator.runtimes[0]
-        for prompt, kw, later in requests:
-            entry.validate_request(prompt, params[0], **kw, **entry_kwargs)
-            self._orchestrator.check_stage_loras(later)
+        entry_id = self.config.entry_stage.stage_id
+        for prompt, adapters in requests:
+            entry.validate_request(StageRequest(prompt, params[0], adapters.get(entry_id, NO_ADAPTERS)))
         with self._orchestrator.batching():
             return [
-                self._orchestrator.submit(
-                    prompt, params, stage_loras=later, last_stage=last_stage, **kw, **entry_kwargs
-                )
-                for prompt, kw, later in requests
+                self._orchestrator.submit(prompt, params, adapters, last_stage=last_stage)
+                for prompt, adapters in requests
             ]
 
     def add_lora(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from functools import cached_property
 from typing import Any
@@ -17,17 +16,18 @@ from vllm_omni.config.pipeline_registry import (
     resolve_pipeline_config,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
-from vllm_omni.entrypoints.request_adapters import request_loras
+from vllm_omni.entrypoints.request_adapters import request_adapters
 from vllm_omni.entrypoints.stage_info import (
     EntryStageInfo,
     describe_entry_stage,
     seed_unseeded,
     seeded_stage_default,
 )
-from vllm_omni.errors import ConfigError, InvalidRequestError
+from vllm_omni.errors import ConfigError, InvalidAdapterError, InvalidRequestError, restate
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.registry import AdapterRegistry
-from vllm_omni.lora.request import startup_lora_request
+from vllm_omni.lora.request import RequestAdapters, startup_lora_request
 from vllm_omni.stages import register_stage_runtimes
 from vllm_omni.stats import StageStats
 
@@ -190,12 +190,14 @@ class OmniBase:
             return out
         return [seed_unseeded(p, getattr(sampling_params, "seed", None)) for p in out]
 
-    def _request_loras(
-        self, n: int, entry_params: Any, **forms: Any
-    ) -> list[tuple[dict[str, Any], dict[int, Any]]]:
-        """Per prompt: (entry-stage adapter arguments, ``{later stage id: LoRARequest}``) from every public
-        adapter form (:func:`~vllm_omni.entrypoints.request_adapters.request_loras`)."""
-        return request_loras(self.config, n, entry_params, **forms)
+    def _request_adapters(
+        self, n: int, stage_params: list[Any], field: str = "adapters", **forms: Any
+    ) -> list[dict[int, RequestAdapters]]:
+        """Per prompt, ``{stage_id: RequestAdapters}`` from every public adapter form, checked once against
+        the stages' descriptions (:func:`~vllm_omni.entrypoints.request_adapters.request_adapters`)."""
+        return request_adapters(
+            self.config, self._orchestrator.descriptions, n, stage_params, field=field, **forms
+        )
 
     def _check_stage_adapter(self, stage_id: int, lora: Any) -> None:
         """What stage ``stage_id`` would refuse of ``lora``, loading nothing: no LoRA there (or no such
@@ -207,7 +209,9 @@ class OmniBase:
         self._orchestrator.lora_call("list_loras", stage_id=stage_id)
         index = [s.stage_id for s in self.config.stages].index(stage_id)
         if self._orchestrator.descriptions[index].params_type is SamplingParams:  # a vLLM stage
-            self._orchestrator.runtimes[index].validate_request(None, SamplingParams(), lora)
+            self._orchestrator.runtimes[index].validate_request(
+                StageRequest(None, SamplingParams(), RequestAdapters.of(lora))
+            )
 
     def _stage_denoisers(self, stage_id: int) -> tuple[str, ...] | None:
         """The denoisers adapters bind to on stage ``stage_id`` (``()`` on an LLM stage); ``None`` when
@@ -218,37 +222,28 @@ class OmniBase:
         adapters = self._orchestrator.descriptions[ids.index(stage_id)].adapters
         return None if adapters is None else adapters.denoisers
 
-    def _versioned_params(self, params: list[Any]) -> list[Any]:
-        """``params`` (one per stage) with the adapters a later diffusion stage's params carry
-        (``OmniDiffusionSamplingParams.lora_requests``) in per-version form, like the entry stage's
-        (:meth:`_versioned`); the caller's objects are not changed.
+    def _versioned(self, adapters: dict[int, RequestAdapters]) -> dict[int, RequestAdapters]:
+        """A request's adapters in the per-version form the stages get
+        (:meth:`AdapterRegistry.resolve_adapter <vllm_omni.lora.registry.AdapterRegistry.resolve_adapter>`:
+        reads the files' signatures), and each later LLM stage's adapter through that stage's adapter gate
+        (files, rank, modules), so that a request is refused before it starts.
 
         Raises:
-            InvalidAdapterError: as :meth:`_versioned`.
+            InvalidAdapterError: an id that names another adapter, a changed adapter a stage refuses, or a
+                later stage's gate (the message names the stage).
         """
-        resolve = self.adapter_registry.resolve
-        out = list(params)
-        for i, p in enumerate(out[1:], start=1):
-            if isinstance(p, OmniDiffusionSamplingParams) and p.lora_requests:
-                out[i] = dataclasses.replace(p, lora_requests=[resolve(lora) for lora in p.lora_requests])
+        resolve = self.adapter_registry.resolve_adapter
+        out = {sid: RequestAdapters(tuple(resolve(a) for a in given)) for sid, given in adapters.items()}
+        entry_id = self.config.entry_stage.stage_id
+        for sid, given in out.items():
+            if sid == entry_id or not given:
+                continue
+            index = [s.stage_id for s in self.config.stages].index(sid)
+            try:
+                self._orchestrator.runtimes[index].validate_request(StageRequest(None, SamplingParams(), given))
+            except InvalidAdapterError as exc:  # name the entry and the stage it was meant for
+                raise restate(exc, f"lora_request[{sid}] for {self.config.stages[index].label}") from exc
         return out
-
-    def _versioned(
-        self, kwargs: dict[str, Any], stage_loras: dict[int, Any]
-    ) -> tuple[dict[str, Any], dict[int, Any]]:
-        """A request's entry-stage adapter arguments and later-stage adapters in the per-version form the
-        stages get (:meth:`AdapterRegistry.resolve <vllm_omni.lora.registry.AdapterRegistry.resolve>`).
-
-        Raises:
-            InvalidAdapterError: an id that names another adapter, or a changed adapter a stage refuses.
-        """
-        resolve = self.adapter_registry.resolve
-        out = dict(kwargs)
-        if out.get("lora_request") is not None:
-            out["lora_request"] = resolve(out["lora_request"])
-        if out.get("adapters"):
-            out["adapters"] = tuple(self.adapter_registry.resolve_adapter(a) for a in out["adapters"])
-        return out, {stage_id: resolve(lora) for stage_id, lora in stage_loras.items()}
 
     # ---------------------------------------------------------------- LoRA management
     def _add_lora(

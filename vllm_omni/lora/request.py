@@ -39,8 +39,10 @@ __all__ = [
     "MAX_ADAPTER_SCALE",
     "LoRARequest",
     "LoRAScaleSchedule",
+    "NO_ADAPTERS",
     "RequestAdapter",
     "TensorLoRARequest",
+    "RequestAdapters",
     "assign_denoisers",
     "canonical_denoiser",
     "gather_request_adapters",
@@ -179,6 +181,76 @@ class RequestAdapter:
     scale: float | LoRAScaleSchedule | None = None
     stage_id: int | None = None
     denoiser: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestAdapters:
+    """One request's adapters on one stage: the single value that carries them from the API edge
+    (:func:`vllm_omni.entrypoints.request_adapters.request_adapters`, which builds it from every
+    public form and checks it against the stage's description once) through
+    :class:`~vllm_omni.inputs.stage_request.StageRequest`, the stage runtime and its worker, to the
+    diffusion LoRA manager.
+
+    Attributes:
+        items: the adapters in request order (an empty tuple: the base model).
+
+    An LLM stage reads :attr:`lora_request` (vLLM applies one adapter per request, at scale 1.0);
+    a diffusion stage iterates the items (composed adapters, scales or schedules, denoisers).
+    """
+
+    items: tuple[RequestAdapter, ...] = ()
+
+    @classmethod
+    def of(cls, lora_request: LoRARequest | None, scale: float | LoRAScaleSchedule | None = None) -> RequestAdapters:
+        """One adapter at ``scale`` (``None``: the stage default), or none for ``lora_request=None``."""
+        return cls() if lora_request is None else cls((RequestAdapter(lora_request, scale),))
+
+    @classmethod
+    def composed(
+        cls, lora_requests: Sequence[LoRARequest], scales: Sequence[float | LoRAScaleSchedule | None] = ()
+    ) -> RequestAdapters:
+        """Several adapters composed in one request, one scale each (empty ``scales``: the defaults).
+
+        Raises:
+            InvalidRequestError: ``scales`` given with another length than ``lora_requests``.
+        """
+        if scales and len(scales) != len(lora_requests):
+            raise InvalidRequestError(
+                f"{len(scales)} scales for {len(lora_requests)} adapters; give one per adapter or none"
+            )
+        scales = list(scales) or [None] * len(lora_requests)
+        return cls(tuple(RequestAdapter(r, s) for r, s in zip(lora_requests, scales, strict=True)))
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def lora_request(self) -> LoRARequest | None:
+        """The adapter of an LLM stage's request (``None``: the base model).
+
+        Raises:
+            InvalidRequestError: more than one adapter (only a diffusion stage composes adapters).
+        """
+        if len(self.items) > 1:
+            raise InvalidRequestError(
+                f"an LLM stage applies one adapter per request, got {len(self.items)}"
+            )
+        return self.items[0].lora if self.items else None
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The adapters' ``lora_int_id`` in request order."""
+        return tuple(a.lora.lora_int_id for a in self.items)
+
+
+#: A request on the base model (no adapter).
+NO_ADAPTERS = RequestAdapters()
 
 
 def lora_request_problem(lora: Any) -> str | None:

@@ -18,6 +18,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from tests.waiting import wait_until
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageDeadError
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 
 pytestmark = pytest.mark.engine
@@ -109,7 +110,7 @@ def test_errors_keep_their_class_across_the_process(omni, tiny_llm_assets):
         omni.generate("hi", [bad_seed, GREEDY], use_tqdm=False)
     runtime = omni._orchestrator.runtimes[0]
     with pytest.raises(InvalidRequestError, match="int64"):  # submit raises synchronously too
-        runtime.submit("hi", bad_seed)
+        runtime.submit(StageRequest("hi", bad_seed))
 
 
 def _stream(runtime, prompt: str, max_tokens: int, on_piece=None):
@@ -123,7 +124,7 @@ def _stream(runtime, prompt: str, max_tokens: int, on_piece=None):
         if on_piece is not None:
             on_piece(out)
 
-    return runtime.submit(prompt, params, on_partial=on_partial), pieces
+    return runtime.submit(StageRequest(prompt, params, on_partial=on_partial)), pieces
 
 
 def test_streaming_pieces_add_up_to_the_output(omni):

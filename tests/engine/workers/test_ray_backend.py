@@ -20,6 +20,7 @@ from vllm.sampling_params import RequestOutputKind
 from tests.llm_reference import hf_greedy
 from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 
 ray = pytest.importorskip("ray")
@@ -109,7 +110,7 @@ def test_llm_chain_stages_on_two_nodes_match_inline(cluster, tiny_llm_assets, tm
         delta = SamplingParams(
             temperature=0.0, max_tokens=N, ignore_eos=True, output_kind=RequestOutputKind.DELTA
         )
-        whole = stage1.submit(outs[0].prompt, delta, on_partial=pieces.append).result(timeout=600)
+        whole = stage1.submit(StageRequest(outs[0].prompt, delta, on_partial=pieces.append)).result(timeout=600)
         assert [t for p in pieces for t in p.outputs[0].token_ids] == list(whole.outputs[0].token_ids)
         assert list(whole.outputs[0].token_ids) == outs[0].token_ids
         assert pieces[-1].finished and len(pieces) > 1
@@ -164,7 +165,7 @@ def test_llm_to_diffusion_on_two_nodes_matches_inline_and_survives_actor_deaths(
         )
         inline = DiffusionStageEngine(omni.stage_configs[1])  # the same stage, in this process
         try:
-            expected = inline.submit(text, sp).result()
+            expected = inline.submit(StageRequest(text, sp)).result()
         finally:
             inline.shutdown()
         assert out.prompt == text and out.images[0].size == (32, 32)
@@ -172,7 +173,7 @@ def test_llm_to_diffusion_on_two_nodes_matches_inline_and_survives_actor_deaths(
 
         # node B goes away with a request in flight: it fails with StageDeadError naming the stage
         slow = diffusion_stage.submit(
-            text, OmniDiffusionSamplingParams(**{**DIFF, "num_inference_steps": 2000})
+            StageRequest(text, OmniDiffusionSamplingParams(**{**DIFF, "num_inference_steps": 2000}))
         )
         time.sleep(1.0)
         cluster.remove_node(next(iter(cluster.worker_nodes)))

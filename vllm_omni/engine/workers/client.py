@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -34,6 +35,7 @@ from vllm_omni.engine.workers import protocol as P
 from vllm_omni.engine.workers.mp import worker_main
 from vllm_omni.engine.workers.supervisor import Pending, SupervisedStageRuntime
 from vllm_omni.errors import StageDeadError, StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.process_guard import join_exit, mark_owner
 
 logger = logging.getLogger(__name__)
@@ -125,24 +127,25 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         """The serving worker's process id (``None`` before the first start)."""
         return self._handle.proc.pid if self._handle is not None else None
 
-    def submit(self, prompt: Any, params: Any, lora_request: Any = None, on_partial=None, **kwargs) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one request in the worker (see ``StageRuntime.submit``): the worker's checks
-        run before this returns and raise here with their own class. ``on_partial`` (LLM
-        stages) is called on the dispatch thread with each streamed piece.
+        run before this returns and raise here with their own class. ``request.on_partial`` (LLM
+        stages) stays in this process: the worker streams pieces back and the dispatch thread
+        calls it with each.
 
         Raises:
             StageDeadError: the worker died (or is being restarted); StageEngineError: shut down;
             AdapterRestoreError: the request names an adapter the last restart could not restore.
         """
-        self.check_adapters(lora_request, kwargs.get("adapters"))
-        if lora_request is not None:
-            kwargs["lora_request"] = lora_request
+        self.check_adapters(request)
+        on_partial = request.on_partial
         rid = next(self._ids)
         worker = self._serving()
         req = Pending(on_partial, ack=Future(), handle=worker)
         self._track(rid, req)
         try:
-            self._send(worker, P.Submit(rid, P.dump((prompt, params, kwargs)), on_partial is not None))
+            wire = dataclasses.replace(request, on_partial=None)
+            self._send(worker, P.Submit(rid, P.dump(wire), on_partial is not None))
             req.ack.result()
         except BaseException:
             self._untrack(rid)
@@ -150,12 +153,10 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         req.future.add_done_callback(lambda f: self._on_done(worker, rid, f))
         return req.future
 
-    def validate_request(self, prompt: Any, params: Any, lora_request: Any = None, **kwargs: Any) -> None:
+    def validate_request(self, request: StageRequest) -> None:
         """The worker's ``validate_request`` (same checks, same errors)."""
-        self.check_adapters(lora_request, kwargs.get("adapters"))
-        if lora_request is not None:
-            kwargs["lora_request"] = lora_request
-        self._call_kw("validate_request", (prompt, params), kwargs)
+        self.check_adapters(request)
+        self._call("validate_request", dataclasses.replace(request, on_partial=None))
 
     def prepare_params(self, params: Any) -> Any:
         return self._call("prepare_params", params)

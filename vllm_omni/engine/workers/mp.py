@@ -12,6 +12,7 @@ Requests resolve on the runtime's own threads, which send their outputs back und
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing.util
 import os
@@ -82,10 +83,12 @@ class _Worker:
     def _submit(self, msg: P.Submit) -> None:
         rid = msg.rid
         try:
-            prompt, params, kwargs = P.load(msg.payload)
+            request = P.load(msg.payload)
             if msg.stream:
-                kwargs["on_partial"] = lambda out: self.send(P.Partial(rid, P.dump(out)))
-            fut = self.runtime.submit(prompt, params, **kwargs)
+                request = dataclasses.replace(
+                    request, on_partial=lambda out: self.send(P.Partial(rid, P.dump(out)))
+                )
+            fut = self.runtime.submit(request)
         except Exception as exc:
             self.send(P.Failed(rid, P.dump_error(exc)))
             return

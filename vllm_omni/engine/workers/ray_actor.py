@@ -119,21 +119,19 @@ class StageActor:
             "torch_threads": torch.get_num_threads(),
         }
 
-    async def enqueue(
-        self, request_id: str, prompt: Any, params: Any, lora_request: Any, kwargs: dict, stream: bool
-    ):
-        """Queue one request in the stage runtime (its checks raise here); ``stream``: keep its DELTA pieces."""
+    async def enqueue(self, request_id: str, request: Any, stream: bool):
+        """Queue one :class:`~vllm_omni.inputs.stage_request.StageRequest` in the stage runtime (its
+        checks raise here); ``stream``: keep its DELTA pieces."""
         if stream:
             pieces: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            kwargs = {
-                **kwargs,
-                "on_partial": lambda delta: loop.call_soon_threadsafe(pieces.put_nowait, delta),
-            }
+            request = dataclasses.replace(
+                request, on_partial=lambda delta: loop.call_soon_threadsafe(pieces.put_nowait, delta)
+            )
         else:
             pieces = None
         try:
-            future = self.runtime.submit(prompt, params, lora_request, **kwargs)
+            future = self.runtime.submit(request)
         except Exception as exc:
             return RemoteError.of(exc)
         self._futures[request_id] = (future, pieces)
@@ -179,10 +177,8 @@ class StageActor:
         if entry is not None:
             entry[0].cancel()
 
-    async def validate_request(self, prompt: Any, params: Any, lora_request: Any, kwargs: dict) -> None:
-        if lora_request is not None:
-            kwargs = {**kwargs, "lora_request": lora_request}
-        return await self.call("validate_request", prompt, params, **kwargs)
+    async def validate_request(self, request: Any) -> None:
+        return await self.call("validate_request", request)
 
     def hold_enter(self, token: int) -> Any:
         stack = contextlib.ExitStack()

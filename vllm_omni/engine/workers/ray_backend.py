@@ -41,6 +41,7 @@ from typing import Any
 from vllm_omni.engine.workers.ray_actor import StageActor, from_wire
 from vllm_omni.engine.workers.supervisor import Pending, SupervisedStageRuntime
 from vllm_omni.errors import StageDeadError, StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.ipc import unwrap
 
 logger = logging.getLogger(__name__)
@@ -241,26 +242,21 @@ class RayStageRuntime(SupervisedStageRuntime):
         return self._get(handle, handle.actor.call.remote(method, *args))
 
     # ---------------------------------------------------------------- StageRuntime
-    def submit(
-        self, prompt: Any, params: Any, lora_request: Any = None, on_partial=None, **kwargs: Any
-    ) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one request in the actor's runtime; the future resolves to its output.
 
-        Same arguments, errors and cancellation as the inline runtime's ``submit`` (the
-        checks run in the actor and raise here); ``on_partial`` is called from a thread of
-        this process with each streamed piece. ``StageDeadError`` (synchronously or in the
+        Same request, errors and cancellation as the inline runtime's ``submit`` (the
+        checks run in the actor and raise here); ``request.on_partial`` is called from a thread
+        of this process with each streamed piece. ``StageDeadError`` (synchronously or in the
         future) when the actor died; ``AdapterRestoreError`` for an adapter the last restart
         could not restore.
         """
-        self.check_adapters(lora_request, kwargs.get("adapters"))
+        self.check_adapters(request)
+        on_partial = request.on_partial
         request_id = f"r{next(self._ids)}"
         handle = self._serving()
-        self._get(
-            handle,
-            handle.actor.enqueue.remote(
-                request_id, prompt, params, lora_request, kwargs, on_partial is not None
-            ),
-        )
+        wire = dataclasses.replace(request, on_partial=None)
+        self._get(handle, handle.actor.enqueue.remote(request_id, wire, on_partial is not None))
         pending = Pending(on_partial, handle=handle)
         self._track(request_id, pending)
         fut = pending.future
@@ -317,11 +313,11 @@ class RayStageRuntime(SupervisedStageRuntime):
             with contextlib.suppress(Exception):
                 handle.actor.cancel.remote(request_id)
 
-    def validate_request(self, prompt: Any, params: Any, lora_request: Any = None, **kwargs: Any) -> None:
+    def validate_request(self, request: StageRequest) -> None:
         """Every check of :meth:`submit`, run in the actor, queueing nothing."""
-        self.check_adapters(lora_request, kwargs.get("adapters"))
+        self.check_adapters(request)
         handle = self._serving()
-        self._get(handle, handle.actor.validate_request.remote(prompt, params, lora_request, kwargs))
+        self._get(handle, handle.actor.validate_request.remote(dataclasses.replace(request, on_partial=None)))
 
     def prepare_params(self, params: Any) -> Any:
         """The actor's runtime's ``prepare_params`` (each stage runtime knows its own params type)."""

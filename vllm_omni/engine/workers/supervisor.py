@@ -358,17 +358,16 @@ class SupervisedStageRuntime:
         return self._worker_call(self._serving(), method, *args)
 
     # ---------------------------------------------------------------- LoRA
-    def check_adapters(self, lora_request: Any = None, adapters: Any = ()) -> None:
-        """Refuse a request naming an adapter the last restart could not restore.
+    def check_adapters(self, request: Any) -> None:
+        """Refuse a request (a :class:`~vllm_omni.inputs.stage_request.StageRequest`) naming an
+        adapter the last restart could not restore.
 
         Raises:
             AdapterRestoreError: naming the stage, the adapter and its path.
         """
         if not self._failed:
             return
-        ids = [getattr(lora_request, "lora_int_id", None)]
-        ids += [getattr(getattr(a, "lora", None), "lora_int_id", None) for a in adapters or ()]
-        for lora_int_id in ids:
+        for lora_int_id in request.adapters.ids:
             err = self._failed.get(lora_int_id)
             if err is not None:
                 raise AdapterRestoreError(str(err))

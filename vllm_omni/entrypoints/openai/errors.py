@@ -80,7 +80,7 @@ def engine_error_to_openai(
     if isinstance(exc, InvalidAdapterError | LoRANotEnabledError):  # an error may name its own field
         return bad_request(str(exc), getattr(exc, "param", None) or adapter_param)
     if isinstance(exc, OmniUserError | VLLMClientError | ValueError | TypeError | KeyError):
-        return bad_request(str(exc), user_param)
+        return bad_request(str(exc), getattr(exc, "param", None) or user_param)
     return None
 
 

@@ -33,6 +33,7 @@ from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.inputs.audio import AudioParams
+from vllm_omni.inputs.stage_request import StageRequest
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +139,14 @@ class Code2WavStageEngine(StageDriver):
             voices=tuple(self.speakers),
         )
 
-    def submit(self, prompt: Any, params: Any, lora_request: Any = None) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one waveform request (see the class docstring).
 
         Raises (synchronously): ``InvalidRequestError`` (unknown voice, bad params or codes),
         ``LoRANotEnabledError`` (an adapter), ``StageEngineError`` (shut down / dead).
         """
-        self.validate_request(prompt, params, lora_request)
+        self.validate_request(request)
+        prompt, params = request.prompt, request.params
         codes = prompt.tensor("codes", consumer=self.stage.label).reshape(1, -1).long()
         item = _Pending(codes, params or AudioParams(), Future())
         with self._cv:
@@ -153,10 +155,11 @@ class Code2WavStageEngine(StageDriver):
             self._cv.notify()
         return item.future
 
-    def validate_request(self, prompt: Any, params: Any, lora_request: Any = None, **kwargs: Any) -> None:
+    def validate_request(self, request: StageRequest) -> None:
         """Every check of :meth:`submit`, queueing nothing."""
-        if lora_request is not None or kwargs:
-            raise LoRANotEnabledError(f"{self.stage.label} (code2wav) takes no adapter or extra arguments")
+        prompt, params = request.prompt, request.params
+        if request.adapters:
+            raise LoRANotEnabledError(f"{self.stage.label} (code2wav) takes no adapter")
         if params is not None and not isinstance(params, AudioParams):
             raise InvalidRequestError(f"{self.stage.label} takes AudioParams, got {type(params).__name__}")
         voice = (params or AudioParams()).voice

@@ -57,7 +57,8 @@ from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.errors import InvalidRequestError, StageEngineError
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 from vllm_omni.stages.qwen2_5_omni.checkpoint import (
     TalkerTables,
     derive_adapter,
@@ -197,13 +198,15 @@ class TalkerStageEngine(LLMStageEngine):
             voices=tuple(self.speakers),
         )
 
-    def validate_request(self, prompt: Any, params: Any, lora_request: Any = None, **kwargs: Any) -> None:
+    def validate_request(self, request: StageRequest) -> None:
         """The LLM stage's checks plus: a thinker payload, one completion, no history penalties."""
+        prompt, params = request.prompt, request.params
         if prompt is not None and not isinstance(prompt, StagePayload):  # None: check params/adapter only
             raise InvalidRequestError(
                 f"{self.stage.label} takes the thinker's StagePayload, got {type(prompt).__name__}"
             )
-        super().validate_request(None, params, derived_adapter(lora_request, "talker"), **kwargs)
+        talker_lora = derived_adapter(request.adapters.lora_request, "talker")
+        super().validate_request(StageRequest(None, params, RequestAdapters.of(talker_lora)))
         if (
             params.n != 1
             or params.repetition_penalty != 1.0
@@ -227,11 +230,10 @@ class TalkerStageEngine(LLMStageEngine):
                 f"{self.stage.label}: unknown voice {voice!r}; voices: {list(self.speakers)}"
             )
 
-    def submit(
-        self, prompt: Any, params: Any, lora_request: LoRARequest | None = None, **kwargs: Any
-    ) -> Future:
+    def submit(self, request: StageRequest) -> Future:
         """Queue one talker request (class docstring); errors as :meth:`validate_request`."""
-        self.validate_request(prompt, params, lora_request, **kwargs)
+        self.validate_request(request)
+        prompt, params, lora_request = request.prompt, request.params, request.adapters.lora_request
         done: Future = Future()
         ids = [
             prompt.tensor(k, consumer=self.stage.label).long()
@@ -245,7 +247,7 @@ class TalkerStageEngine(LLMStageEngine):
         seq = torch.cat([ids[0], ids[1][:-1]]).tolist()
         run = _TalkerRun(self, prompt, ids, params, lora_request, done)
         pooled = self.states.submit(
-            {"prompt_token_ids": seq}, PoolingParams(task="token_embed"), thinker_lora
+            StageRequest({"prompt_token_ids": seq}, PoolingParams(task="token_embed"), RequestAdapters.of(thinker_lora))
         )
         run.current = pooled
         pooled.add_done_callback(run.on_hidden)

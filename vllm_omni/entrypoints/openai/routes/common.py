@@ -24,7 +24,7 @@ from vllm_omni.entrypoints.openai.lora import parse_lora_field
 from vllm_omni.entrypoints.openai.state import ServerState
 from vllm_omni.entrypoints.stage_info import seed_unseeded, seeded_stage_default
 from vllm_omni.errors import ClientDisconnected, OpenAIError
-from vllm_omni.lora.request import RequestAdapter, llm_stage_adapter, validate_request_adapters
+from vllm_omni.lora.request import RequestAdapter
 
 #: One request's adapters, validated (:func:`~vllm_omni.lora.request.validate_request_adapters`).
 Adapters = tuple[RequestAdapter, ...]
@@ -101,20 +101,16 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-def resolve_adapters(
-    state: ServerState, model: str | None, lora: Any, num_steps: int | None = None
-) -> Adapters:
-    """Adapters for one request from its ``model`` and ``lora`` fields (``None`` scale: the default).
-
-    ``num_steps`` (the request's ``num_inference_steps``, when known) checks per-step scale lists here,
-    so the message names ``lora[i].scale``; otherwise the stage checks them.
+def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapters:
+    """Adapters for one request from its ``model`` and ``lora`` fields (``None`` scale: the default),
+    in the form ``AsyncOmni.generate(adapters=...)`` takes; the engine checks them against the stages
+    (one validation site: :mod:`vllm_omni.entrypoints.request_adapters`, its errors name ``lora``).
 
     Raises:
-        OpenAIError: 404 for an unknown ``model``; 400 for a malformed or refused ``lora``
-            (the list rules are :func:`~vllm_omni.lora.request.validate_request_adapters`).
+        OpenAIError: 404 for an unknown ``model``; 400 for a malformed ``lora`` field or a path the
+            server does not serve.
     """
     info = state.info
-    limit = info.max_adapters_per_request
     chosen: list[RequestAdapter] = []
     if model is not None and model not in state.registry.base_names:
         record = state.registry.core.get(model)
@@ -122,14 +118,10 @@ def resolve_adapters(
             raise not_found(f"The model `{model}` does not exist.", "model")
         chosen.append(RequestAdapter(record.request))
     # entries with a later "stage" (one each) come on top of the entry stage's limit
-    specs = parse_lora_field(lora, max_items=limit + len(info.stage_is_llm) - 1)
-    chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser) for s in specs)
-    entry = [a for a in chosen if a.stage_id in (None, 0)]
+    specs = parse_lora_field(lora, max_items=info.max_adapters_per_request + len(info.stage_is_llm) - 1)
     with engine_errors("lora", "lora"):
-        if info.is_llm:
-            llm_stage_adapter(entry, info.label)
-        validate_request_adapters(entry, limit, field="lora", num_steps=num_steps)
-        return validate_request_adapters(chosen, field="lora", num_steps=num_steps)
+        chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser) for s in specs)
+    return tuple(chosen)
 
 
 def served_model(state: ServerState, model: str | None, adapters: Adapters) -> str:
@@ -185,7 +177,7 @@ def stream_pipeline(
     """
     kwargs = {} if last_stage is None else {"last_stage": last_stage}
     return state.omni.generate(
-        prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters, **kwargs
+        prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters, adapters_field="lora", **kwargs
     )
 
 
@@ -234,7 +226,7 @@ async def run_diffusion(
     if produces not in info.output_kinds:
         raise bad_request(f"pipeline {info.pipeline!r} does not produce {what}")
     dparams = req.diffusion_params(n)
-    adapters = resolve_adapters(state, req.model, req.lora, dparams.num_inference_steps)
+    adapters = resolve_adapters(state, req.model, req.lora)
     dparams.extra_args.update(extra_args or {})
     params = stage_params(state, default_llm_params(state), dparams)
     return await run_pipeline(state, req.prompt, params, adapters, request)
