@@ -3,7 +3,10 @@
 - every function or method is at most 80 lines long;
 - only the diffusion LoRA layer classes (``vllm_omni/diffusion/lora/layers/``) ask which kind of
   vLLM linear layer a module is (replicated, column/row parallel, merged, QKV): layer-kind knowledge
-  has one home.
+  has one home;
+- a stage runtime's ``submit`` / ``validate_request`` take one typed ``StageRequest`` (nothing rides
+  ``**kwargs``), and the list rules of a request's adapters are called from one site, the entry point's
+  converter (``vllm_omni/entrypoints/request_adapters.py``).
 """
 
 from __future__ import annotations
@@ -72,8 +75,52 @@ def test_layer_kind_checks_live_in_the_layer_classes():
     )
 
 
+#: The multi-stage orchestrator's ``submit`` takes a request for every stage; stage runtimes take one.
+STAGE_METHODS = {"submit", "validate_request"}
+#: The request-adapter rules and the modules allowed to call them: their home, the one validation site,
+#: and the diffusion params type checking its own fields at construction (as ``SamplingParams`` does).
+ADAPTER_RULES = {"validate_request_adapters", "gather_request_adapters", "to_request_adapters", "llm_stage_adapter"}
+ADAPTER_RULE_CALLERS = {"lora/request.py", "entrypoints/request_adapters.py", "inputs/data.py"}
+
+
+def test_stage_runtimes_take_one_typed_request():
+    found = []
+    for path, tree in _modules():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name != "Orchestrator"):
+            for fn in cls.body:
+                if not isinstance(fn, ast.FunctionDef) or fn.name not in STAGE_METHODS:
+                    continue
+                args = fn.args
+                names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                if names != ["self", "request"] or args.vararg or args.kwarg:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{fn.lineno} {cls.name}.{fn.name}{tuple(names)}")
+    assert not found, "stage methods that do not take (self, request: StageRequest):\n" + "\n".join(found)
+
+
+def test_request_adapter_rules_have_one_call_site():
+    found = []
+    for path, tree in _modules():
+        if path.relative_to(PACKAGE).as_posix() in ADAPTER_RULE_CALLERS:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in ADAPTER_RULES:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}")
+    assert not found, (
+        "request-adapter rules called outside vllm_omni/entrypoints/request_adapters.py (check once, at the "
+        "edge, against the stage's description):\n" + "\n".join(found)
+    )
+
+
 @pytest.mark.parametrize(
-    "rule", [test_functions_are_at_most_80_lines, test_layer_kind_checks_live_in_the_layer_classes]
+    "rule",
+    [
+        test_functions_are_at_most_80_lines,
+        test_layer_kind_checks_live_in_the_layer_classes,
+        test_stage_runtimes_take_one_typed_request,
+        test_request_adapter_rules_have_one_call_site,
+    ],
 )
 def test_rules_catch_a_violation(rule, tmp_path, monkeypatch):
     """The two rules above fail on a package that breaks them (so they can fail at all)."""
@@ -82,6 +129,8 @@ def test_rules_catch_a_violation(rule, tmp_path, monkeypatch):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (pkg / "bad.py").write_text(
         f"def too_long():\n{body}\n\n\ndef ladder(m):\n    return isinstance(m, (QKVParallelLinear, nn.Linear))\n"
+        "\n\nclass Stage:\n    def submit(self, prompt, params, lora_request=None, **kwargs):\n"
+        "        return validate_request_adapters(kwargs['adapters'])\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     monkeypatch.setattr(sys.modules[__name__], "LAYER_HOME", pkg / "diffusion" / "lora" / "layers")

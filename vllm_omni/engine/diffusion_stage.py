@@ -52,7 +52,7 @@ from vllm_omni.errors import (
 )
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.inputs.stage_request import StageRequest
-from vllm_omni.lora.request import LoRARequest, RequestAdapters, to_request_adapters
+from vllm_omni.lora.request import LoRARequest, RequestAdapters, lora_request_problem
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,9 @@ class DiffusionStageEngine(StageDriver):
             ValueError: bad request / missing path; LoRAFormatError / LoRACacheError from the
                 workers (their caches are unchanged).
         """
-        to_request_adapters([lora_request])
+        problem = lora_request_problem(lora_request)
+        if problem is not None:
+            raise InvalidRequestError(f"add_lora: the adapter {problem}")
         return self._call_all_ranks("add_lora", lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
