@@ -186,6 +186,26 @@ def test_single_object_lora_and_chat_image_reply(client, server, paths):
     assert close(decode(part["image_url"]["url"].split(",", 1)[1]), via_images, 0)
 
 
+def test_peer_spellings_give_byte_identical_images(client, paths):
+    """vllm-omni's ``adapter`` / ``lora_scale`` and ComfyUI / A1111's ``strength`` / ``weight`` are the
+    canonical ``name`` / ``scale``: the same PNG bytes; a misspelt key is a 400 that names the right one."""
+    attn = str(paths["attn"])
+    canonical = generate(client, lora=[{"name": "attn", "path": attn, "scale": 0.5}, {"name": "ff", "scale": 0.7}])
+    peers = [
+        [{"adapter": "attn", "local_path": attn, "lora_scale": 0.5}, {"adapter": "ff", "lora_scale": 0.7}],
+        [{"lora_name": "attn", "path": attn, "strength": 0.5}, {"name": "ff", "weight": 0.7}],
+    ]
+    for lora in peers:
+        assert np.array_equal(generate(client, lora=lora), canonical), lora
+    assert not np.array_equal(canonical, generate(client, lora=[{"name": "ff", "scale": 0.7}]))
+    with pytest.raises(openai.BadRequestError) as info:
+        generate(client, lora={"adapter": "attn", "path": attn, "strenght": 0.5})
+    assert "'strenght' (did you mean 'strength'?)" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        generate(client, lora={"adapter": "ff", "scale": {}})
+    assert "lora.scale is an empty schedule" in str(info.value)
+
+
 def test_model_field_selects_the_startup_adapter(client, paths, tiny_z_image_dir):
     by_model = generate(client, model="ff")
     by_path = generate(client, lora=[{"name": "ff", "path": str(paths["ff"])}])
@@ -307,7 +327,7 @@ MALFORMED = [
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/etc"}}),
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "../x", "scale": 1}}),
     ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "scale": ["1"]}}),
-    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "strength": 1}}),
+    ("/v1/images/generations", {"prompt": PROMPT, "lora": {"path": "/x", "strenght": 1}}),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}),  # no user text
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "width": 17}),
     ("/v1/completions", {"prompt": PROMPT}),  # no text output on this pipeline
@@ -367,8 +387,8 @@ def test_examples_client_and_curl(server, paths):
 def test_lycoris_prefix_file_and_single_file_folder(client, server, paths, tiny_z_image_dir):
     """Issue 21 rule 7 through the server and the official client: a LyCORIS file whose keys use the
     flattened ``lycoris_`` prefix serves what its ``lora_unet_`` form does (peft's merged LoKr); a
-    folder holding a single-file adapter but no ``adapter_config.json`` is a 400 that names what a
-    PEFT folder needs and the file to pass instead, and the server keeps serving."""
+    folder holding one single-file adapter and no ``adapter_config.json`` serves that file (issue 35);
+    one holding two is a 400 that names what a PEFT folder needs and the files to pass instead."""
     import shutil
 
     from tools.lora_layouts import write_lycoris
@@ -383,11 +403,13 @@ def test_lycoris_prefix_file_and_single_file_folder(client, server, paths, tiny_
     folder.mkdir()
     single = folder / "lokr_v2.safetensors"
     shutil.copy(paths["lokr_file"], single)
+    by_folder = generate(client, lora=[{"name": "single_file_folder", "path": str(folder), "scale": 1.2}])
+    by_file = generate(client, lora=[{"name": "lokr_v2", "path": str(single), "scale": 1.2}])
+    assert close(by_file, got, 0) and close(by_folder, by_file, 0)
+    shutil.copy(paths["lokr_file"], folder / "lokr_v3.safetensors")  # two files: which one is meant?
     with pytest.raises(openai.BadRequestError) as info:
-        generate(client, lora=[{"name": "single_file_folder", "path": str(folder)}])
+        generate(client, lora=[{"name": "two_files", "path": str(folder)}])
     message = info.value.body["message"]
     assert "missing adapter_config.json and adapter_model.safetensors" in message, message
     assert str(single) in message and "pass one by its own path instead" in message, message
-    assert "single_file_folder" not in {m.id for m in client.models.list().data}
-    by_file = generate(client, lora=[{"name": "lokr_v2", "path": str(single), "scale": 1.2}])
-    assert close(by_file, got, 0)
+    assert "two_files" not in {m.id for m in client.models.list().data}

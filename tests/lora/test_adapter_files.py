@@ -18,6 +18,7 @@ from vllm_omni.entrypoints.openai.lora import check_adapter_files
 from vllm_omni.errors import InvalidAdapterError, LoRAFormatError, OpenAIError
 from vllm_omni.lora.adapter_files import (
     PICKLE_SUFFIXES,
+    AdapterFiles,
     declared_rank_alpha,
     locate_adapter,
     lora_config_from_dict,
@@ -54,6 +55,12 @@ def test_locate_refusals_name_the_adapter(tmp_path):
         locate_adapter(tmp_path / "absent", directory_only=True)
     (tmp_path / "no_config").mkdir()
     (tmp_path / "no_config" / "adapter_model.safetensors").write_bytes(b"")
+    # one .safetensors and no config: that file (issue 35); the LLM gate (vLLM) still needs a PEFT folder
+    single = str(tmp_path / "no_config" / "adapter_model.safetensors")
+    assert locate_adapter(tmp_path / "no_config") == AdapterFiles(single, None, True)
+    with pytest.raises(LoRAFormatError, match="no_config: missing adapter_config.json"):
+        locate_adapter(tmp_path / "no_config", directory_only=True)
+    (tmp_path / "no_config" / "other.safetensors").write_bytes(b"")
     with pytest.raises(LoRAFormatError, match="no_config: missing adapter_config.json"):
         locate_adapter(tmp_path / "no_config")
     (tmp_path / "text.txt").write_text("x")

@@ -4,8 +4,9 @@ Used by every gate: the LLM stage (:mod:`vllm_omni.engine.lora_validation`), the
 readers (:mod:`vllm_omni.diffusion.lora.peft_format` / ``safetensors_format``) and the HTTP
 adapter registry (:mod:`vllm_omni.entrypoints.openai.lora`).
 
-* :func:`locate_adapter`: a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)
-  or one ``.safetensors`` file; pickle formats (:data:`PICKLE_SUFFIXES`) are refused, since
+* :func:`locate_adapter`: a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``),
+  one ``.safetensors`` file, or a folder holding exactly one of them and no config; pickle formats
+  (:data:`PICKLE_SUFFIXES`) are refused, since
   loading them can run arbitrary code. Nothing is read.
 * :func:`read_adapter_config` / :func:`lora_config_from_dict`: the configuration as peft's own
   ``LoraConfig``, refusing what would silently change the math (no ``lora_alpha``, a non-integer
@@ -63,7 +64,12 @@ _UNSUPPORTED_FIELDS: tuple[tuple[str, str], ...] = (
     ("lora_bias", "LoRA bias terms are not supported"),
     ("trainable_token_indices", "trainable token embeddings are not supported"),
     ("layer_replication", "layer replication is not supported"),
-    ("target_parameters", "LoRA on raw parameters (target_parameters) is not supported"),
+    (
+        "target_parameters",
+        "LoRA on raw parameters (target_parameters) is not supported; peft targets MoE experts so "
+        "(e.g. for gate_proj/up_proj/down_proj on Qwen3-Omni), and vllm_omni keeps MoE experts out of "
+        "LoRA because vLLM's fused-MoE LoRA layer runs on Triton kernels only",
+    ),
     ("use_qalora", "QA-LoRA is not supported"),
     ("use_bdlora", "block-diagonal LoRA is not supported"),
     ("alora_invocation_tokens", "activated LoRA (aLoRA) is not supported"),
@@ -85,7 +91,8 @@ class AdapterFiles:
     Attributes:
         weights: the ``.safetensors`` file.
         config: the ``adapter_config.json`` beside it, or ``None``.
-        is_directory: the adapter was given as a PEFT directory.
+        is_directory: the adapter was given as a directory (a PEFT directory, or a folder holding one
+            single-file adapter: then ``config`` is ``None``).
     """
 
     weights: str
@@ -97,7 +104,9 @@ def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, di
     """Find an adapter's files without reading them.
 
     Args:
-        path: a PEFT directory or a single ``.safetensors`` file.
+        path: a PEFT directory, a single ``.safetensors`` file, or a directory holding exactly one
+            ``.safetensors`` file and no ``adapter_config.json`` (that file is the adapter; not with
+            ``directory_only``).
         shown: how to name the adapter in messages (default: ``path`` as given).
         directory_only: accept only a PEFT directory (vLLM's LLM LoRA loads directories).
 
@@ -135,6 +144,16 @@ def locate_adapter(path: str | os.PathLike[str], *, shown: str | None = None, di
         files = set(os.listdir(path))
     except OSError:
         raise LoRAFormatError(f"{shown}: the directory is not readable") from None
+    singles = sorted(f for f in files if f.endswith(SAFETENSORS_SUFFIX))
+    if ADAPTER_CONFIG_NAME not in files and len(singles) == 1 and not directory_only:
+        # a folder holding one single-file adapter (diffusers' save_lora_weights, a download of one
+        # file): that file, as if passed by its own path (it has no adapter_config.json beside it)
+        weights = os.path.join(path, singles[0])
+        if not os.path.isfile(weights):
+            raise LoRAFormatError(
+                f"{shown}: {singles[0]} is not a regular file (a FIFO, socket or device is never opened)"
+            )
+        return AdapterFiles(weights, None, True)
     if ADAPTER_WEIGHTS_NAME not in files or ADAPTER_CONFIG_NAME not in files:
         raise LoRAFormatError(_not_a_peft_folder(path, shown, files, directory_only))
     weights, config = os.path.join(path, ADAPTER_WEIGHTS_NAME), os.path.join(path, ADAPTER_CONFIG_NAME)

@@ -1,6 +1,7 @@
 """Issue 21 rule 7 (files): LyCORIS files keyed ``lycoris_<flat module>`` read like their ``lora_unet_``
-form, and a folder holding a single-file adapter but no ``adapter_config.json`` is refused with a message
-that says what a PEFT folder needs and how to pass the file.
+form; a folder holding one single-file adapter and no ``adapter_config.json`` is read as that file
+(issue 35), one holding several is refused with a message that says what a PEFT folder needs and how
+to pass a file.
 
 Values: the ``lycoris_`` file gives exactly the output of the same tensors under ``lora_unet_`` and matches
 a hand merge ``W + s B A`` (LoRA) / peft's merge (LoHa, LoKr) on the toy DiT, fp32.
@@ -140,28 +141,47 @@ def test_both_prefixes_for_one_module_is_refused_and_changes_nothing(setup, tmp_
     assert manager.list_loras() == before
 
 
-def test_folder_with_a_single_file_names_what_peft_needs_and_the_file(setup, tmp_path):
+def test_folder_with_one_single_file_loads_that_file(setup, tmp_path, caplog):
+    """Issue 35 rule 4: a folder holding exactly one ``.safetensors`` and no ``adapter_config.json`` is
+    that file: the same modules, scalings and served output as the file by its own path, and the log
+    names the file. A folder with two such files is still refused, naming both."""
     folder = tmp_path / "my_lora"
     folder.mkdir()
     single = folder / "my_lora_v2.safetensors"
     shutil.copy(setup["files"]["lora"][1], single)
+    files = locate_adapter(folder)
+    assert (files.weights, files.config, files.is_directory) == (str(single), None, True)
+    with caplog.at_level("INFO", logger="vllm_omni.diffusion.lora.loading"):
+        from_folder = load_lora_adapter(str(folder))
+    assert f"loading its single file {single}" in caplog.text
+    by_path = load_lora_adapter(str(single))
+    assert from_folder.source == by_path.source == str(single)
+    assert sorted(from_folder.modules) == sorted(by_path.modules)
+    for key, module in by_path.modules.items():
+        got = from_folder.modules[key]
+        assert torch.equal(got.lora_a, module.lora_a) and torch.equal(got.lora_b, module.lora_b)
+        assert got.scaling == module.scaling
+    served = _run(setup, str(folder), 11)
+    assert torch.equal(served, _run(setup, str(single), 12))
+    assert torch.equal(served, _run(setup, setup["files"]["lora"][1], 13))
+
+    second = folder / "other.safetensors"
+    shutil.copy(single, second)
     manager = setup["manager"]
     before = manager.list_loras()
     for call in (
         lambda: locate_adapter(folder),
         lambda: load_lora_adapter(str(folder)),
-        lambda: manager.add_lora(LoRARequest("folder", 11, str(folder))),
+        lambda: manager.add_lora(LoRARequest("folder", 14, str(folder))),
     ):
         with pytest.raises(LoRAFormatError) as info:
             call()
         message = str(info.value)
         assert message.startswith(str(folder)), message
         assert "missing adapter_config.json and adapter_model.safetensors" in message
-        assert "a PEFT adapter folder holds adapter_config.json" in message
-        assert f"'{single}'" in message and "pass one by its own path instead" in message
+        assert f"'{single}'" in message and f"'{second}'" in message
+        assert "pass one by its own path instead" in message
     assert manager.list_loras() == before
-    # ... and passing the file by its own path serves it, with the values of the lora_unet_ file
-    assert torch.equal(_run(setup, str(single), 12), _run(setup, setup["files"]["lora"][1], 13))
 
 
 def test_llm_gate_names_the_single_file_and_what_vllm_needs(tmp_path):

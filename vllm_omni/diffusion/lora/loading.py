@@ -1,4 +1,5 @@
-"""Choose an adapter reader by path: a PEFT directory or a single ``.safetensors`` file.
+"""Choose an adapter reader by path: a PEFT directory, a single ``.safetensors`` file, or a folder
+holding exactly one ``.safetensors`` file and no ``adapter_config.json`` (read as that file).
 
 A single file may use any key layout of :mod:`.formats.layouts` (PEFT, diffusers, ComfyUI, kohya/A1111);
 names are resolved against the model when the adapter is bound (:mod:`.formats.model_keys`). The accepted
@@ -11,6 +12,7 @@ registered ahead of the generic single-file reader with ``first=True``.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -19,7 +21,26 @@ from vllm_omni.diffusion.lora.safetensors_format import load_lora_safetensors, l
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.lora.adapter_files import ADAPTER_CONFIG_NAME, SAFETENSORS_SUFFIX, locate_adapter
 
+logger = logging.getLogger(__name__)
+
 LoRAReader = Callable[[str], LoRAAdapterWeights]
+
+
+def load_single_file_folder(path: str) -> LoRAAdapterWeights:
+    """Read a folder that holds exactly one ``.safetensors`` file and no ``adapter_config.json`` as
+    that file (what :func:`load_lora_safetensors` returns for the file's own path), logging which file.
+
+    Raises:
+        LoRAFormatError: the folder holds no or several ``.safetensors`` files (they are named), or
+            see :func:`load_lora_safetensors`.
+    """
+    files = locate_adapter(path)
+    logger.info(
+        "LoRA folder %s has no %s: loading its single file %s", path, ADAPTER_CONFIG_NAME, files.weights
+    )
+    return load_lora_safetensors(files.weights)
+
+
 _READERS: list[tuple[str, Callable[[str], bool], LoRAReader]] = [
     (
         "peft",
@@ -27,6 +48,7 @@ _READERS: list[tuple[str, Callable[[str], bool], LoRAReader]] = [
         load_peft_adapter,
     ),
     ("safetensors", lambda p: os.path.isfile(p) and p.endswith(SAFETENSORS_SUFFIX), load_lora_safetensors),
+    ("single-file folder", os.path.isdir, load_single_file_folder),
 ]
 
 
