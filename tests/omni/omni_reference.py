@@ -1,4 +1,4 @@
-"""Reference greedy decoding of the tiny Qwen2.5-Omni thinker with transformers (+ peft), float32."""
+"""Reference greedy decoding of a tiny Omni thinker (Qwen2.5-Omni, Qwen3-Omni) with transformers (+ peft), float32."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import torch
 
 @functools.lru_cache(maxsize=4)
 def thinker(model_dir: str, adapter_dir: str | None = None, layout: str = "full"):
-    """transformers' thinker of the checkpoint, with the adapter applied by peft.
+    """transformers' thinker of the checkpoint (the class its ``config.json`` names), with the
+    adapter applied by peft.
 
     ``layout="full"``: peft on the whole model (adapter keys ``...thinker.model.layers...``);
     ``"thinker"``: peft on the thinker sub-model alone (keys ``...model.layers...``).
     """
-    from transformers import Qwen2_5OmniForConditionalGeneration
+    import transformers
 
-    full = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    (arch,) = transformers.AutoConfig.from_pretrained(model_dir).architectures
+    full = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
     if adapter_dir is not None:
         from peft import PeftModel
 

@@ -10,7 +10,8 @@ pipelines that run on any causal LM / diffusers directory (``llm_chain``,
 Registering a topology does not make its model classes available. Run end to end (tested on
 tiny checkpoints; ``wan2_2_ti2v`` through its class): ``qwen2_5_omni`` (thinker and talker on
 vLLM, code2wav on transformers' Token2Wav: :mod:`vllm_omni.stages.qwen2_5_omni`),
-``qwen2_5_omni_thinker_only`` (vLLM's Qwen2.5-Omni thinker, registered by :mod:`vllm_omni.models`),
+``qwen2_5_omni_thinker_only`` and ``qwen3_omni_thinker_only`` (vLLM's Qwen2.5-Omni / Qwen3-Omni MoE
+thinkers, registered by :mod:`vllm_omni.models`),
 ``wan2_2_ti2v``, ``llm_chain``, ``llm_to_diffusion`` and the single-stage defaults. ``qwen3_tts``
 and ``bagel`` name classes that neither this package nor stock vLLM / diffusers implement yet.
 They resolve (options, overrides, ``--dry-run``), and starting one fails before any engine is
@@ -141,6 +142,11 @@ for _p in (
         "Qwen2.5-Omni thinker alone (text out)",
     ),
     PipelineConfig(
+        "qwen3_omni_thinker_only",
+        (_ar("OmniQwen3OmniMoeThinkerForConditionalGeneration", final_output=True),),
+        "Qwen3-Omni MoE thinker alone (text out)",
+    ),
+    PipelineConfig(
         "bagel",
         (
             _ar("OmniBagelForConditionalGeneration"),
@@ -168,6 +174,15 @@ for _p in (
     ),
 ):
     register_pipeline(_p)
+
+
+#: ``architectures[0]`` of a checkpoint -> (pipeline with audio output, pipeline without): the
+#: pipeline a model directory gets when no pipeline is named (``enable_audio_output`` chooses).
+#: Qwen3-Omni's talker and code2wav stages are not implemented yet: both pick its thinker.
+PIPELINES_BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
+    "Qwen2_5OmniForConditionalGeneration": ("qwen2_5_omni", "qwen2_5_omni_thinker_only"),
+    "Qwen3OmniMoeForConditionalGeneration": ("qwen3_omni_thinker_only", "qwen3_omni_thinker_only"),
+}
 
 
 def registered_pipelines() -> list[str]:
@@ -246,8 +261,11 @@ def read_model_dir_config(model: str) -> tuple[str, dict]:
 
 
 def pipeline_for_model(model: str) -> PipelineConfig:
-    """Default single-stage pipeline for a model directory (or hub id of a cached model).
+    """Default pipeline for a model directory (or hub id of a cached model).
 
+    ``config.json`` whose ``architectures[0]`` is in :data:`PIPELINES_BY_ARCHITECTURE` -> that
+    registered multi-stage pipeline (a Qwen2.5-Omni or Qwen3-Omni checkpoint; its
+    ``enable_audio_output``, default true, chooses the audio or the text-only one); other
     ``config.json`` with ``architectures`` -> one ``llm_ar`` stage of that class;
     ``model_index.json`` -> one diffusion stage of its ``_class_name``.
     """
@@ -269,4 +287,7 @@ def pipeline_for_model(model: str) -> PipelineConfig:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
     kind, cfg = read_model_dir_config(path)
+    if kind == "llm" and _hf_architecture(cfg) in PIPELINES_BY_ARCHITECTURE:
+        with_audio, text_only = PIPELINES_BY_ARCHITECTURE[_hf_architecture(cfg)]
+        return resolve_pipeline_config(with_audio if cfg.get("enable_audio_output", True) else text_only, cfg)
     return resolve_pipeline_config("default_diffusion" if kind == "diffusion" else "default_llm", cfg)

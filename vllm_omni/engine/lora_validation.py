@@ -99,7 +99,7 @@ _QWEN2_5_OMNI_THINKER = LoRAScope(
     ("thinker.model.",),
     ("thinker.audio_tower.", "thinker.visual."),
 )
-#: Why MoE expert targets are refused (see ``keep_moe_experts_out_of_lora`` in vllm_omni/platform.py).
+#: Why MoE expert targets are refused (:mod:`vllm_omni.models.moe_lora`).
 MOE_EXPERTS_REFUSED = (
     "a MoE expert weight: vllm_omni keeps MoE experts out of LoRA, because vLLM's fused-MoE LoRA "
     "layer runs on Triton kernels only (on CPU its first forward dies) and vLLM would otherwise load "

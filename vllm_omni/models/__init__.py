@@ -9,6 +9,8 @@ architecture                                              class
 ========================================================  ==========================================
 ``OmniQwen2_5OmniThinkerForConditionalGeneration``         vLLM's ``Qwen2_5OmniThinkerForConditionalGeneration``
                                                           (:mod:`vllm_omni.models.qwen2_5_omni_thinker`)
+``OmniQwen3OmniMoeThinkerForConditionalGeneration``       vLLM's ``Qwen3OmniMoeThinkerForConditionalGeneration``
+                                                          (:mod:`vllm_omni.models.qwen3_omni_thinker`)
 ========================================================  ==========================================
 """
 
@@ -22,6 +24,9 @@ from vllm import ModelRegistry
 OMNI_MODEL_CLASSES: dict[str, str] = {
     "OmniQwen2_5OmniThinkerForConditionalGeneration": (
         "vllm_omni.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"
+    ),
+    "OmniQwen3OmniMoeThinkerForConditionalGeneration": (
+        "vllm_omni.models.qwen3_omni_thinker:Qwen3OmniMoeThinkerForConditionalGeneration"
     ),
 }
 _LOCK = threading.Lock()
