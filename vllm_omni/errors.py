@@ -91,6 +91,12 @@ class AdapterRestoreError(InvalidAdapterError):
     naming this one (HTTP 400). The message names the stage, the adapter and its path."""
 
 
+class AdapterUpdateRefusedError(InvalidAdapterError):
+    """A new version of a registered adapter (a reload, ``load_inplace``, rewritten files) found no room
+    in a stage's adapter cache (every entry pinned or in use); nothing changed and the current version
+    keeps serving (HTTP 400). The message names the adapter, the stage and the limits to raise."""
+
+
 class AdapterNotFoundError(InvalidAdapterError, FileNotFoundError):
     """An adapter's file or folder does not exist (also a ``FileNotFoundError``); the message names the adapter."""
 

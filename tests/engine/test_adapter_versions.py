@@ -91,3 +91,39 @@ def test_a_new_path_under_a_registered_name_is_a_new_version(omni, tiny_llm_asse
     with pytest.raises(InvalidAdapterError, match="lora_int_id 22 already names adapter 'w'"):
         omni.add_lora(LoRARequest("other", 22, str(first)))
     assert omni.adapter_registry.get("w").int_id == 22 and omni.remove_lora(22)
+
+
+def test_an_update_with_every_slot_pinned_is_refused_and_the_old_version_serves(
+    omni, tiny_llm_assets, tmp_path
+):
+    """Issue 35 item 7: with as many pinned adapters as vLLM's cache holds (``max_cpu_loras`` 2), a new
+    version of one of them (files rewritten in place) has no room. A reload used to raise vLLM's bare
+    ``All items are pinned ...`` and every later request naming the adapter failed with it; now the
+    reload is refused naming the adapter, the stage and the limits, and requests keep getting the loaded
+    version (transformers+peft on the old files). Once there is room, a reload serves the new files."""
+    from vllm_omni.errors import AdapterUpdateRefusedError
+
+    model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
+    for record in omni.adapter_registry.records():
+        omni.remove_lora(record.int_id)
+    p, q = LoRARequest("p", 31, str(shutil.copytree(a, tmp_path / "p"))), LoRARequest("q", 32, str(b))
+    for lora in (p, q):
+        assert omni.add_lora(lora) and omni.pin_lora(lora.lora_int_id)
+    _copy_over(b, tmp_path / "p")
+    ref_a = hf_greedy(model, PROMPT_IDS, N, a)
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == ref_a
+    with pytest.raises(
+        AdapterUpdateRefusedError, match=r"'p'.*Stage 0.*pinned \(p, q; max_cpu_loras=2"
+    ) as info:
+        omni.add_lora(p, reload=True)
+    assert "All items are pinned" not in str(info.value) and "version 1 of 'p' keeps serving" in str(
+        info.value
+    )
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == ref_a
+    assert omni.list_loras() == {31, 32} and omni.adapter_registry.get("p").version == 1
+    assert omni.remove_lora(32) and omni.add_lora(p, reload=True)
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == hf_greedy(
+        model, PROMPT_IDS, N, b
+    )
+    assert omni.list_loras() == {31} and omni.adapter_registry.get("p").version == 2
+    assert omni.remove_lora(31)

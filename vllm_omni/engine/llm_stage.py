@@ -46,7 +46,13 @@ from vllm_omni.engine.vllm_process import (
     step_guard,
 )
 from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
-from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, LoRANotEnabledError, StageEngineError
+from vllm_omni.errors import (
+    InvalidAdapterError,
+    InvalidRequestError,
+    LoRACacheError,
+    LoRANotEnabledError,
+    StageEngineError,
+)
 from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.models import register_omni_models
@@ -59,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds ``shutdown()`` waits for the driver thread when no timeout is given.
 _DRIVER_JOIN_S = 30.0
+
+
+_ALL_PINNED = "All items are pinned"  # vLLM's LRU adapter caches (utils/cache.py), a bare RuntimeError
 
 
 def vllm_lora_request(lora: LoRARequest) -> LoRARequest:
@@ -422,10 +431,27 @@ class LLMStageEngine(StageDriver):
 
     def _load_adapter(self, lora: LoRARequest, loaded: set[int]) -> bool:
         """``engine.add_lora`` on the driver thread, noting its seconds and the adapters the
-        engine's LRU cache dropped for it; ``loaded`` (the cached ids before) is updated."""
+        engine's LRU cache dropped for it; ``loaded`` (the cached ids before) is updated.
+
+        Raises:
+            LoRACacheError: every adapter the engine holds is pinned (vLLM's bare ``All items are
+                pinned ...``, restated naming the adapters and limits); nothing changed.
+        """
         self._removal_deferred.discard(lora.lora_int_id)  # wanted again: the engine keeps it
         start = time.perf_counter()
-        added = self._engine.add_lora(vllm_lora_request(lora))
+        try:
+            added = self._engine.add_lora(vllm_lora_request(lora))
+        except Exception as exc:
+            if _ALL_PINNED not in str(exc):
+                raise
+            lora_config = self._engine.vllm_config.lora_config
+            pinned = sorted(self._lora_names.get(i, str(i)) for i in loaded)
+            raise LoRACacheError(
+                f"no room for adapter {lora.lora_name!r}: every adapter the engine holds "
+                f"is pinned ({', '.join(pinned)}; max_cpu_loras={lora_config.max_cpu_loras}, "
+                f"max_loras={lora_config.max_loras}); remove a pinned adapter, or raise max_cpu_loras "
+                "(and max_loras) above the number of pinned adapters"
+            ) from exc
         seconds = time.perf_counter() - start
         now = self._loaded_ids()
         self.recorder.loaded(self._lora_name(lora), seconds if lora.lora_int_id not in loaded else None)

@@ -46,8 +46,10 @@ from typing import Any
 
 from vllm_omni.errors import (
     AdapterNotFoundError,
+    AdapterUpdateRefusedError,
     InvalidAdapterError,
     InvalidRequestError,
+    LoRACacheError,
     OmniError,
     restate,
 )
@@ -110,6 +112,7 @@ class AdapterRegistry:
         self._reserved: dict[str, str] = {}
         self._fingerprints: dict[tuple, str] = {}
         self._lost = RestartLosses()  # what restarts could not restore (see :meth:`note_restart`)
+        self._refused: dict[int, tuple] = {}  # public id -> file signature of a version refused for room
 
     # ------------------------------------------------------------------ lookups
     def get(self, name: str) -> AdapterRecord | None:
@@ -240,11 +243,12 @@ class AdapterRegistry:
         record = self._by_id.get(lora.lora_int_id)
         if record is not None and record.location == location:
             try:
-                if file_signature(record.files) == record.signature:
-                    return record.engine
+                signature = file_signature(record.files)
             except OSError:  # files gone: the loaded version still serves (a stage may refuse a reload)
                 return record.engine
-            return self._refresh(record)
+            if signature in (record.signature, self._refused.get(record.int_id)):
+                return record.engine  # unchanged, or a version refused for room: the loaded one serves
+            return self._refresh(record, signature)
         try:
             identity = self._identity(lora)
         except (FileNotFoundError, InvalidAdapterError):
@@ -261,10 +265,17 @@ class AdapterRegistry:
                 self._by_id[lora.lora_int_id] = record
         return record.engine
 
-    def _refresh(self, record: AdapterRecord) -> LoRARequest:
-        """A new version of ``record`` after its files changed on disk."""
+    def _refresh(self, record: AdapterRecord, signature: tuple) -> LoRARequest:
+        """A new version of ``record`` after its files changed on disk (to ``signature``); the loaded
+        version when a stage has no room for it (logged once per signature; a reload tries again)."""
         if record.registered:
-            self.add(record.request, record.targets or None, denoiser=record.denoiser, reload=True)
+            try:
+                self.add(record.request, record.targets or None, denoiser=record.denoiser, reload=True)
+            except AdapterUpdateRefusedError as exc:
+                with self._lock:
+                    self._refused[record.int_id] = signature
+                logger.warning("%s; requests get the loaded version until the adapter is reloaded", exc)
+                return record.engine
             return self._by_id[record.int_id].engine
         identity = self._identity(record.request, fresh=True)
         with self._lock:
@@ -351,6 +362,8 @@ class AdapterRegistry:
                 names another adapter, files a stage refuses
                 (message prefixed with the adapter and the stage; nothing stays loaded anywhere).
             AdapterNotFoundError: no such file or folder (also a ``FileNotFoundError``).
+            AdapterUpdateRefusedError / LoRACacheError: a new version / adapter finds no room in a stage's
+                cache (every entry pinned or in use); a registered name's current version keeps serving.
             LoRANotEnabledError / ConfigError: a target stage without LoRA / no such stage.
         """
         lora = checked_lora_request(lora)
@@ -434,7 +447,15 @@ class AdapterRegistry:
         else:
             record = self._new_record(lora, identity, denoiser=denoiser, source="add_lora")
         pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned" or st.pinned}
-        states = self._load_on(record, targets, pinned, repin=same is None)
+        try:
+            states = self._load_on(record, targets, pinned, repin=same is None)
+        except LoRACacheError as exc:
+            if old is None or same is not None:
+                raise
+            raise AdapterUpdateRefusedError(
+                f"{exc}; the new version was not loaded and version {old.version} of {old.name!r} keeps "
+                f"serving (reload it once there is room)"
+            ) from exc
         new_targets = tuple(dict.fromkeys(record.targets + targets))
         changed = same is None or new_targets != record.targets or denoiser not in (None, record.denoiser)
         record = replace(
@@ -447,6 +468,7 @@ class AdapterRegistry:
         )
         with self._lock:
             self._lost.forget(record.int_id, targets)
+            self._refused.pop(record.int_id, None)
             if old is not None and old.int_id != record.int_id:
                 self._by_id.pop(old.int_id, None)
             self._names.pop(lora.lora_name, None)
@@ -558,6 +580,7 @@ class AdapterRegistry:
                 return removed
             with self._lock:
                 self._lost.forget(int_id, None if stage_id is None else (stage_id,))
+                self._refused.pop(int_id, None)
                 left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
                 if left:
                     stages = {s: st for s, st in record.stages.items() if s != stage_id}

@@ -82,12 +82,13 @@ class AdapterCache:
         keep = set(protected)
         victims = [i for i, e in self._entries.items() if self.evictable(e) and i not in keep][:needed]
         if len(victims) < needed:
-            pinned = [i for i, e in self._entries.items() if e.pinned]
-            busy = [i for i, e in self._entries.items() if e.refcount > 0]
+            pinned = [e.name or i for i, e in self._entries.items() if e.pinned]
+            busy = [e.name or i for i, e in self._entries.items() if e.refcount > 0]
+            kept = [self._entries[i].name or i for i in sorted(keep) if i in self._entries]
             raise LoRACacheError(
                 f"LoRA cache is full ({len(self._entries)}/{self.capacity}) and cannot make room for {n_new} "
-                f"adapter(s): pinned={pinned}, in use={busy}, needed by this batch={sorted(keep)}; "
-                "unpin or remove an adapter, or raise max_cpu_loras"
+                f"adapter(s): pinned={pinned}, in use={busy}, needed alongside={kept}; "
+                "remove an adapter, wait for the requests using one, or raise max_cpu_loras"
             )
         return victims
 
