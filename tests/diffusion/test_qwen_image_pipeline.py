@@ -181,3 +181,31 @@ def test_adapter_for_another_model_is_refused_and_changes_nothing(omni, tiny_z_i
     with pytest.raises(ValueError, match=r"layers\.0\.attention"):
         omni.generate(PROMPT, params(), lora_request=LoRARequest("z", 40, str(tiny_z_image_loras["attn"])))
     assert omni.list_loras() == cached
+
+
+def test_distill_fuses_a_kohya_file_as_diffusers_fuse_lora(tiny_qwen_image_dir, loras, reference):
+    from diffusers import QwenImagePipeline
+
+    from vllm_omni import Omni
+
+    pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image_dir))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(loras["attn_kohya"]), adapter_name="lightning")
+    pipe.fuse_lora(lora_scale=0.7)
+    pipe.unload_lora_weights()  # fused weights stay; the adapter layers go
+    with torch.no_grad():
+        expected = pipe(
+            PROMPT,
+            negative_prompt=NEG,
+            true_cfg_scale=4.0,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(5),
+            output_type="latent",
+            **SIZE,
+        ).images
+    kwargs = dict(lora_backend="distill", lora_path=str(loras["attn_kohya"]), lora_scale=0.7)
+    with Omni(model=str(tiny_qwen_image_dir), dtype="float32", enable_progress_bar=False, **kwargs) as omni:
+        assert omni.list_loras() == set()  # fused at start-up, not cached
+        got = _latents(omni)
+    assert (got - expected).abs().max().item() <= TOL
+    assert (expected - reference()).abs().max().item() > 50 * TOL
