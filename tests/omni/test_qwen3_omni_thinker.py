@@ -36,7 +36,6 @@ def omni(assets):
     # peft writes rank_pattern {".*\\.gate_up_proj": 2r} into every adapter of this model, and
     # vLLM checks that rank against max_lora_rank: 16 for the rank-8 adapters here
     stage = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 16, "max_model_len": 256}
-    stage["limit_mm_per_prompt"] = {"image": 0, "video": 0, "audio": 0}
     with Omni(str(assets.model_dir), stage_overrides={"0": stage}) as engine:
         yield engine
 
@@ -68,6 +67,7 @@ def test_pipeline_is_picked_from_config_json(tmp_path, arch, audio, expected):
 
 
 def test_thinker_runs_vllms_moe_thinker_with_experts_out_of_lora(omni):
+    """Without torchvision (this venv) the stage is made text-only, as Qwen2.5-Omni's thinker."""
     from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
 
     from vllm_omni.models import qwen3_omni_thinker
@@ -79,6 +79,8 @@ def test_thinker_runs_vllms_moe_thinker_with_experts_out_of_lora(omni):
         Qwen3OmniMoeThinkerForConditionalGeneration
     )
     assert moe_experts_kept_out_of_lora()
+    mm = omni._orchestrator.runtimes[0]._engine.vllm_config.model_config.multimodal_config
+    assert [mm.get_limit_per_prompt(m) for m in ("audio", "image", "video")] == [0, 0, 0]
 
 
 def test_thinker_tokens_equal_transformers_with_and_without_adapter(omni, assets):

@@ -74,10 +74,17 @@ def project_stage_engine_args(stage: LLMStageConfig) -> EngineArgs:
     return EngineArgs(**project_stage_engine_kwargs(stage))
 
 
+#: Omni thinker classes whose processor builds a video processor, which needs torchvision.
+TEXT_ONLY_WITHOUT_TORCHVISION = (
+    "OmniQwen2_5OmniThinkerForConditionalGeneration",
+    "OmniQwen3OmniMoeThinkerForConditionalGeneration",
+)
+
+
 def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> None:
     """A stage whose class is one of :data:`vllm_omni.models.OMNI_MODEL_CLASSES` runs that class:
     ``hf_overrides["architectures"]`` names it (other ``hf_overrides`` entries are kept). A
-    Qwen2.5-Omni thinker without torchvision is made text-only
+    Qwen2.5-Omni or Qwen3-Omni thinker without torchvision is made text-only
     (:func:`~vllm_omni.models.torchvision_free.text_only_without_torchvision`)."""
     if stage.model_arch not in OMNI_MODEL_CLASSES:
         return
@@ -85,7 +92,7 @@ def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> N
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"{stage.label}: hf_overrides must be a dict for model class {stage.model_arch!r}")
     kwargs["hf_overrides"] = {**(overrides or {}), "architectures": [stage.model_arch]}
-    thinker = stage.model_arch == "OmniQwen2_5OmniThinkerForConditionalGeneration"
+    thinker = stage.model_arch in TEXT_ONLY_WITHOUT_TORCHVISION
     if thinker and text_only_without_torchvision(stage.label, kwargs):
         logger.info("%s: torchvision is not installed: text input only", stage.label)
 

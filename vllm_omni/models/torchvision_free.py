@@ -64,7 +64,7 @@ QWEN2_5_OMNI_MODALITIES = ("audio", "image", "video")
 
 
 def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool:
-    """Without torchvision, make a Qwen2.5-Omni thinker stage text-only (in ``engine_kwargs``).
+    """Without torchvision, make a Qwen2.5-Omni / Qwen3-Omni thinker stage text-only (in ``engine_kwargs``).
 
     Sets ``limit_mm_per_prompt`` to 0 for every modality (vLLM then builds no multimodal
     processor) when the stage does not set it; a no-op when torchvision is installed.
@@ -86,7 +86,7 @@ def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool
     if asked:
         raise ConfigError(
             f"{stage_label}: limit_mm_per_prompt {asked} asks for multimodal inputs, which the "
-            "Qwen2.5-Omni thinker's processor cannot take without torchvision (not installed); "
+            "Omni thinker's processor (Qwen2.5-Omni, Qwen3-Omni) cannot take without torchvision (not installed); "
             "install torchvision (the CUDA extra has it) or set limit_mm_per_prompt to 0 for every modality"
         )
     return True
