@@ -12,8 +12,6 @@ its sum of squares across the TP group. Embedders and the output head are replic
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,13 +24,8 @@ from vllm.model_executor.layers.linear import (
 )
 
 from vllm_omni.diffusion.distributed.parallel_state import get_tp_rank_and_size
+from vllm_omni.diffusion.models.layers import linear_out, timestep_sinusoid
 from vllm_omni.errors import ConfigError
-
-
-def linear_out(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Call a vLLM linear layer (which returns ``(output, bias)``) or a torch one; the output only."""
-    out = layer(x)
-    return out[0] if isinstance(out, tuple) else out
 
 
 def fp32_layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
@@ -40,17 +33,6 @@ def fp32_layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     weight = norm.weight.float() if norm.weight is not None else None
     bias = norm.bias.float() if norm.bias is not None else None
     return F.layer_norm(x.float(), norm.normalized_shape, weight, bias, norm.eps).to(x.dtype)
-
-
-def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """diffusers' ``get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)``.
-
-    ``t``: ``(N,)`` -> ``(N, dim)`` float32 ``[cos(t f), sin(t f)]``, ``f_i = max_period^(-i/(dim/2))``.
-    """
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(0, half, dtype=torch.float32, device=t.device)
-    angles = t[:, None].float() * torch.exp(exponent / half)[None, :]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
 class HeadShardedRMSNorm(nn.Module):
@@ -314,5 +296,6 @@ class WanConditionEmbedder(nn.Module):
 
         The text (``text_embedder``) and image (``image_embedder``) projections are called directly.
         """
-        temb = self.time_embedder(timestep_sinusoid(timestep, self.freq_dim)).to(dtype)
+        features = timestep_sinusoid(timestep, self.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
+        temb = self.time_embedder(features).to(dtype)
         return temb, linear_out(self.time_proj, F.silu(temb))

@@ -16,18 +16,16 @@ Two-dimensional timesteps ``(B, L)`` (Wan2.2 TI2V's per-token timesteps) are acc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
-from vllm_omni.diffusion.distributed.parallel_state import current_vllm_config_for_layers
 from vllm_omni.diffusion.forward_context import rows_per_sample
+from vllm_omni.diffusion.models.layers import linear_out
 from vllm_omni.diffusion.models.wan.layers import (
     WanConditionEmbedder,
     WanCrossAttention,
@@ -35,13 +33,8 @@ from vllm_omni.diffusion.models.wan.layers import (
     WanRope,
     WanSelfAttention,
     fp32_layer_norm,
-    linear_out,
 )
-from vllm_omni.diffusion.models.weight_loading import (
-    finalize_linear_layers,
-    iter_safetensors,
-    load_stacked_weights,
-)
+from vllm_omni.diffusion.models.weight_loading import load_denoiser, load_stacked_weights
 from vllm_omni.errors import ConfigError
 
 #: checkpoint tensors diffusers itself ignores when loading (``_keys_to_ignore_on_load_unexpected``)
@@ -276,15 +269,7 @@ class WanTransformer3DModel(nn.Module):
             FileNotFoundError: missing config or weights. ConfigError: checkpoint/config mismatch
                 (names the unexpected and missing tensors).
         """
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        config = {k: v for k, v in config.items() if not k.startswith("_")}
-        with current_vllm_config_for_layers(), torch.device(device):
-            model = cls(**config, dtype=dtype)
-        model.load_weights(iter_safetensors(folder))
-        finalize_linear_layers(model, keep_base_weights=keep_base_weights)
-        model.name_or_path = str(folder)
-        return model.eval().requires_grad_(False)
+        return load_denoiser(cls, folder, dtype, device, keep_base_weights)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors through :attr:`stacked_params_mapping` (strict; see
