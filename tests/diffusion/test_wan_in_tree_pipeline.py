@@ -201,3 +201,31 @@ def test_bad_requests_are_refused_naming_the_culprit(omni, extra, match):
     with pytest.raises(InvalidRequestError, match=match):
         omni.generate([PROMPT], _sp(**extra), use_tqdm=False)
     assert np.isfinite(_latents(omni).numpy()).all()  # the stage keeps serving
+
+
+def test_single_expert_distill_file_equals_diffusers(tmp_path):
+    """Wan2.1-style single expert (``tiny-wan``): one file fused at start-up (``lora_backend="distill"``)
+    equals diffusers' ``load_lora_weights`` of the same file; the stage runs the in-tree pipeline."""
+    from diffusers import WanPipeline as Reference
+
+    from tests.conftest import test_assets_root
+    from tools.make_tiny_wan import ensure_tiny_wan
+    from vllm_omni import Omni
+    from vllm_omni.diffusion.pipelines.wan import WanPipeline
+
+    model_dir = ensure_tiny_wan(test_assets_root())
+    path = os.fspath(_write_adapter(model_dir, "transformer", 30, tmp_path / "distill"))
+    ref = Reference.from_pretrained(str(model_dir))
+    ref.set_progress_bar_config(disable=True)
+    ref.load_lora_weights(path)
+    gen = [torch.Generator().manual_seed(SEED)]
+    want = ref(prompt=[PROMPT], num_frames=NUM_FRAMES, output_type="latent", generator=gen, **GEN).frames
+    ref.unload_lora_weights()
+    gen = [torch.Generator().manual_seed(SEED)]
+    base = ref(prompt=[PROMPT], num_frames=NUM_FRAMES, output_type="latent", generator=gen, **GEN).frames
+    assert _err(want, base) > 0.02  # the file matters
+    with Omni(str(model_dir), lora_path=[path], lora_backend="distill", dtype="float32") as omni:
+        pipeline = omni._orchestrator.runtimes[0]._engine.pipeline
+        assert isinstance(pipeline, WanPipeline) and pipeline.transformer_2 is None
+        got = _latents(omni)
+    assert _err(got, want) <= TOL
