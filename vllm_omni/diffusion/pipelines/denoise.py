@@ -41,6 +41,38 @@ if TYPE_CHECKING:
 Predict = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class InTreePipelineBase:
+    """What the in-tree pipelines declare and load alike (subclass it; see ``pipelines.base.DiffusionPipeline``).
+
+    Class attributes: requests with different adapter sets share one denoiser batch
+    (``mixed_lora_batch``: the pipeline reports each sample's prompt, CFG copies included), the loop
+    declares every step (``reports_denoising_step``: per-step LoRA schedules work), images out and no
+    input image (override ``output_kind`` / ``accepts_image`` otherwise).
+    """
+
+    mixed_lora_batch = True
+    reports_denoising_step = True
+    output_kind = "image"
+    accepts_image = False
+
+    def _load_text_and_scheduler(self, od_config, device: str | torch.device | None) -> Path:
+        """Set ``od_config``, ``device``, ``dtype`` and load ``tokenizer`` (``AutoTokenizer``),
+        ``text_encoder`` (the ``model_index.json`` class, in ``dtype``, eval, no gradients) and
+        ``scheduler`` from the model folder; returns that folder."""
+        from transformers import AutoTokenizer
+
+        root = Path(od_config.model)
+        comps = od_config.components
+        self.od_config = od_config
+        self.device = torch.device(device or od_config.resolved_device())
+        self.dtype = od_config.torch_dtype()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        self.text_encoder = load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
+        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        self.scheduler = load_component(root, "scheduler", comps["scheduler"])
+        return root
+
+
 def load_component(root: str | Path, name: str, spec: tuple[str, str] | list[str], **kwargs: Any):
     """``<library>.<Class>.from_pretrained(root / name, **kwargs)`` for a ``model_index.json`` entry
     ``spec = (library, class name)`` (e.g. ``("transformers", "Qwen3Model")``)."""
@@ -184,6 +216,7 @@ def attach_decoded(results: list[DiffusionOutput], decoded, output_type: str, n:
 
 
 __all__ = [
+    "InTreePipelineBase",
     "Predict",
     "attach_decoded",
     "denoiser_rows",

@@ -27,22 +27,20 @@ The CFG scale is ``extra_args["true_cfg_scale"]`` (diffusers' argument) when giv
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
-from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
 from vllm_omni.diffusion.pipelines.denoise import (
+    InTreePipelineBase,
     attach_decoded,
     denoiser_rows,
-    load_component,
     lora_scope,
     negative_texts,
     prepare_scheduler,
@@ -92,7 +90,7 @@ def true_cfg(out: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
     return comb * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
 
 
-class QwenImagePipeline:
+class QwenImagePipeline(InTreePipelineBase):
     """Qwen-Image text-to-image on the in-tree denoiser (one instance per TP rank).
 
     Attributes:
@@ -103,27 +101,12 @@ class QwenImagePipeline:
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
-    #: requests with different adapter sets share one denoiser batch (rows reported to lora_context)
-    mixed_lora_batch = True
-    #: each denoiser call runs inside ``denoising_step`` (per-step LoRA schedules work)
-    reports_denoising_step = True
-    output_kind = "image"
-    accepts_image = False
-
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
-        root = Path(od_config.model)
-        comps = od_config.components
-        self.od_config = od_config
-        self.device = torch.device(device or od_config.resolved_device())
-        self.dtype = od_config.torch_dtype()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        self.text_encoder = load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
-        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        root = self._load_text_and_scheduler(od_config, device)
         self.vae = AutoencoderKLQwenImage.from_pretrained(
             str(root / "vae"), **diffusers_dtype_kwargs(self.dtype)
         )
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.scheduler = load_component(root, "scheduler", comps["scheduler"])
         self.transformer = QwenImageTransformer2DModel.from_pretrained(
             root / "transformer",
             dtype=self.dtype,

@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL
 from diffusers.image_processor import VaeImageProcessor
-from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
 from vllm_omni.diffusion.pipelines.denoise import (
+    InTreePipelineBase,
     attach_decoded,
     denoiser_rows,
-    load_component,
     lora_scope,
     negative_texts,
     prepare_scheduler,
@@ -57,7 +55,7 @@ logger = logging.getLogger(__name__)
 image_shift_mu = resolution_shift_mu
 
 
-class ZImagePipeline:
+class ZImagePipeline(InTreePipelineBase):
     """Z-Image text-to-image on the in-tree denoiser (one instance per TP rank).
 
     Attributes:
@@ -69,27 +67,10 @@ class ZImagePipeline:
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
-    #: Requests with different LoRA sets may share one denoiser batch (the pipeline reports
-    #: which prompt every denoiser sample belongs to, CFG copies included).
-    mixed_lora_batch = True
-    #: The denoising loop declares each step in the forward context (per-step LoRA scales work).
-    reports_denoising_step = True
-    #: Text to image: images out, no input image.
-    output_kind = "image"
-    accepts_image = False
-
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
-        root = Path(od_config.model)
-        comps = od_config.components
-        self.od_config = od_config
-        self.device = torch.device(device or od_config.resolved_device())
-        self.dtype = od_config.torch_dtype()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        self.text_encoder = load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
-        self.text_encoder.to(self.device).eval().requires_grad_(False)
+        root = self._load_text_and_scheduler(od_config, device)
         self.vae = AutoencoderKL.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.scheduler = load_component(root, "scheduler", comps["scheduler"])
         self.transformer = ZImageTransformer2DModel.from_pretrained(
             root / "transformer",
             dtype=self.dtype,
