@@ -69,3 +69,55 @@ def test_one_scale_limit_on_every_path(scale):
     for ok in (MAX_ADAPTER_SCALE, -MAX_ADAPTER_SCALE, 0.0):
         assert parse_lora_field({"path": "/p", "scale": ok})[0].scale == ok
         assert OmniDiffusionSamplingParams(lora_requests=[lora], lora_scales=[ok]).adapters[0].scale == ok
+
+
+def _folder(path, weights: bytes):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return path
+
+
+@pytest.mark.parametrize("swap", ["folder", "file"])
+def test_files_are_checked_at_every_read_reload_request_and_restart(tmp_path, swap):
+    """Issue 35 rule 5: an adapter registered from inside a root whose folder (or weights file) is later
+    replaced by a symlink leading out is refused at reload and at a worker restart, naming the path;
+    nothing outside is read and the loaded version keeps serving requests that name it."""
+    from vllm_omni.engine.workers.lora_journal import replay_adapters
+    from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
+
+    root, outside = tmp_path / "root", _folder(tmp_path / "outside", b"v2 outside")
+    attn = _folder(root / "attn", b"v1")
+    trusted = _folder(tmp_path / "startup", b"startup")  # --lora-modules: trusted where it is
+    stages = FakeStages()
+    reg = ServerAdapters(AdapterRegistry(stages.call), [str(root)], False, ["base"])
+    lora = LoRARequest("attn", 7, reg.resolve_path(str(attn)))
+    reg.core.add(lora)
+    reg.core.add(LoRARequest("startup", 8, reg.register_startup_path(str(trusted))))
+    loaded = reg.core.get("attn").engine
+    if swap == "folder":
+        shutil.rmtree(attn)
+        attn.symlink_to(outside, target_is_directory=True)
+        named = str(attn)
+    else:
+        (attn / "adapter_model.safetensors").unlink()
+        (attn / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+        named = str(attn / "adapter_model.safetensors")
+    calls = len(stages.calls)
+    with pytest.raises(AdapterFileNotAllowedError) as info:  # reload (Python / load_inplace)
+        reg.core.add(lora, reload=True)
+    assert named in str(info.value) and "--lora-dirs" in str(info.value)
+    assert reg.core.get("attn").engine == loaded and reg.core.get("attn").version == 1
+    # a request naming it: the files changed, the new read is refused, the loaded version serves
+    assert reg.core.resolve(reg.lookup("attn")) == loaded
+    assert len(stages.calls) == calls and stages.loaded[0][loaded.lora_int_id] == loaded  # nothing read
+    # a restarted worker is told not to read it (the restart reports it as not restored)
+    expected = dict((r.lora_name, r) for r, _ in reg.core.expected_on(0))
+    assert isinstance(expected["attn"], RefusedRestore) and named in expected["attn"].refusal
+    assert not isinstance(expected["startup"], RefusedRestore)
+    added = []
+    failed = replay_adapters(list(expected.values()), [], lambda m, r: added.append(r.lora_name))
+    assert added == ["startup"] and named in str(failed[loaded.lora_int_id])
+    with pytest.raises(OpenAIError) as http:  # the HTTP load_inplace path refuses it too
+        reg.resolve_path(str(attn))
+    assert http.value.status == 400

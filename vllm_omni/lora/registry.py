@@ -54,6 +54,7 @@ from vllm_omni.errors import (
     restate,
 )
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
+from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
 from vllm_omni.lora.records import (
     AdapterRecord,
     StageState,
@@ -112,6 +113,7 @@ class AdapterRegistry:
         self._reserved: dict[str, str] = {}
         self._fingerprints: dict[tuple, str] = {}
         self._lost = RestartLosses()  # what restarts could not restore (see :meth:`note_restart`)
+        self._file_check: Callable[[str, AdapterFiles, str], None] | None = None
         self._refused: dict[int, tuple] = {}  # public id -> file signature of a version refused for room
 
     # ------------------------------------------------------------------ lookups
@@ -141,10 +143,44 @@ class AdapterRegistry:
         with self._lock:
             self._reserved.update(dict.fromkeys(names, why))
 
+    def set_file_check(self, check: Callable[[str, AdapterFiles, str], None] | None) -> None:
+        """Run ``check(location, files, shown)`` right before every read of an adapter's files
+        (registration, reload, a request finding them changed, a worker restart); it raises
+        :class:`~vllm_omni.lora.allow_list.AdapterFileNotAllowedError` to refuse the read (the
+        server's ``--lora-dirs``: :class:`~vllm_omni.lora.allow_list.AdapterFileAllowList`)."""
+        self._file_check = check
+
     def expected_on(self, stage_id: int) -> list[tuple[LoRARequest, bool]]:
         """``(engine request, pinned)`` of every registered adapter targeting ``stage_id`` (what a
-        restarted worker of that stage must hold), in registration order."""
-        return expected_on(self.records(), stage_id)
+        restarted worker of that stage must hold), in registration order. An adapter whose files the
+        file check now refuses comes as a :class:`~vllm_omni.lora.allow_list.RefusedRestore` (not
+        loaded; the restart reports it as not restored, naming the file)."""
+        out = []
+        for request, pinned in expected_on(self.records(), stage_id):
+            refusal = self._read_refusal(request)
+            if refusal is not None:
+                logger.warning(
+                    "not restoring adapter %r on stage %d: %s", request.lora_name, stage_id, refusal
+                )
+                request = RefusedRestore(
+                    request.lora_name, request.lora_int_id, request.lora_path, refusal=refusal
+                )
+            out.append((request, pinned))
+        return out
+
+    def _read_refusal(self, request: LoRARequest) -> str | None:
+        """Why reading ``request``'s files now is refused by the file check (``None``: it is not, or the
+        files cannot be found: the stage then says so itself)."""
+        if self._file_check is None or isinstance(request, TensorLoRARequest):
+            return None
+        location = str(request.lora_path)
+        try:
+            self._file_check(location, locate_adapter(location), location)
+        except AdapterFileNotAllowedError as exc:
+            return str(exc)
+        except (OSError, InvalidAdapterError):
+            return None
+        return None
 
     def note_restart(self, stage_id: int, failed: Mapping[int, str], replica: int = 0) -> None:
         """A worker of ``stage_id`` (replica ``replica``) restarted; ``failed`` maps the engine ids it
@@ -184,6 +220,8 @@ class AdapterRegistry:
         location = resolved_location(str(lora.lora_path))
         try:
             files = locate_adapter(location, shown=describe_adapter(lora))
+            if self._file_check is not None:  # at every read, not only the first
+                self._file_check(location, files, str(lora.lora_path))
             signature = file_signature(files)
         except FileNotFoundError:
             raise AdapterNotFoundError(f"{describe_adapter(lora)}: no such adapter file or folder") from None
@@ -271,7 +309,7 @@ class AdapterRegistry:
         if record.registered:
             try:
                 self.add(record.request, record.targets or None, denoiser=record.denoiser, reload=True)
-            except AdapterUpdateRefusedError as exc:
+            except (AdapterUpdateRefusedError, AdapterFileNotAllowedError) as exc:  # nothing was read
                 with self._lock:
                     self._refused[record.int_id] = signature
                 logger.warning("%s; requests get the loaded version until the adapter is reloaded", exc)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni.errors import StageDeadError
+from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
 from vllm_omni.lora.request import LoRARequest
 
 
@@ -88,6 +89,9 @@ def replay_adapters(
     """
     failed: dict[int, BaseException] = {}
     for request in added:
+        if isinstance(request, RefusedRestore):  # its files may not be read now: not loaded
+            failed[request.lora_int_id] = AdapterFileNotAllowedError(request.refusal)
+            continue
         _try(call, failed, request.lora_int_id, "add_lora", request)
     for lora_int_id in pinned:
         if lora_int_id not in failed:

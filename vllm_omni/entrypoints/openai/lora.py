@@ -28,7 +28,10 @@ nearest allowed key). A bare ``{"name": ...}`` selects an adapter the engine's r
 Paths in requests are served only when they are inside a ``--lora-dirs`` root after
 ``realpath`` (so ``..`` and symlinks leading out are refused) or were registered at
 start-up; every file read for such an adapter (``adapter_config.json``, the weights) must resolve
-inside a root as well. Remote locations (URLs, hub ids) only with ``--allow-remote-lora``. A refusal
+inside a root as well, at every read: registration, reloads (``load_inplace``, a request finding the
+files changed) and worker restarts check again (:mod:`vllm_omni.lora.allow_list`), so an adapter folder
+later replaced by a symlink leading out is refused, naming it, and the loaded version keeps serving.
+Remote locations (URLs, hub ids) only with ``--allow-remote-lora``. A refusal
 says the same thing whether or not the target exists. Pickle-only adapters are refused.
 """
 
@@ -44,6 +47,7 @@ from huggingface_hub import snapshot_download
 from vllm_omni.entrypoints.openai.errors import bad_request, not_found
 from vllm_omni.errors import InvalidAdapterError, InvalidRequestError, OpenAIError
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
+from vllm_omni.lora.allow_list import AdapterFileAllowList
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest, canonical_denoiser, stable_lora_int_id
 from vllm_omni.lora.schedule import LoRAScaleSchedule, coerce_scale
@@ -211,6 +215,9 @@ class ServerAdapters:
         self.allow_remote = allow_remote
         self.base_names = list(base_names)
         self.startup_paths: set[str] = set()
+        # checked again at every read of an adapter's files (reloads, restarts), not only here
+        self.allow_list = AdapterFileAllowList(self.roots)
+        registry.set_file_check(self.allow_list.check_read)
         registry.reserve_names(self.base_names, "a name of the served model; choose another adapter name")
 
     @property
@@ -222,6 +229,7 @@ class ServerAdapters:
     def register_startup_path(self, path: str) -> str:
         real = os.path.realpath(path)
         self.startup_paths.add(real)
+        self.allow_list.trust(real)
         return real
 
     def name_clash(self, name: str, *, replace: bool = False) -> str | None:
@@ -269,7 +277,7 @@ class ServerAdapters:
                     "use an absolute path inside --lora-dirs (or start it with --allow-remote-lora)",
                     "lora",
                 )
-            return self._fetch_remote(path)
+            return self.allow_list.trust(self._fetch_remote(path))  # a snapshot the server fetched itself
         real = os.path.realpath(path)
         if real not in self.startup_paths and not any(_inside(real, root) for root in self.roots):
             raise self._refused(path)
