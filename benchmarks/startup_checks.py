@@ -1,8 +1,11 @@
-"""How fast ``vllm-omni serve`` refuses a start-up mistake (issue 23 item 4: under 3 s).
+"""How fast ``vllm-omni serve`` refuses a start-up mistake (issues 23 and 39: under 3 s).
 
 Each case runs the installed ``vllm-omni`` console script as a new process with one bad input
 (a missing ``--lora-modules`` folder, a missing ``--lora-path``, a port in use, a deploy YAML
-that is not YAML) and measures the wall time to its exit, interleaved ``--repeats`` times with
+that is not YAML, a missing model folder, bad ``--stage-overrides`` JSON, a bad choice,
+``--lora-modules`` without ``--enable-lora``, an adapter rank above ``--max-lora-rank``), and
+``--version`` / ``serve --help`` (exit 0), and measures the wall time to its exit, interleaved
+``--repeats`` times with
 ``python -c "import vllm"`` (the least any check after vLLM's import could cost, before any
 engine starts). Reported per case: median seconds, and the ratio to the vLLM import.
 
@@ -47,12 +50,23 @@ def main() -> None:
     held.listen()
     port = str(held.getsockname()[1])
     model = str(tmp)  # never loaded: every case is refused first
+    (tmp / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    adapter = tmp / "rank64"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 64}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")  # never read: the rank is refused first
     cases = {
         "lora_modules_missing": ["--lora-modules", f"a={tmp / 'missing'}"],
         "lora_path_missing": ["--lora-path", "missing.safetensors"],
         "port_in_use": ["--host", "127.0.0.1", "--port", port],
         "deploy_yaml_invalid": ["--deploy-config", str(tmp / "bad.yaml")],
+        "model_missing": ["--model", str(tmp / "no_model")],
+        "stage_overrides_json": ["--stage-overrides", "{bad"],
+        "bad_choice": ["--worker-backend", "mpp"],
+        "lora_without_enable_lora": ["--lora-modules", f"a={adapter}"],
+        "rank_above_max_lora_rank": ["--enable-lora", "--lora-modules", f"a={adapter}"],
     }
+    answered = {"version": ["--version"], "serve_help": ["serve", "--help"]}
     times: dict[str, list[float]] = {name: [] for name in [*cases, "import_vllm"]}
     messages: dict[str, str] = {}
     for _ in range(args.repeats):
@@ -61,6 +75,10 @@ def main() -> None:
             assert code == 2, (name, code, last)
             times[name].append(seconds)
             messages[name] = last[0] if last else ""
+        for name, argv in answered.items():
+            seconds, code, _ = _run([*cli, *argv])
+            assert code == 0, (name, code)
+            times.setdefault(name, []).append(seconds)
         times["import_vllm"].append(_run([sys.executable, "-c", "import vllm"])[0])
     held.close()
     base = statistics.median(times["import_vllm"])
@@ -75,6 +93,7 @@ def main() -> None:
             }
             for name in cases
         },
+        "answered": {name: {"median_s": round(statistics.median(times[name]), 3)} for name in answered},
     }
     print(json.dumps(report, indent=2))
     if args.json:

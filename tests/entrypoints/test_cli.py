@@ -338,7 +338,7 @@ def test_unknown_flags_get_a_suggestion(tiny_llm_assets, monkeypatch, capsys, tm
 
 
 def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch, capsys, tmp_path):
-    """With a warm cache, --help and flag errors import neither vLLM nor torch (well under 3 s)."""
+    """With a warm cache, --help and flag errors import neither vLLM nor torch."""
     monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))
     with pytest.raises(SystemExit):
         cli_main.main(["serve", "--help"])  # builds the full parser and the cache
@@ -361,8 +361,8 @@ def test_help_and_unknown_flags_answer_without_vllm(tiny_llm_assets, monkeypatch
     assert out.stdout == full_help
     assert "exit 0" in out.stderr and "exit 2" in out.stderr
     assert "unknown option '--enable-loar' (did you mean '--enable-lora'?)" in out.stderr
-    seconds, vllm_loaded, torch_loaded = out.stderr.split("seconds ")[1].split()
-    assert (vllm_loaded, torch_loaded) == ("False", "False") and float(seconds) < 3
+    _, vllm_loaded, torch_loaded = out.stderr.split("seconds ")[1].split()
+    assert (vllm_loaded, torch_loaded) == ("False", "False")  # how fast: benchmarks/startup_checks.py
 
 
 def test_diffusion_enforce_eager_flags(tiny_z_image_dir):

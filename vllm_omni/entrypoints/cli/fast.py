@@ -1,19 +1,22 @@
 """Answers the command line can give without importing vLLM or torch.
 
-Building the ``serve`` parser needs vLLM's ``EngineArgs.add_cli_args``, and importing vLLM
-imports torch (several seconds). So every time the full parser is built, its help texts and
-its option table are written to a small JSON cache keyed by the vLLM install and this
-package's command-line sources; later runs answer ``--help`` and unknown flags from it at
-once. Anything else (a valid command line, a value to check, a cache miss) goes to the
+``--version`` and ``--help`` are answered from :mod:`vllm_omni.entrypoints.cli.flags` (our own
+flags, defined with the standard library). Building the full ``serve`` parser needs vLLM's
+``EngineArgs.add_cli_args``, and importing vLLM imports torch (several seconds). So every time
+the full parser is built, its option table, the kind and choices of each flag's value and
+vLLM's flag groups are written to a small JSON cache keyed by the vLLM install and this
+package's command-line sources; later runs answer unknown flags, bad values and the vLLM part
+of ``--help`` from it at once. Anything else (a valid command line, a cache miss) goes to the
 full parser. The cache lives in ``$VLLM_OMNI_CACHE_ROOT`` (default
 ``$XDG_CACHE_HOME/vllm_omni`` or ``~/.cache/vllm_omni``); a failure to read or write it
 only costs time.
 
-Before any of that, a ``serve`` command line's start-up inputs (adapter paths, deploy YAML,
-the port) are checked by :mod:`vllm_omni.entrypoints.cli.preflight`, so a missing adapter
-folder or a port in use is refused at once, not after vLLM is imported and the engines load.
+A ``serve`` command line's flags and the files they name (model folder, adapters, deploy YAML,
+``--stage-overrides``, the port) are checked by :mod:`~vllm_omni.entrypoints.cli.argv_checks`
+and :mod:`~vllm_omni.entrypoints.cli.preflight`, so such a mistake is refused at once, not
+after vLLM is imported and the engines load.
 
-Only stdlib, :mod:`vllm_omni.errors` and the stdlib-only preflight module are imported here.
+Only stdlib, :mod:`vllm_omni.errors` and the stdlib-only modules of this package are imported here.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.entrypoints.cli import preflight
+from vllm_omni.entrypoints.cli import argv_checks, flags, preflight
 from vllm_omni.errors import ConfigError, did_you_mean
 
 # Sources whose content changes the parser (the flags and their help texts).
@@ -36,6 +39,7 @@ _SOURCES = (
     "entrypoints/cli/main.py",
     "entrypoints/cli/serve.py",
     "entrypoints/cli/fast.py",
+    "entrypoints/cli/flags.py",
     "config/diffusion.py",
 )
 _PACKAGE = Path(__file__).resolve().parents[2]
@@ -70,10 +74,6 @@ def _cache_file() -> Path | None:
     return cache_root() / f"cli-{digest.hexdigest()[:16]}.json"
 
 
-def _width() -> int:
-    return shutil.get_terminal_size().columns
-
-
 def _value_kind(action: argparse.Action) -> int | str:
     """0: takes no value, 1: exactly one, "*": a variable number."""
     if action.nargs == 0:
@@ -83,20 +83,40 @@ def _value_kind(action: argparse.Action) -> int | str:
     return "*"
 
 
+def value_rules(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
+    """What the value of each one-value flag must be, e.g. ``{"--max-lora-rank": {"type": "int",
+    "choices": [1, 8, ...]}}`` (flags parsed by vLLM's own functions are left to the full parser)."""
+    rules: dict[str, dict[str, Any]] = {}
+    for action in parser._actions:
+        if _value_kind(action) != 1 or action.type not in (None, str, int, float):
+            continue
+        rule: dict[str, Any] = {"type": getattr(action.type, "__name__", "str")}
+        if action.choices is not None and all(isinstance(c, str | int | float) for c in action.choices):
+            rule["choices"] = list(action.choices)
+        if rule != {"type": "str"}:
+            rules.update({flag: rule for flag in action.option_strings if flag.startswith("--")})
+    return rules
+
+
+def _kinds(parser: argparse.ArgumentParser) -> dict[str, int | str]:
+    return {s: _value_kind(a) for a in parser._actions for s in a.option_strings}
+
+
 def save(parser: argparse.ArgumentParser, serve: argparse.ArgumentParser) -> None:
-    """Record the help texts (at the current terminal width) and ``serve``'s option table."""
+    """Record ``serve``'s option table, its value rules, vLLM's flag groups and the defaults the
+    checks need (vLLM is imported when this runs)."""
     path = _cache_file()
-    if path is None:
-        return
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        data = {}
-    if str(_width()) in data.get("help", {}) and "options" in data:
-        return  # already recorded
-    data["options"] = {s: _value_kind(a) for a in serve._actions for s in a.option_strings}
-    data["serve_usage"] = serve.format_usage()
-    data.setdefault("help", {})[str(_width())] = {"root": parser.format_help(), "serve": serve.format_help()}
+    if path is None or path.exists():
+        return  # recorded already: the file's name is the key of what it records
+    from vllm.engine.arg_utils import EngineArgs
+
+    data = {
+        "options": _kinds(serve),
+        "values": value_rules(serve),
+        "serve_usage": serve.format_usage(),
+        "engine_groups": flags.engine_groups(serve),
+        "defaults": {"max_lora_rank": EngineArgs.max_lora_rank},
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -114,9 +134,9 @@ def _load() -> dict[str, Any] | None:
         return None
 
 
-def unknown_flags_message(flags: list[str], known: Any) -> str:
+def unknown_flags_message(names: list[str], known: Any) -> str:
     """``unknown option '--enable-loar' (did you mean '--enable-lora'?)`` for each flag."""
-    return "; ".join(f"unknown option {f!r}{did_you_mean(f, known)}" for f in flags)
+    return "; ".join(f"unknown option {f!r}{did_you_mean(f, known)}" for f in names)
 
 
 def unknown_flags(argv: list[str], options: dict[str, Any]) -> list[str]:
@@ -146,50 +166,72 @@ def unknown_flags(argv: list[str], options: dict[str, Any]) -> list[str]:
     return unknown
 
 
-def try_fast(argv: list[str]) -> int | None:
-    """Answer ``argv`` from the cache when it is ``--help`` or has unknown flags, and refuse a
-    ``serve`` command line whose start-up inputs are wrong (:func:`preflight.check_argv`).
+def try_fast(argv: list[str], full_parser: Callable[[], Any]) -> int | None:
+    """Answer ``argv`` when it asks for the version or help, has unknown flags (cache), or is a
+    ``serve`` command line whose flags or files are wrong (:mod:`argv_checks`, :mod:`preflight`).
+
+    Args:
+        full_parser: builds the full parser (imports vLLM); called only for the vLLM part of
+            ``serve --help`` on a cold cache, after our own flags were printed.
 
     Returns:
-        The exit status when answered (help: 0, unknown flags or a bad input: 2, printed as
-        argparse does); ``None`` when the full parser must run.
+        The exit status when answered (version, help: 0; bare command: 1; unknown flags or a bad
+        input: 2, printed as argparse does); ``None`` when the full parser must run.
     """
-    serve = bool(argv) and argv[0] == "serve" and not any(a in _HELP for a in argv[1:])
-    data = _load()
-    try:
-        if serve:
-            preflight.check_argv(argv[1:], bind=False)
-        answered = _from_cache(argv, data)
-        # the address last, once the cache showed every flag is known (a typo is reported first),
-        # held for the server to listen on; without a cache (the first run) only checked, and
-        # bound for good after the full parser checked the flags
-        if answered is None and serve:
-            preflight.bind_argv(argv[1:], hold=data is not None)
-    except ConfigError as exc:
-        sys.stderr.write(f"vllm-omni serve: error: {exc}\n")
-        return 2
-    return answered
-
-
-def _from_cache(argv: list[str], data: dict[str, Any] | None) -> int | None:
-    """``--help`` and unknown flags answered from the cache ``data`` (see :func:`try_fast`), else ``None``."""
-    if data is None:
-        return None
-    helps = data.get("help", {}).get(str(_width()))
-    if not argv or argv[0] in _HELP:
-        if helps is None or (argv and len(argv) > 1):
-            return None
-        sys.stdout.write(helps["root"])
+    if argv == ["--version"]:
+        sys.stdout.write(flags.version_text())
+        return 0
+    if not argv or (argv[0] in _HELP and len(argv) == 1):
+        sys.stdout.write(root_help())
         return 0 if argv else 1
     if argv[0] != "serve":
         return None
     rest = argv[1:]
-    if any(a in _HELP for a in rest) and helps is not None:
-        sys.stdout.write(helps["serve"])
+    data = _load()
+    if any(a in _HELP for a in rest):
+        _serve_help(data, full_parser)
         return 0
-    unknown = unknown_flags(rest, data.get("options", {}))
-    if unknown:
-        sys.stderr.write(data.get("serve_usage", ""))
-        sys.stderr.write(f"vllm-omni serve: error: {unknown_flags_message(unknown, data['options'])}\n")
+    own = flags.own_parser()
+    kinds, rules = _kinds(own), value_rules(own)
+    if data is not None:
+        kinds, rules = {**data.get("options", {}), **kinds}, {**data.get("values", {}), **rules}
+    try:
+        if data is not None:
+            unknown = unknown_flags(rest, data.get("options", {}))
+            if unknown:
+                sys.stderr.write(data.get("serve_usage", ""))
+                raise ConfigError(unknown_flags_message(unknown, data["options"]))
+        argv_checks.check(rest, kinds, rules, (data or {}).get("defaults", {}))  # (preflight's files too)
+        # the address last, once every flag is known to be right, held for the server to listen
+        # on; without a cache (the first run) only checked, and bound for good after the full
+        # parser checked the flags
+        preflight.bind_argv(rest, hold=data is not None)
+    except ConfigError as exc:
+        sys.stderr.write(f"vllm-omni serve: error: {exc}\n")
         return 2
     return None
+
+
+def root_help() -> str:
+    """``vllm-omni --help``."""
+    parser = argparse.ArgumentParser(prog="vllm-omni", description="vllm-omni command line")
+    parser.add_argument("--version", action="store_true", help="Print the versions of vllm-omni and vLLM.")
+    sub = parser.add_subparsers(dest="subcommand", title="commands")
+    sub.add_parser("serve", help=flags.DESCRIPTION + " `vllm-omni serve --help` lists its flags.")
+    return parser.format_help()
+
+
+def _serve_help(data: dict[str, Any] | None, full_parser: Callable[[], Any]) -> None:
+    """Our flags at once, then vLLM's flag groups (from the cache, else from the full parser)."""
+    sys.stdout.write(flags.own_parser().format_help() + "\n")
+    sys.stdout.flush()
+    groups = (data or {}).get("engine_groups")
+    if groups is None:
+        parser = full_parser()
+        save(parser, parser.serve_parser)
+        groups = flags.engine_groups(parser.serve_parser)
+    try:
+        sys.stdout.write(flags.engine_groups_help(groups))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `serve --help | head`: the reader is gone; nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -5,9 +5,9 @@ parsing anything and, when it is there, calls :func:`main` here with ``sys.argv`
 untouched. So ``vllm serve <model> --omni [flags]`` and ``vllm-omni serve <model> [flags]``
 run the same code; ``--omni`` itself is accepted and ignored.
 
-This module imports neither vLLM nor torch: ``--help`` and unknown flags are answered from
-the cache of :mod:`vllm_omni.entrypoints.cli.fast` when it is warm; the full parser (which
-needs vLLM's ``EngineArgs``) is built only for everything else.
+This module imports neither vLLM nor torch: ``--version``, ``--help`` and every mistake the
+flags and files show are answered by :mod:`vllm_omni.entrypoints.cli.fast`; the full parser
+(which needs vLLM's ``EngineArgs``) is built only for everything else.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def make_parser():
     """The ``vllm-omni`` parser with its ``serve`` subcommand (imports vLLM)."""
     # here, not at the top: ``serve`` imports vLLM and torch (seconds), which the cached answers
     # of ``fast`` avoid (tests/entrypoints/test_cli.py: --help in well under 3 s, no vLLM)
-    from vllm_omni.entrypoints.cli.serve import USAGE, OmniArgumentParser, make_serve_parser
+    from vllm_omni.entrypoints.cli.flags import DESCRIPTION, USAGE
+    from vllm_omni.entrypoints.cli.serve import OmniArgumentParser, make_serve_parser
 
     parser = OmniArgumentParser(prog="vllm-omni", description="vllm-omni command line", allow_abbrev=False)
     sub = parser.add_subparsers(dest="subcommand")
@@ -31,7 +32,7 @@ def make_parser():
         "serve",
         usage=USAGE,
         help="Start the OpenAI-compatible server for a pipeline.",
-        description="Start an OpenAI-compatible HTTP server over AsyncOmni.",
+        description=DESCRIPTION,
         allow_abbrev=False,
     )
     make_serve_parser(serve)
@@ -63,7 +64,7 @@ def configure_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``serve``); ``argv`` defaults to ``sys.argv[1:]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    answered = fast.try_fast(argv)
+    answered = fast.try_fast(argv, make_parser)
     if answered is not None:  # as argparse would: exit, except for the bare command
         if argv:
             raise SystemExit(answered)

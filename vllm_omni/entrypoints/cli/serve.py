@@ -31,10 +31,9 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.launchers.cli_args import LoRAParserAction
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_omni.config.diffusion import LORA_BACKENDS
-from vllm_omni.config.omni_config import WORKER_BACKENDS
-from vllm_omni.entrypoints.cli import preflight
+from vllm_omni.entrypoints.cli import argv_checks, flags, preflight
 from vllm_omni.entrypoints.cli.fast import unknown_flags_message
+from vllm_omni.entrypoints.cli.flags import USAGE
 from vllm_omni.entrypoints.launch import OmniLaunch
 from vllm_omni.entrypoints.openai.settings import DEFAULT_SHUTDOWN_TIMEOUT_S, ServerSettings
 from vllm_omni.errors import ConfigError, LoRAFormatError, ServeArgsError
@@ -45,15 +44,8 @@ from vllm_omni.lora.adapter_files import (
     read_adapter_config,
 )
 
-USAGE = "vllm serve <model> --omni [options]  |  vllm-omni serve <model> [options]"
-
 # Dests of EngineArgs flags that configure the HTTP server, not a stage.
 _FRONTEND_ENGINE_DESTS = ("served_model_name", "shutdown_timeout")
-_SHUTDOWN_HELP = (
-    "On SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to this many seconds, "
-    "then abort them and shut the stages down (which may take as long again). "
-    f"Default here: {DEFAULT_SHUTDOWN_TIMEOUT_S:g} (vLLM's own default is 0: abort at once)."
-)
 
 
 class OmniArgumentParser(FlexibleArgumentParser):
@@ -72,87 +64,6 @@ class OmniArgumentParser(FlexibleArgumentParser):
         return namespace, extras
 
 
-def _add_frontend_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("HTTP server (vLLM serving flags)")
-    g.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
-    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
-    g.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="Require 'Authorization: Bearer <key>' on /v1 routes; may be repeated. "
-        "Default: $VLLM_API_KEY if set, else no key.",
-    )
-    g.add_argument(
-        "--lora-modules",
-        type=str,
-        nargs="+",
-        action=LoRAParserAction,
-        default=None,
-        help="Adapters registered at start-up, 'name=path' or JSON "
-        '\'{"name": "a", "path": "/dir"}\'. Requests select them with model=<name>.',
-    )
-    g.add_argument("--chat-template", default=None, help="Chat template file or inline Jinja template.")
-    g.add_argument("--response-role", default="assistant", help="Role of generated chat messages.")
-    g.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
-    g.add_argument("--disable-uvicorn-access-log", action="store_true")
-
-
-def _add_omni_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("vllm-omni")
-    g.add_argument("--omni", action="store_true", help="Serve with vllm-omni (how `vllm serve` hands over).")
-    g.add_argument("--pipeline", default=None, help="Registered pipeline name (default: from the model dir).")
-    g.add_argument(
-        "--stage-overrides",
-        default=None,
-        help='Per-stage options as JSON keyed by stage id, e.g. \'{"0": {"enable_lora": true}}\'.',
-    )
-    g.add_argument("--deploy-config", default=None, help="Deploy YAML with a 'stages:' list.")
-    g.add_argument(
-        "--worker-backend",
-        choices=list(WORKER_BACKENDS),
-        default=None,
-        help="Where stages run: 'mp' (one worker process per stage, restarted if it dies; the "
-        "default unless the deploy YAML sets worker_backend), 'inline' (in the server process) or "
-        "'ray' (one Ray actor per stage; pip install 'vllm-omni[ray]').",
-    )
-    g.add_argument(
-        "--lora-path",
-        nargs="+",
-        default=None,
-        help="Diffusion stages: adapter(s) loaded at start-up (PEFT dir or .safetensors file).",
-    )
-    g.add_argument(
-        "--lora-backend",
-        choices=list(LORA_BACKENDS),
-        default=None,
-        help="Diffusion stages: 'peft' (request-time adapters, default) or 'distill' "
-        "(fuse --lora-path into the weights at start-up).",
-    )
-    g.add_argument("--lora-scale", type=float, default=None, help="Diffusion stages: scale of --lora-path.")
-    g.add_argument(
-        "--lora-dirs",
-        nargs="+",
-        default=None,
-        help="Directories whose adapters requests may name by path (realpath containment).",
-    )
-    g.add_argument(
-        "--allow-remote-lora",
-        action="store_true",
-        help="Let requests name remote adapters (hub ids, URLs). Off by default.",
-    )
-    g.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="Resolve the stage configs and server settings, print them as JSON and exit "
-        "(no engine starts, nothing is loaded).",
-    )
-
-
 def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add the ``serve`` flags to ``parser`` (a new :class:`OmniArgumentParser` when ``None``).
 
@@ -161,9 +72,7 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     """
     if parser is None:
         parser = OmniArgumentParser(prog="vllm-omni serve", usage=USAGE)
-    parser.add_argument("model_tag", nargs="?", default=None, help="Model directory or hub id.")
-    _add_frontend_args(parser)
-    _add_omni_args(parser)
+    flags.add_own_flags(parser, LoRAParserAction)
     ours = set(map(id, parser._actions))
     EngineArgs.add_cli_args(parser)
     engine_dests = []
@@ -172,7 +81,7 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
             action.default = argparse.SUPPRESS
             engine_dests.append(action.dest)
         if action.dest == "shutdown_timeout":  # vLLM's flag, same meaning; seconds may be fractional
-            action.type, action.help = float, _SHUTDOWN_HELP
+            action.type, action.help = float, flags.SHUTDOWN_HELP
     parser.set_defaults(_engine_dests=tuple(engine_dests))
     return parser
 
@@ -270,6 +179,36 @@ def _startup_adapter(flag: str, value: str, path: str) -> str:
     return location
 
 
+def check_startup_adapters(config: Any, settings: ServerSettings) -> None:
+    """``--lora-modules`` against the resolved stages (any pipeline, deploy YAML or overrides):
+    some stage has LoRA enabled, and when every LoRA stage is an LLM stage, each adapter's rank
+    (``adapter_config.json``) is within one of their ``max_lora_rank`` (the engines would refuse
+    it only after loading).
+
+    Raises:
+        ServeArgsError: naming the adapter and the flag that fixes it.
+    """
+    if not settings.lora_modules:
+        return
+    lora_stages = [s for s in config.stages if s.lora_config is not None]
+    name, path = settings.lora_modules[0]
+    if not lora_stages:
+        raise ServeArgsError(
+            f"--lora-modules {name}={path}: no stage has LoRA enabled; add --enable-lora (or enable_lora "
+            "in --stage-overrides / the deploy YAML)"
+        )
+    limits = [getattr(s.lora_config, "max_lora_rank", None) for s in lora_stages]
+    if any(s.stage_type != "llm_ar" for s in lora_stages) or None in limits:
+        return  # a stage that takes adapters of any rank
+    for name, path in settings.lora_modules:
+        rank = argv_checks.adapter_rank(path)
+        if rank is not None and rank > max(limits):
+            raise ServeArgsError(
+                f"--lora-modules {name}={path}: adapter_config.json has rank {rank}, above the stages' "
+                f"max_lora_rank {max(limits)}; pass --max-lora-rank {rank} or higher"
+            )
+
+
 def parse_serve_argv(argv: list[str]) -> tuple[OmniLaunch, ServerSettings]:
     """Parse ``serve`` arguments (without the ``serve`` word) into launch + settings."""
     args = make_serve_parser().parse_args(argv)
@@ -319,6 +258,7 @@ def run_serve(args: argparse.Namespace) -> None:
         try:
             launch, settings = split_serve_args(args)
             config = launch.build_config()  # the typed config's errors, before any engine starts
+            check_startup_adapters(config, settings)
         except (ValueError, KeyError) as exc:  # ConfigError (ServeArgsError included) is a ValueError
             _fail(str(exc))
         if getattr(args, "dry_run", False):
