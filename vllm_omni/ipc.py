@@ -11,7 +11,7 @@ engine (:mod:`vllm_omni.diffusion.engine`). It sits low (it imports only ``msgsp
 - Errors: :func:`dump_error` / :func:`load_error`: the exception with its class and message
   (and, as a note, the traceback where it was raised); one that cannot cross intact becomes a
   :class:`~vllm_omni.errors.StageEngineError` naming its class. Over Ray, where values are
-  pickled by Ray, a failure is returned as :class:`RemoteError` and :func:`unwrap` raises it.
+  pickled by Ray, a failure is returned as :class:`RemoteFailure` and :func:`unwrap` raises it.
 - Messages: msgspec structs of a tagged union (``{"type": "call", ...}``, msgpack), one frame per
   message (:func:`encode`, :func:`decoder`): :class:`Call` / :class:`CallResult`,
   :class:`Ready`, :class:`Failed`, :class:`Shutdown`.
@@ -126,7 +126,7 @@ def load_error(data: bytes) -> BaseException:
     return pickle.loads(data)
 
 
-class RemoteError:
+class RemoteFailure:
     """A failure returned as a value (where the transport pickles values itself, e.g. Ray):
     ``data`` is :func:`dump_error` of the exception."""
 
@@ -136,15 +136,15 @@ class RemoteError:
         self.data = data
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (RemoteError, (self.data,))
+        return (RemoteFailure, (self.data,))
 
     @classmethod
-    def of(cls, exc: BaseException, where: str | None = None) -> RemoteError:
+    def of(cls, exc: BaseException, where: str | None = None) -> RemoteFailure:
         return cls(dump_error(exc, where))
 
 
 def unwrap(value: Any) -> Any:
-    """``value``, or the exception a :class:`RemoteError` carries raised here (same class)."""
-    if isinstance(value, RemoteError):
+    """``value``, or the exception a :class:`RemoteFailure` carries raised here (same class)."""
+    if isinstance(value, RemoteFailure):
         raise load_error(value.data)
     return value

@@ -217,7 +217,7 @@ def test_errors_cross_with_their_class_and_the_remote_traceback():
     assert type(back) is LoRAFormatError and str(back) == "bad file /p/adapter.safetensors"
     assert any("raised in stage 0 worker" in note for note in back.__notes__)
     with pytest.raises(LoRAFormatError, match="bad file"):
-        ipc.unwrap(ipc.RemoteError.of(back))
+        ipc.unwrap(ipc.RemoteFailure.of(back))
     assert ipc.unwrap(3) == 3
 
     class Odd(Exception):

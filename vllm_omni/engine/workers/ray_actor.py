@@ -6,7 +6,7 @@ requests queued inside a ``hold()`` block are queued before it ends) and collect
 :meth:`StageActor.result`, or, when streaming, by the generator :meth:`StageActor.stream`.
 Calls that block on the stage's driver thread (LoRA management, shutdown) run in a thread.
 
-Errors raised by the runtime are returned as :class:`~vllm_omni.ipc.RemoteError` values
+Errors raised by the runtime are returned as :class:`~vllm_omni.ipc.RemoteFailure` values
 (:func:`vllm_omni.ipc.dump_error`: their class and message), the convention every worker of
 ours uses; the driver raises them with :func:`vllm_omni.ipc.unwrap`.
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime, worker_process_defaults
-from vllm_omni.ipc import RemoteError
+from vllm_omni.ipc import RemoteFailure
 
 
 @dataclasses.dataclass
@@ -98,10 +98,10 @@ class StageActor:
         self._holds: dict[int, contextlib.ExitStack] = {}
         try:
             self.runtime = make_inline_runtime(stage, config, factory)
-            self._start_error: RemoteError | None = None
+            self._start_error: RemoteFailure | None = None
         except Exception as exc:  # answered by info(), with its class
             self.runtime = None
-            self._start_error = RemoteError.of(exc, f"{stage.label} Ray actor")
+            self._start_error = RemoteFailure.of(exc, f"{stage.label} Ray actor")
 
     def info(self) -> dict[str, Any]:
         """Where the actor runs: ``node_id``, ``pid``, ``accelerator_ids`` (Ray's grant),
@@ -133,7 +133,7 @@ class StageActor:
         try:
             future = self.runtime.submit(request)
         except Exception as exc:
-            return RemoteError.of(exc)
+            return RemoteFailure.of(exc)
         self._futures[request_id] = (future, pieces)
         return None
 
@@ -145,7 +145,7 @@ class StageActor:
         except asyncio.CancelledError:
             return None
         except Exception as exc:
-            return RemoteError.of(exc)
+            return RemoteFailure.of(exc)
         finally:
             self._futures.pop(request_id, None)
 
@@ -166,7 +166,7 @@ class StageActor:
                 try:
                     yield ("done", to_wire(waiter.result()))
                 except Exception as exc:
-                    yield ("done", RemoteError.of(exc))
+                    yield ("done", RemoteFailure.of(exc))
                 return
         finally:
             self._futures.pop(request_id, None)
@@ -185,7 +185,7 @@ class StageActor:
         try:
             stack.enter_context(self.runtime.hold())
         except Exception as exc:
-            return RemoteError.of(exc)
+            return RemoteFailure.of(exc)
         self._holds[token] = stack
         return None
 
@@ -195,11 +195,11 @@ class StageActor:
             stack.close()
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A runtime call (LoRA management, checks), run off the actor's event loop; its error as a ``RemoteError``."""
+        """A runtime call (LoRA management, checks), run off the actor's event loop; its error as a ``RemoteFailure``."""
         try:
             return await asyncio.to_thread(getattr(self.runtime, method), *args, **kwargs)
         except Exception as exc:
-            return RemoteError.of(exc)
+            return RemoteFailure.of(exc)
 
     async def shutdown(self, timeout: float | None) -> None:
         if self.runtime is not None:

@@ -22,7 +22,7 @@ Failures. Supervision (health, the stage's restart policy, adapter replay, in-fl
 stopping every actor started) is :class:`~vllm_omni.engine.workers.supervisor.SupervisedStageRuntime`'s;
 this module only moves messages. A dead actor (killed, crashed, its node removed) is seen by
 the next call on it (``RayActorError``); errors raised in the actor cross as
-:class:`~vllm_omni.ipc.RemoteError` values, with their class.
+:class:`~vllm_omni.ipc.RemoteFailure` values, with their class.
 """
 
 from __future__ import annotations
