@@ -31,6 +31,7 @@ def test_option_names_are_the_dataclass_fields():
         "max_loras",
         "max_cpu_loras",
         "max_lora_rank",
+        "lora_merge",
     } == DIFFUSION_LORA_FIELDS
     assert {"seed", "max_batch_size", "enforce_eager", "dtype", "pipeline_backend"} <= DIFFUSION_FIELDS
 

@@ -1,7 +1,8 @@
 """Adapters handed over in memory on a diffusion stage (issue 40): a ``TensorLoRARequest`` (peft config
 dict + state dict) serves exactly the tensors of each update, compared with diffusers+peft loading the
 same tensors (``load_lora_adapter``); bad tensors are refused at ``add_lora`` naming the key and the
-previous version keeps serving; under ``worker_backend="mp"`` the tensors cross without a file."""
+previous version keeps serving; under ``worker_backend="mp"`` the tensors cross without a file, and the
+merged fast path (``lora_merge=True``) serves them within float32 rounding of the reference."""
 
 from __future__ import annotations
 
@@ -109,13 +110,19 @@ def test_bad_tensors_are_refused_naming_the_key(omni, tiny_z_image_loras, refere
     assert omni.adapter_registry.get("bad").version == 1
 
 
-def test_mp_worker_gets_the_tensors_without_a_file(tiny_z_image_dir, tiny_z_image_loras, reference, tmp_path):
+def test_mp_worker_gets_the_tensors_without_a_file_and_serves_them_merged(
+    tiny_z_image_dir, tiny_z_image_loras, reference, tmp_path
+):
     from vllm_omni import Omni
 
     config, tensors = _adapter(Path(tiny_z_image_loras["qv"]))
     lora = TensorLoRARequest(lora_name="qv", lora_int_id=13, peft_config=config, lora_tensors=tensors)
     engine = Omni(
-        model=str(tiny_z_image_dir), dtype="float32", enable_progress_bar=False, worker_backend="mp"
+        model=str(tiny_z_image_dir),
+        dtype="float32",
+        enable_progress_bar=False,
+        worker_backend="mp",
+        lora_merge=True,
     )
     try:
         assert engine.add_lora(lora)

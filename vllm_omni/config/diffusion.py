@@ -52,7 +52,7 @@ _INTERNAL = {"option": False}
 
 # Options that must be integers >= 1.
 _POSITIVE_INTS = ("tensor_parallel_size", "max_batch_size", "max_loras", "max_lora_rank")
-_BOOLS = ("enable_progress_bar", "keep_base_weights")
+_BOOLS = ("enable_progress_bar", "keep_base_weights", "lora_merge")
 #: Devices whose diffusion stages compile their denoiser when ``enforce_eager`` is unset (see
 #: ``OmniDiffusionConfig.compiles`` and docs/user_guide/diffusion_compile.md for the measurements).
 COMPILE_BY_DEFAULT_ON = ("cuda",)
@@ -113,6 +113,12 @@ class OmniDiffusionConfig:
         max_cpu_loras: adapters cached on CPU; ``None`` means ``max_loras`` plus the number of
             start-up PEFT adapters (``lora_path``, which are pinned); must be ``>= max_loras``.
         max_lora_rank: largest LoRA rank the PEFT backend accepts (device buffers are sized for it).
+        lora_merge: the merged fast path (``False`` by default): a batch whose every row uses one and
+            the same adapter at one constant scale runs on base weights with the adapter folded in
+            (no LoRA GEMMs per step); the base weights are restored bitwise before any other batch
+            (another adapter or scale, mixed rows, none). Costs a copy of the adapted layers' weights
+            while merged; pays when one adapter serves many steps (RL rollouts). See
+            ``docs/user_guide/rl_rollouts.md``.
 
     Raises:
         ConfigError: (on construction) naming the field, the allowed values and the value
@@ -140,6 +146,7 @@ class OmniDiffusionConfig:
     max_loras: int = field(default=1, metadata=_LORA)
     max_cpu_loras: int | None = field(default=None, metadata=_LORA)
     max_lora_rank: int = field(default=64, metadata=_LORA)
+    lora_merge: bool = field(default=False, metadata=_LORA)
     model_index: dict[str, Any] = field(default_factory=dict, repr=False, init=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -82,6 +82,7 @@ class WorkerLoRA:
             "max_rank": od_config.max_lora_rank,
             "max_cpu_loras": od_config.max_cpu_loras,
             "banks": od_config.compiles,  # a compiled denoiser reads fixed-shape banks (never recompiles)
+            "merge": od_config.lora_merge,  # one adapter for a whole batch folded into the base weights
         }
         if len(denoisers) == 1:
             self.managers = {next(iter(denoisers)) or "transformer": DiffusionLoRAManager(pipeline, **sizes)}

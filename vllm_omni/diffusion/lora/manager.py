@@ -37,6 +37,7 @@ from vllm_omni.diffusion.lora.batch_state import LoRABatchState, SlotActivation,
 from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
+from vllm_omni.diffusion.lora.merge import MergedWeights, single_adapter
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
 from vllm_omni.diffusion.lora.tensor_adapter import adapter_from_tensors
 from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
@@ -102,6 +103,8 @@ class DiffusionLoRAManager:
         banks: also keep every slot in fixed-shape banks (:mod:`.banks`), what a compiled denoiser
             reads; adapters whose (LoRA-equivalent) rank exceeds ``max_rank`` are then refused.
         bank_rows: denoiser rows one activation may hold in bank mode.
+        merge: the merged fast path (:mod:`.merge`): an activation of one adapter at one constant
+            scale on every row is folded into the base weights, restored bitwise when anything else runs.
 
     Raises:
         ConfigError: bad sizes, or a mapping entry naming a shard the packed layer lacks.
@@ -123,6 +126,7 @@ class DiffusionLoRAManager:
         adapter_loader: Callable[[str], object] | None = None,
         banks: bool = False,
         bank_rows: int = DEFAULT_BANK_ROWS,
+        merge: bool = False,
     ) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ConfigError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
@@ -159,6 +163,10 @@ class DiffusionLoRAManager:
             setattr(target.parent, target.attr, wrapper)
             self.wrappers[name] = wrapper
         self.banks = LoRABankSet(self.wrappers, self.max_loras, bank_rows) if banks else None
+        #: the merged fast path (:mod:`.merge`), ``None`` when off
+        self.merged = MergedWeights() if merge else None
+        for module in self.denoisers.values() if merge else ():
+            module.register_forward_pre_hook(self._restore_unless_merged_in_use)
 
     # ------------------------------------------------------------------ cache
     def list_loras(self) -> list[int]:
@@ -281,6 +289,8 @@ class DiffusionLoRAManager:
                 raise LoRACacheError(
                     f"LoRA {lora_int_id} is part of the current activation; call deactivate() before removing it"
                 )
+            if self.merged is not None and (self.merged.key or (None,))[0] == lora_int_id:
+                self.merged.restore(self.wrappers)
             self._cache.remove(lora_int_id)
             self._free_slot(lora_int_id)
             return True
@@ -376,7 +386,8 @@ class DiffusionLoRAManager:
             try:
                 self._ensure_cached(list(first.values()), set(batch_ids), keep_active=False)
                 self._fill_slots(batch_ids)
-                self._publish_schedule(reqs, scales, factors, broadcast)
+                if not self._merge_if_single(reqs, scales, factors):
+                    self._publish_schedule(reqs, scales, factors, broadcast)
             except BaseException:
                 # The previous activation may reference slots that were just reused: never leave
                 # a half-switched state behind.
@@ -512,9 +523,34 @@ class DiffusionLoRAManager:
             acts.append(SlotActivation(slot, values[0] if uniform else None, full, runs))
         return matrix, tuple(acts)
 
+    def _merge_if_single(self, reqs: list, scales: list, factors: list) -> bool:
+        """With ``merge``: fold a single adapter into the base weights and publish no slot (``True``);
+        otherwise restore any merged weights first (``False``: the caller publishes the slots)."""
+        if self.merged is None:
+            return False
+        single = single_adapter(reqs, scales, factors)
+        slot = None if single is None else self._slots.slot_of(single[0])
+        if slot is None or not self.merged.mergeable(self.wrappers, slot):
+            self.merged.restore(self.wrappers)
+            return False
+        self.merged.merge(self.wrappers, slot, single)
+        self.merged.in_use = True
+        self._state.clear()  # no slot applies (compiled regions: the base graph)
+        self.scale_matrix = None
+        return True
+
+    def _restore_unless_merged_in_use(self, module: nn.Module, args: tuple) -> None:
+        """Denoiser forward pre-hook: a forward outside a merged activation runs on the base weights."""
+        if self.merged.key is not None and not self.merged.in_use:
+            with self._lock:
+                self.merged.restore(self.wrappers)
+
     def deactivate(self) -> None:
-        """No adapter applies to the next forward passes (slots stay resident for cheap reuse)."""
+        """No adapter applies to the next forward passes (slots stay resident for cheap reuse; merged
+        weights stay until a forward or an activation needs others, see :mod:`.merge`)."""
         with self._lock:
+            if self.merged is not None:
+                self.merged.in_use = False
             self._state.clear()
             self._active_ids = ()
             self._active_key = None
