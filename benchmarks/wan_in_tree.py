@@ -1,0 +1,157 @@
+"""Wan denoiser step: in-tree vs diffusers (the fallback's model) on the same weights, and LoRA cost per step.
+
+Both sides load one random ``WanTransformer3DModel`` written in diffusers format under
+``.cache/bench_assets`` (sizes from the flags) and one PEFT adapter (rank ``--rank`` on every attention
+projection and both FFN layers of every block):
+
+* in-tree: ``vllm_omni.diffusion.models.wan`` on vLLM layers (TP=1) + ``DiffusionLoRAManager``;
+* diffusers: ``WanTransformer3DModel`` (what ``pipeline_backend="diffusers"`` runs) + peft through
+  ``load_lora_adapter`` / ``set_adapters``.
+
+One denoiser forward on a CFG batch (2 samples of ``--frames`` video frames at ``--size`` px square,
+512 text tokens as ``WanPipeline`` pads them) is one denoising step. Steps are interleaved
+(``benchmarks.timing.paired``) and medians of ``--repeats`` are reported with the ratios
+``in_tree_over_diffusers`` (base step, <= 1 is not slower) and the LoRA cost per step of each side.
+
+Run from the repository root (one intra-op thread; CPU time of this process)::
+
+    .venv/bin/python -m benchmarks.wan_in_tree           # dim 512 (4 x 128), 4 blocks, 9 frames, 128 px
+    .venv/bin/python -m benchmarks.wan_in_tree --quick   # dim 256, 2 blocks, 5 frames, 64 px
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+from benchmarks.timing import Timer, paired
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def _assets(heads: int, layers: int, rank: int) -> tuple[Path, Path]:
+    """The transformer folder and the PEFT adapter folder (written once, seeded)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig, get_peft_model
+
+    root = REPO / ".cache" / "bench_assets" / f"wan_h{heads}_l{layers}"
+    model_dir, lora_dir = root / "transformer", root / f"lora_r{rank}"
+    if not (model_dir / "config.json").is_file():
+        torch.manual_seed(0)
+        dim = 128 * heads
+        WanTransformer3DModel(
+            num_attention_heads=heads,
+            attention_head_dim=128,
+            text_dim=256,
+            freq_dim=256,
+            ffn_dim=int(dim * 2.7),
+            num_layers=layers,
+            rope_max_seq_len=256,
+        ).save_pretrained(model_dir, safe_serialization=True)
+    if not (lora_dir / "adapter_config.json").is_file():
+        base = WanTransformer3DModel.from_pretrained(str(model_dir))
+        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS))
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, param in sorted(model.named_parameters()):
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+        model.save_pretrained(str(lora_dir))
+    return model_dir, lora_dir
+
+
+def run(args) -> dict:
+    import torch
+    from diffusers import WanTransformer3DModel as Reference
+    from safetensors.torch import load_file
+
+    from tools.make_tiny_diffusion_lora import adapter_config_metadata
+    from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
+    from vllm_omni.diffusion.lora import DiffusionLoRAManager
+    from vllm_omni.diffusion.models.wan import WanTransformer3DModel
+    from vllm_omni.lora.request import LoRARequest
+
+    torch.set_num_threads(1)
+    model_dir, lora_dir = _assets(args.heads, args.layers, args.rank)
+    init_diffusion_parallel_state(1, 0)
+    ours = WanTransformer3DModel.from_pretrained(model_dir)
+    ref = Reference.from_pretrained(str(model_dir)).eval()
+    g = torch.Generator().manual_seed(0)
+    latent_frames, side = (args.frames - 1) // 4 + 1, args.size // 8
+    x = torch.randn(2, 16, latent_frames, side, side, generator=g)
+    text = torch.randn(2, 512, 256, generator=g)
+    t = torch.tensor([700.0, 700.0])
+
+    manager = DiffusionLoRAManager(ours, max_loras=1, max_rank=args.rank, max_cpu_loras=2)
+    request = LoRARequest("bench", 1, str(lora_dir))
+    manager.add_lora(request)
+    state = load_file(str(lora_dir / "adapter_model.safetensors"))
+    state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+    ref.load_lora_adapter(
+        state, prefix=None, adapter_name="bench", metadata=adapter_config_metadata(lora_dir)
+    )
+    sides = {
+        "in_tree": (
+            lambda: ours(x, t, text),
+            manager.deactivate,
+            lambda: manager.set_active_adapters([request], [1.0]),
+        ),
+        "diffusers": (
+            lambda: ref(x, t, text, return_dict=False)[0],
+            ref.disable_adapters,
+            lambda: (ref.enable_adapters(), ref.set_adapters(["bench"], [1.0])),
+        ),
+    }
+    with torch.inference_mode():
+        errs = {}
+        for lora in (False, True):
+            for _, base, with_lora in sides.values():
+                (with_lora if lora else base)()
+            errs["lora" if lora else "base"] = (
+                (sides["in_tree"][0]() - sides["diffusers"][0]()).abs().max().item()
+            )
+        scale = sides["in_tree"][0]().abs().mean().item()
+        stats = paired(Timer("cpu", "cpu"), sides, args.repeats, warm_base=True)
+    return {
+        "config": vars(args) | {"tokens_per_sample": latent_frames * (side // 2) ** 2},
+        "host": platform.processor() or platform.machine(),
+        "max_abs_diff": errs,
+        "output_abs_mean": scale,
+        "in_tree_s": stats["in_tree"]["base_s"],
+        "diffusers_s": stats["diffusers"]["base_s"],
+        "in_tree_lora_s": stats["in_tree"]["lora_s"],
+        "diffusers_lora_s": stats["diffusers"]["lora_s"],
+        "in_tree_over_diffusers": stats["in_tree"]["base_s"] / stats["diffusers"]["base_s"],
+        "lora_cost_in_tree": stats["in_tree"]["ratio"],
+        "lora_cost_diffusers_peft": stats["diffusers"]["ratio"],
+        "lora_step_in_tree_over_diffusers_peft": stats["in_tree"]["lora_s"] / stats["diffusers"]["lora_s"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="dim 256, 2 blocks, 5 frames, 64 px, 3 repeats")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of 128 channels (dim = 128 x heads)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--frames", type=int, default=9, help="video frames (1 + 4k)")
+    p.add_argument("--size", type=int, default=128, help="frame side in pixels (multiple of 16)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.heads, args.layers, args.frames, args.size, args.repeats = 2, 2, 5, 64, 3
+    result = run(args)
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
