@@ -54,7 +54,7 @@ DOCS_DIR = REPO_ROOT / "docs"
 #: Seconds a block, a server start or a server stop may go without output or CPU time.
 STALL_S = float(os.environ.get("VLLM_OMNI_DOCS_STALL_S", "300"))
 #: An engine built on an LLM checkpoint: the script needs the ``__main__`` guard (vLLM spawns processes).
-_ENGINE_LLM = re.compile(r"\b(Omni|AsyncOmni)\(\s*\"/path/to/(model|qwen2_5_omni)\"")
+_ENGINE_LLM = re.compile(r"\b(Omni|AsyncOmni)\(\s*\"/path/to/(model|qwen2_5_omni|qwen3_omni)\"")
 _MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
@@ -78,10 +78,12 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "qwen_image_loras/style.safetensors": ("qwen_image_kohya", True),  # kohya / musubi file, attention
     "qwen2_5_omni": ("omni_model", False),  # tiny Qwen2.5-Omni checkpoint
     "qwen2_5_omni_loras/thinker": ("omni_thinker_adapter", True),  # PEFT, whole-model keys
+    "qwen3_omni": ("qwen3_omni_model", False),  # tiny Qwen3-Omni checkpoint (MoE thinker)
+    "qwen3_omni_loras/thinker": ("qwen3_omni_thinker_adapter", True),  # PEFT, thinker attention
     "does_not_exist": (None, False),  # never created: for examples of errors
 }
 # folders that exist because their entries do (usable as --lora-dirs roots)
-PLACEHOLDER_DIRS = {"llm_loras", "z_image_loras", "qwen2_5_omni_loras", "qwen_image_loras"}
+PLACEHOLDER_DIRS = {"llm_loras", "z_image_loras", "qwen2_5_omni_loras", "qwen3_omni_loras", "qwen_image_loras"}
 
 
 @dataclass

@@ -140,3 +140,17 @@ def test_adapter_on_moe_experts_is_refused_with_the_reason(omni, assets, tmp_pat
         assert "target_parameters" in message
     (out,) = omni.generate(PROMPTS[0], _params(), use_tqdm=False)
     assert out.token_ids == thinker_greedy(assets.model_dir, _prompt_ids(omni, PROMPTS[0]), N)
+
+
+def test_serve_picks_the_pipeline_from_config_json(assets, monkeypatch, capsys):
+    """``vllm-omni serve <folder>`` resolves what ``Omni(<folder>)`` does (``--dry-run``: nothing starts)."""
+    from vllm_omni.entrypoints.cli import main as cli_main
+
+    def no_server(*_a, **_k):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr("vllm_omni.entrypoints.openai.api_server.run_server", no_server)
+    cli_main.main(["serve", str(assets.model_dir), "--dry-run"])
+    described = json.loads(capsys.readouterr().out)
+    assert described["pipeline"] == "qwen3_omni_thinker_only"
+    assert [s["model_arch"] for s in described["stages"]] == [THINKER_ARCH]
