@@ -29,8 +29,9 @@ from vllm_omni.errors import (
     StageDeadError,
     StageEngineError,
 )
+from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.records import StageState
-from vllm_omni.lora.request import LoRARequest, RequestAdapter
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, RequestAdapters
 
 
 class _FakeWorker:
@@ -121,11 +122,15 @@ def test_restart_restores_the_other_adapters_and_refuses_the_lost_one():
     assert rt.list_loras() == {2}
     failed = rt.failed_loras()
     assert list(failed) == [1] and "adapter 'a' (id 1)" in failed[1] and "/x/a" in failed[1]
-    for call in (lambda: rt.check_adapters(a), lambda: rt.check_adapters(None, (RequestAdapter(a, 0.5),))):
+    composed = RequestAdapters((RequestAdapter(b), RequestAdapter(a, 0.5)))
+    for call in (
+        lambda: rt.check_adapters(StageRequest("p", adapters=RequestAdapters.of(a))),
+        lambda: rt.check_adapters(StageRequest("p", adapters=composed)),
+    ):
         with pytest.raises(AdapterRestoreError, match="/x/a") as err:
             call()
         assert isinstance(err.value, InvalidAdapterError)
-    rt.check_adapters(b)  # the restored one serves
+    rt.check_adapters(StageRequest("p", adapters=RequestAdapters.of(b)))  # the restored one serves
     # added again once its files are back: no longer failed
     rt.missing.clear()
     rt.add_lora(a)
