@@ -23,21 +23,18 @@ has the same one, so the denoiser is called with one timestep per sample (the sa
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
-from transformers import AutoTokenizer
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.wan import WanTransformer3DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
 from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
 from vllm_omni.diffusion.pipelines.denoise import (
+    InTreePipelineBase,
     denoiser_rows,
-    load_component,
     lora_scope,
     negative_texts,
     prepare_scheduler,
@@ -58,7 +55,7 @@ EXTRA_ARGS = ("num_frames", "guidance_scale_2", "attention_kwargs")
 
 
 # ---------------------------------------------------------------------- the pipeline
-class WanPipeline:
+class WanPipeline(InTreePipelineBase):
     """Wan text-to-video on the in-tree denoiser(s) (one instance per TP rank).
 
     Attributes:
@@ -71,25 +68,13 @@ class WanPipeline:
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
-    #: requests with different adapter sets share one denoiser batch (rows reported to lora_context)
-    mixed_lora_batch = True
-    #: each denoiser call runs inside ``denoising_step`` (per-step LoRA schedules work)
-    reports_denoising_step = True
     output_kind = "video"
-    accepts_image = False
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
-        root = Path(od_config.model)
+        root = self._load_text_and_scheduler(od_config, device)
         comps = od_config.components
-        self.od_config = od_config
-        self.device = torch.device(device or od_config.resolved_device())
-        self.dtype = od_config.torch_dtype()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        self.text_encoder = load_component(root, "text_encoder", comps["text_encoder"], dtype=self.dtype)
-        self.text_encoder.to(self.device).eval().requires_grad_(False)
         self.vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.scheduler = load_component(root, "scheduler", comps["scheduler"])
         experts = [name for name in ("transformer", "transformer_2") if comps.get(name)]
         if "transformer" not in experts:
             raise InvalidRequestError(f"{root}: the in-tree Wan pipeline needs a 'transformer' component")
