@@ -347,6 +347,22 @@ def test_completions_match_and_adapters_differ(server, paths):
     assert base != with_b
 
 
+def test_peer_spellings_give_identical_text(client, paths):
+    """``adapter`` (vllm-omni) and ``lora_name`` / ``local_path`` (vLLM) select the same adapter as
+    ``name`` / ``path``, and ``lora_scale`` / ``weight`` 1.0 are ``scale`` 1.0: the same text and tokens."""
+    b = str(paths["b"])
+    canonical = chat(client, lora={"name": "b", "path": b, "scale": 1.0})
+    for lora in (
+        {"adapter": "b", "local_path": b, "lora_scale": 1.0},
+        {"lora_name": "b", "path": b, "weight": 1.0},
+    ):
+        reply = chat(client, lora=lora)
+        assert reply.choices[0].message.content == canonical.choices[0].message.content
+        assert chat_tokens(reply) == chat_tokens(canonical)
+    tokens, prompt_ids = chat_tokens(canonical)
+    assert tokens == ref(paths, prompt_ids, "b")
+
+
 def test_unknown_model_is_404(client, server):
     with pytest.raises(openai.NotFoundError):
         chat(client, model="no-such-model")
