@@ -6,13 +6,16 @@ the fix:
 
 * a value of the wrong kind or outside its choices (``--max-lora-rank abc``, ``--dtype fp8x``):
   our own flags always, vLLM's from the command-line cache once it is warm;
-* ``--stage-overrides`` that is not a JSON object of objects;
+* ``--stage-overrides`` that is not a JSON object;
 * a local model path that does not exist, is a file, or is a folder that holds neither
   ``config.json`` nor ``model_index.json`` (or holds one that is not JSON);
-* on a one-stage LLM model (the default pipeline): ``--lora-modules`` without ``--enable-lora``,
+* on a one-stage LLM model (a ``...ForCausalLM`` with the default pipeline): ``--lora-modules``
+  without ``--enable-lora``,
   and a start-up adapter whose rank (``adapter_config.json``: ``r``, ``rank_pattern``) is above
   ``--max-lora-rank`` (vLLM's default when the flag is not given);
-* a ``--lora-modules`` / ``--lora-path`` folder that is a model, not an adapter.
+* a ``--lora-modules`` / ``--lora-path`` folder that is a model, not an adapter;
+* and :func:`~vllm_omni.entrypoints.cli.preflight.check_argv`'s checks of the adapter, folder
+  and deploy files and of the port (before the LoRA checks: a missing file is named first).
 
 A command line this module cannot read for sure (a flag it does not know, a deploy YAML or a
 named pipeline that may change a stage) is never refused here: the full parser and the typed
@@ -160,7 +163,8 @@ def _looks_local(model: str) -> bool:
 
 
 def _model_kind(model: str) -> str | None:
-    """``"llm"`` (``config.json``), ``"diffusion"`` (``model_index.json``), or ``None`` (a hub id).
+    """``"llm"`` (``config.json`` of a ``...ForCausalLM``: one LLM stage), ``"other"`` (another
+    ``config.json``), ``"diffusion"`` (``model_index.json``), or ``None`` (a hub id).
 
     Raises:
         ConfigError: a local path that is missing, a file, or not a model folder.
@@ -189,6 +193,9 @@ def _model_kind(model: str) -> str | None:
             ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: {name} must hold a JSON object, got {type(data).__name__}")
+        architectures = data.get("architectures") or [""]
+        if kind == "llm" and not str(architectures[0]).endswith("ForCausalLM"):
+            return "other"  # e.g. an omni checkpoint: the registry may give it a multi-stage pipeline
         return kind
     raise ConfigError(
         f"{where}: holds neither config.json (transformers model) nor model_index.json (diffusers "
