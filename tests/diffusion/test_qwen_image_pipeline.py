@@ -70,7 +70,7 @@ def reference(tiny_qwen_image_dir):
         return pipes[path]
 
     @torch.no_grad()
-    def run(path=None, scale=1.0, prompt=PROMPT, output_type="latent"):
+    def run(path=None, scale=1.0, prompt=PROMPT, output_type="latent", n=1):
         pipe = pipe_for(path)
         if path is not None:
             pipe.set_adapters(["a"], [scale])
@@ -81,6 +81,7 @@ def reference(tiny_qwen_image_dir):
             num_inference_steps=2,
             generator=torch.Generator().manual_seed(5),
             output_type=output_type,
+            num_images_per_prompt=n,
             **SIZE,
         ).images
 
@@ -98,6 +99,8 @@ def test_auto_backend_runs_in_tree_and_matches_diffusers(omni, reference):
     expected = reference()
     assert got.shape == expected.shape == (1, 6, 64)  # packed 2x2 patches of the 16 x 4 x 6 latent
     assert (got - expected).abs().max().item() <= TOL
+    two = _latents(omni, num_images_per_prompt=2)
+    assert (two - reference(n=2)).abs().max().item() <= TOL and two.shape == (2, 6, 64)
     image = omni.generate(PROMPT, params(output_type="pil"))[0].images[0]
     expected_image = reference(output_type="pil")[0]
     assert image.size == expected_image.size == (48, 32)
