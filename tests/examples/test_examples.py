@@ -5,6 +5,8 @@
   image the way the adapter is meant to (warm: redder, less blue; stripes: more texture).
 * ``llm_lora.py``: each adapter changes the greedy text of the tiny LLM.
 * ``qwen2_5_omni.py``: text and a WAV from the tiny Qwen2.5-Omni (thinker -> talker -> code2wav).
+* ``rl_rollouts.py``: peft optimizer steps, each adapter handed over in memory; every rollout equals
+  transformers+peft on that step's weights.
 * the demo model itself: a few MB, loads in diffusers' ``ZImagePipeline`` in fp32.
 """
 
@@ -26,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 T2I = REPO / "examples" / "offline_inference" / "text_to_image" / "text_to_image.py"
 LLM = REPO / "examples" / "offline_inference" / "llm_lora.py"
 OMNI = REPO / "examples" / "offline_inference" / "qwen2_5_omni.py"
+RL = REPO / "examples" / "offline_inference" / "rl_rollouts.py"
 DEMO = REPO / "examples" / "demo_model"
 ADAPTERS = [str(DEMO / "adapters" / "warm"), str(DEMO / "adapters" / "stripes")]
 QUICK = ["--prompt", "a blue square", "--num-inference-steps", "4", "--guidance-scale", "3", "--seed", "1"]
@@ -218,3 +221,10 @@ def test_qwen2_5_omni_example(tiny_omni_assets, tmp_path):
     assert "text: " in out and "audio: " in out
     with wave.open(str(tmp_path / "reply.wav")) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000) and w.getnframes() > 0
+
+
+def test_rl_rollouts_example(tiny_llm_assets):
+    out = _run(RL, "--steps", "2", "--max-tokens", "4")
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all(line.endswith("equals transformers+peft: True") for line in lines)
+    assert "version 2" in lines[1]
