@@ -104,7 +104,9 @@ class AdapterStats:
             into one (diffusion stages; counted once per batch).
         evictions: times the host cache dropped it to make room (LRU; ``remove_lora`` is not one).
         load: seconds to read and prepare the adapter per load (into the host cache).
-        loaded / pinned: in the host cache now / pinned there.
+        loaded / pinned: some version of it is in the host cache now / pinned there (a stage holds
+            each version of a name under its own id while an in-place reload swaps them; the name is
+            loaded while any version is).
         registration_failures: ``add_lora`` calls for it that this stage refused.
     """
 
@@ -216,6 +218,7 @@ class StatsRecorder:
     def __init__(self, stage_id: int, kind: str) -> None:
         self._lock = threading.Lock()
         self._stats = StageStats(stage_id, kind)
+        self._versions: dict[str, dict[int, bool]] = {}  # name -> {engine id held: pinned}
 
     def _adapter(self, name: str) -> AdapterStats:
         found = self._stats.adapters.get(name)
@@ -255,43 +258,56 @@ class StatsRecorder:
             a = self._adapter(name)
             setattr(a, field_name, getattr(a, field_name) + n)
 
-    def loaded(self, name: str, seconds: float | None = None) -> None:
-        """The adapter is in the host cache now (``seconds``: it was just loaded, in that time)."""
+    def loaded(self, name: str, seconds: float | None = None, version: int | None = None) -> None:
+        """The adapter is in the host cache now (``seconds``: it was just loaded, in that time;
+        ``version``: the engine id it is held under, ``None``: one version per name)."""
         with self._lock:
             a = self._adapter(name)
+            held = self._versions.setdefault(name, {})
+            held.setdefault(-1 if version is None else version, False)
             a.loaded = True
             if seconds is not None:
                 a.load.observe(seconds)
 
-    def unloaded(self, name: str, evicted: bool = False) -> None:
-        """The adapter left the host cache (``evicted``: to make room, not removed)."""
+    def unloaded(self, name: str, evicted: bool = False, version: int | None = None) -> None:
+        """A version of the adapter left the host cache (``evicted``: to make room, not removed); the
+        name stays loaded (and pinned) while another version is (``version=None``: every version left)."""
         with self._lock:
             a = self._adapter(name)
-            a.loaded = a.pinned = False
+            held = self._versions.setdefault(name, {})
+            if version is None:
+                held.clear()
+            held.pop(version, None)
+            a.loaded, a.pinned = bool(held), any(held.values())
             a.evictions += evicted
 
-    def pinned(self, name: str) -> None:
+    def pinned(self, name: str, version: int | None = None) -> None:
+        """A version of the adapter is pinned (``None``: every version held)."""
         with self._lock:
+            held = self._versions.setdefault(name, {})
+            held.update(dict.fromkeys([version] if version is not None else (held or [-1]), True))
             self._adapter(name).pinned = True
 
-    def apply(self, events: Iterable[tuple[str, str, float]]) -> None:
-        """Apply a diffusion worker's events ``(event, adapter name, value)``: ``step`` (seconds of
-        one denoising step), ``loaded`` (load seconds), ``evicted``, ``unloaded``, ``pinned``, or
-        the name of an :class:`AdapterStats` counter (add ``value``).
+    def apply(self, events: Iterable[tuple]) -> None:
+        """Apply a diffusion worker's events ``(event, adapter name, value[, version])``: ``step``
+        (seconds of one denoising step), ``loaded`` (load seconds), ``evicted``, ``unloaded``,
+        ``pinned`` (``version``: the engine id of the version concerned, as :meth:`loaded`), or the
+        name of an :class:`AdapterStats` counter (add ``value``).
 
         Raises:
             ValueError: an unknown event (nothing after it is applied).
         """
-        for event, name, value in events:
+        for event, name, value, *version in events:
+            held = version[0] if version else None
             if event == "step":
                 with self._lock:
                     self._stats.step.observe(value)
             elif event == "loaded":
-                self.loaded(name, value)
+                self.loaded(name, value, held)
             elif event in ("evicted", "unloaded"):
-                self.unloaded(name, evicted=event == "evicted")
+                self.unloaded(name, evicted=event == "evicted", version=held)
             elif event == "pinned":
-                self.pinned(name)
+                self.pinned(name, held)
             elif event in _COUNTERS:
                 self.count(name, event, int(value))
             else:

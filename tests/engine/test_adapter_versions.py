@@ -126,4 +126,6 @@ def test_an_update_with_every_slot_pinned_is_refused_and_the_old_version_serves(
         model, PROMPT_IDS, N, b
     )
     assert omni.list_loras() == {31} and omni.adapter_registry.get("p").version == 2
+    stats = omni.stage_stats()[0].adapters["p"]  # item 6: the name stays loaded and pinned across versions
+    assert (stats.loaded, stats.pinned) == (True, True)
     assert omni.remove_lora(31)

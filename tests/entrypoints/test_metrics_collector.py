@@ -125,3 +125,51 @@ def test_the_docs_page_lists_every_series_with_its_type_and_labels():
     rows = re.findall(r"^\| `(vllm_omni:[a-z_]+)` \| (\w+) \| ([^|]+) \|", DOC.read_text(), re.M)
     documented = {name: (kind, tuple(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
     assert documented == {name: (kind, labels) for name, (kind, labels, _) in SERIES.items()}
+
+
+def test_a_name_stays_loaded_and_pinned_while_any_version_is():
+    """Issue 35 item 6: an in-place reload loads the new version (its own engine id), pins it, then
+    drops the old one; the name's ``lora_loaded`` / ``lora_pinned`` used to fall to 0 at that last
+    step. LLM stages call the recorder with versions, diffusion workers send them in their events."""
+    llm = StatsRecorder(0, "llm_ar")
+    llm.loaded("p", 0.1, version=1)
+    llm.pinned("p", 1)
+    llm.loaded("p", 0.1, version=7)
+    llm.pinned("p", 7)
+    llm.unloaded("p", version=1)
+    img = StatsRecorder(1, "diffusion")
+    img.apply(
+        [("loaded", "p", 0.1, 1), ("pinned", "p", 1, 1), ("loaded", "p", 0.1, 7), ("unloaded", "p", 0, 1)]
+    )
+    assert (llm.snapshot().adapters["p"].loaded, llm.snapshot().adapters["p"].pinned) == (True, True)
+    assert (img.snapshot().adapters["p"].loaded, img.snapshot().adapters["p"].pinned) == (True, False)
+    llm.unloaded("p", evicted=True, version=7)
+    img.apply([("pinned", "p", 1, 7), ("evicted", "p", 1, 7)])
+    for snap in (llm.snapshot(), img.snapshot()):
+        a = snap.adapters["p"]
+        assert (a.loaded, a.pinned, a.evictions, a.load.count) == (False, False, 1, 2)
+
+
+def test_vllm_adapter_lists_name_adapters_as_clients_do():
+    """Issue 35 item 6: vLLM's ``vllm:lora_requests_info`` lists the names an LLM stage gave vLLM
+    (``"<name>@<engine id>"``); the stage reports clients' names, two versions of one name as one, and
+    one sample (the latest) per resulting label set."""
+    from vllm_omni.engine.llm_stage import vllm_lora_request
+    from vllm_omni.engine.vllm_stats import public_adapter_name, public_lora_families
+    from vllm_omni.lora.request import LoRARequest
+
+    for name in ("p", "a@b", "v@2", "x@"):
+        assert public_adapter_name(vllm_lora_request(LoRARequest(name, 9, "/x")).lora_name) == name
+    info = "vllm:lora_requests_info"
+    labels = {"max_lora": "2", "waiting_lora_adapters": ""}
+    fam = MetricFamily(info, "gauge", "h", [
+        (info, {**labels, "running_lora_adapters": "p@1,v@2@3"}, 10.0),
+        (info, {**labels, "running_lora_adapters": "p@4,v@2@3"}, 12.0),
+        (info, {**labels, "running_lora_adapters": "p@1,p@4"}, 11.0),
+        (info, {**labels, "running_lora_adapters": ""}, 13.0),
+    ])  # fmt: skip
+    other = MetricFamily("vllm:x", "gauge", "x", [("vllm:x", {"running_lora_adapters": "p@1"}, 1.0)])
+    out = public_lora_families([fam, other])
+    assert out[1] is other and fam.samples[0][1]["running_lora_adapters"] == "p@1,v@2@3"
+    got = {s[1]["running_lora_adapters"]: s[2] for s in out[0].samples}
+    assert got == {"p,v@2": 12.0, "p": 11.0, "": 13.0} and len(out[0].samples) == 3

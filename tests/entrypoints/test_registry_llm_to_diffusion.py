@@ -212,3 +212,70 @@ def test_a_seeded_image_request_is_reproducible_whichever_way_it_names_its_adapt
     assert one.prompt == again.prompt == ruled.prompt
     np.testing.assert_array_equal(np.asarray(one.images[0]), np.asarray(ruled.images[0]))
     assert dparams.seed == 0 and llm.max_tokens == 64  # nothing passed in was changed
+
+
+def _metrics(app) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def get(client):
+        return (await client.get("/metrics")).text
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(_http(app, get))
+        for s in family.samples
+    }
+
+
+def test_metrics_name_adapters_as_clients_do_across_in_place_updates(served, tiny_llm_assets):
+    """Issue 35 items 6 and 7 over HTTP. After ``load_inplace`` of rewritten files, ``/metrics`` still
+    shows the adapter loaded (the old version's unload used to zero the name's ``lora_loaded``), and no
+    series, ours or vLLM's ``vllm:lora_requests_info``, names a version (``m@<id>``). With the stage's one
+    cache entry pinned, the next ``load_inplace`` is a 400 naming the adapter while the old version keeps
+    serving and stays pinned in ``/metrics``."""
+    omni, app, root = served
+    path = copy_adapter(tiny_llm_assets.adapter_a, root / "m")
+    body = {"lora_name": "m", "lora_path": str(path)}
+    image = {"model": "m", "prompt": "a cat", "size": "32x32", "num_inference_steps": 2, "seed": 3}
+
+    def post(route, json):
+        async def call(client):
+            return await client.post(route, json=json)
+
+        return _http(app, call)
+
+    assert post("/v1/load_lora_adapter", body).status_code == 200
+    assert post("/v1/images/generations", image).status_code == 200
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(tiny_llm_assets.adapter_b / name, path / name)
+    assert post("/v1/load_lora_adapter", body | {"load_inplace": True}).status_code == 200
+    record = omni.adapter_registry.get("m")
+    assert record.version == 2 and record.engine.lora_int_id != record.int_id
+    assert post("/v1/images/generations", image).status_code == 200
+    samples = _metrics(app)
+    assert samples[("vllm_omni:lora_loaded", (("adapter", "m"), ("stage", "0")))] == 1
+    names = {r.name for r in omni.adapter_registry.records()}
+    labelled = {dict(k[1])["adapter"] for k in samples if "adapter" in dict(k[1])}
+    assert "m" in labelled and labelled <= names | {"seeded"}, labelled
+    listed = {
+        n
+        for (sample, labels), _ in samples.items()
+        if sample == "vllm:lora_requests_info"
+        for key, value in labels
+        if key.endswith("_lora_adapters")
+        for n in value.split(",")
+    }
+    assert "m" in listed and listed <= names | {"", "seeded"}, listed
+
+    assert asyncio.run(omni.pin_lora(record.int_id))  # the stage's one cache entry (max_cpu_loras 1)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(tiny_llm_assets.adapter_a / name, path / name)
+    refused = post("/v1/load_lora_adapter", body | {"load_inplace": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora_path"
+    assert (
+        "'m'" in refused.json()["error"]["message"] and "keeps serving" in refused.json()["error"]["message"]
+    )
+    assert omni.adapter_registry.get("m").version == 2
+    assert post("/v1/images/generations", image).status_code == 200
+    pinned = _metrics(app)[("vllm_omni:lora_pinned", (("adapter", "m"), ("stage", "0")))]
+    assert pinned == 1 and post("/v1/unload_lora_adapter", {"lora_name": "m"}).status_code == 200

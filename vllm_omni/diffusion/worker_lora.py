@@ -95,7 +95,7 @@ class WorkerLoRA:
         self.default_scales: dict[int, float] = {}
         self.startup_requests: list[LoRARequest] = []
         #: statistics not yet taken by :meth:`drain_events`: ``(event, adapter name, value)``
-        self._events: list[tuple[str, str, float]] = []
+        self._events: list[tuple] = []  # ... and the engine id for loaded / evicted / unloaded / pinned
         self._names: dict[int, str] = {}
         if od_config.lora_backend == "peft":
             self._load_startup(paths, scale)
@@ -115,7 +115,7 @@ class WorkerLoRA:
             self._name(request)
             self._loading([request], lambda m=manager, r=request: m.add_lora(r), False)
             manager.pin_lora(request.lora_int_id)
-            self._events.append(("pinned", self._names[request.lora_int_id], 1))
+            self._events.append(("pinned", self._names[request.lora_int_id], 1, request.lora_int_id))
             self.default_scales[request.lora_int_id] = scale
             self.startup_requests.append(request)
 
@@ -154,7 +154,7 @@ class WorkerLoRA:
             manager.remove_lora(lora_int_id)
         self.default_scales.pop(lora_int_id, None)
         if holders:
-            self._events.append(("unloaded", self._names.get(lora_int_id, str(lora_int_id)), 0))
+            self._events.append(("unloaded", self._names.get(lora_int_id, str(lora_int_id)), 0, lora_int_id))
         return bool(holders)
 
     def list_loras(self) -> list[int]:
@@ -167,7 +167,7 @@ class WorkerLoRA:
         if not holders:
             return self.manager.pin_lora(lora_int_id)  # raises: not cached
         pinned = all(m.pin_lora(lora_int_id) for m in holders)
-        self._events.append(("pinned", self._names.get(lora_int_id, str(lora_int_id)), 1))
+        self._events.append(("pinned", self._names.get(lora_int_id, str(lora_int_id)), 1, lora_int_id))
         return pinned
 
     # ------------------------------------------------------------------ statistics
@@ -189,10 +189,10 @@ class WorkerLoRA:
             hit = lora.lora_int_id not in missed
             if for_request:
                 self._events.append(("cache_hits" if hit else "cache_misses", self._name(lora), 1))
-        for name in missed.values():
-            self._events.append(("loaded", name, seconds / len(missed)))
+        for lora_int_id, name in missed.items():  # each version under its engine id
+            self._events.append(("loaded", name, seconds / len(missed), lora_int_id))
         for lora_int_id in before - after:
-            self._events.append(("evicted", self._names.get(lora_int_id, str(lora_int_id)), 1))
+            self._events.append(("evicted", self._names.get(lora_int_id, str(lora_int_id)), 1, lora_int_id))
         return result
 
     def note_batch(self, sets: Sequence[LoRASet]) -> None:
@@ -207,7 +207,7 @@ class WorkerLoRA:
         """Record the seconds of each denoising step of a batch (event ``step``)."""
         self._events.extend(("step", "", float(t)) for t in seconds)
 
-    def drain_events(self) -> list[tuple[str, str, float]]:
+    def drain_events(self) -> list[tuple]:
         """The statistics events since the last call, oldest first (see ``StatsRecorder.apply``)."""
         events, self._events = self._events, []
         return events

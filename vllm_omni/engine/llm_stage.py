@@ -45,7 +45,7 @@ from vllm_omni.engine.vllm_process import (
     release_engine,
     step_guard,
 )
-from vllm_omni.engine.vllm_stats import collect_families, stage_stat_logger
+from vllm_omni.engine.vllm_stats import collect_families, public_lora_families, stage_stat_logger
 from vllm_omni.errors import (
     InvalidAdapterError,
     InvalidRequestError,
@@ -76,6 +76,7 @@ def vllm_lora_request(lora: LoRARequest) -> LoRARequest:
     vLLM keys prefix-cache blocks by an adapter's name and path (``vllm/v1/core/kv_cache_utils.py``)
     and compares ``LoRARequest`` s by name; the registry issues a new id for every version of a name
     (:mod:`vllm_omni.lora.registry`), so the id in the name keeps two versions from sharing KV blocks.
+    :func:`~vllm_omni.engine.vllm_stats.public_adapter_name` is the inverse (for vLLM's metrics).
     """
     return LoRARequest(f"{lora.lora_name}@{lora.lora_int_id}", lora.lora_int_id, lora.lora_path)
 
@@ -337,7 +338,7 @@ class LLMStageEngine(StageDriver):
         self.validator.forget(lora_int_id)
         removed = self._call(lambda: self._remove_adapter(lora_int_id))
         if removed:
-            self.recorder.unloaded(self._lora_names.get(lora_int_id, str(lora_int_id)))
+            self.recorder.unloaded(self._lora_names.get(lora_int_id, str(lora_int_id)), version=lora_int_id)
         return removed
 
     def list_loras(self) -> set[int]:
@@ -348,14 +349,15 @@ class LLMStageEngine(StageDriver):
         self._require_lora()
         pinned = self._call(lambda: self._engine.pin_lora(lora_int_id))
         if pinned:
-            self.recorder.pinned(self._lora_names.get(lora_int_id, str(lora_int_id)))
+            self.recorder.pinned(self._lora_names.get(lora_int_id, str(lora_int_id)), lora_int_id)
         return pinned
 
     def stats(self) -> StageStats:
-        """The stage's statistics with the engine's own ``vllm:`` metric families (never waits
+        """The stage's statistics with the engine's own ``vllm:`` metric families, adapters named as
+        clients name them (:func:`~vllm_omni.engine.vllm_stats.public_lora_families`; never waits
         for the driver thread)."""
         snap = self.recorder.snapshot()
-        snap.vllm = collect_families(self._vllm_registry)
+        snap.vllm = public_lora_families(collect_families(self._vllm_registry))
         return snap
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -454,9 +456,12 @@ class LLMStageEngine(StageDriver):
             ) from exc
         seconds = time.perf_counter() - start
         now = self._loaded_ids()
-        self.recorder.loaded(self._lora_name(lora), seconds if lora.lora_int_id not in loaded else None)
+        self.recorder.loaded(
+            self._lora_name(lora), seconds if lora.lora_int_id not in loaded else None, lora.lora_int_id
+        )
         for lora_int_id in loaded - now:
-            self.recorder.unloaded(self._lora_names.get(lora_int_id, str(lora_int_id)), evicted=True)
+            name = self._lora_names.get(lora_int_id, str(lora_int_id))
+            self.recorder.unloaded(name, evicted=True, version=lora_int_id)
         loaded.clear()
         loaded.update(now)
         return added

@@ -62,3 +62,37 @@ def collect_families(registry: CollectorRegistry) -> list[MetricFamily]:
         )
         for fam in registry.collect()
     ]
+
+
+#: Labels of vLLM's ``vllm:lora_requests_info`` that list adapters by the name the stage gave vLLM.
+_ADAPTER_LIST_LABELS = ("running_lora_adapters", "waiting_lora_adapters")
+
+
+def public_adapter_name(vllm_name: str) -> str:
+    """The name clients use for an adapter an LLM stage handed vLLM as ``"<name>@<engine id>"``
+    (:func:`~vllm_omni.engine.llm_stage.vllm_lora_request`); a name without that suffix as is."""
+    name, at, version = vllm_name.rpartition("@")
+    return name if at and version.isdigit() else vllm_name
+
+
+def public_lora_families(families: list[MetricFamily]) -> list[MetricFamily]:
+    """``families`` with the adapter lists of ``vllm:lora_requests_info`` (comma-separated names, one
+    sample per distinct label set, valued with the time it was last seen) in clients' names: two
+    versions of one adapter are one name, and samples whose labels then coincide are one (the latest)."""
+    out = []
+    for fam in families:
+        if fam.name != "vllm:lora_requests_info":
+            out.append(fam)
+            continue
+        merged: dict[tuple, tuple[str, dict[str, str], float]] = {}
+        for sample, labels, value in fam.samples:
+            labels = dict(labels)
+            for key in _ADAPTER_LIST_LABELS:
+                if labels.get(key):
+                    names = (public_adapter_name(n) for n in labels[key].split(","))
+                    labels[key] = ",".join(dict.fromkeys(names))
+            key = (sample, tuple(sorted(labels.items())))
+            if key not in merged or merged[key][2] < value:
+                merged[key] = (sample, labels, value)
+        out.append(MetricFamily(fam.name, fam.kind, fam.help, list(merged.values())))
+    return out
