@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import test_assets_root
 from omni_reference import thinker_greedy
 
+from tests.conftest import test_assets_root
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.request import LoRARequest
 
