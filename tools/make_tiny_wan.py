@@ -158,6 +158,46 @@ def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False) -> Path:
     return final
 
 
+def _write_lora(model_dir: Path, subfolder: str, seed: int, out: Path) -> None:
+    """A rank-4 LoRA (alpha 8, weights ~ N(0, 0.3)) on the attention projections and the first FFN layer of
+    one denoiser, saved as diffusers saves Wan LoRAs (``transformer.blocks.N....lora_A.weight``)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel.from_pretrained(model_dir, subfolder=subfolder)
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj"]
+    model = inject_adapter_in_model(
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False), model
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    WanPipeline.save_lora_weights(
+        out.parent, transformer_lora_layers=get_peft_model_state_dict(model), weight_name=out.name
+    )
+
+
+def ensure_tiny_wan_loras(root: str | os.PathLike) -> dict[str, Path]:
+    """``{"high": file, "low": file}``: one diffusers-format LoRA file per denoiser of ``tiny-wan-moe``
+    (``high_noise.safetensors`` for ``transformer``, ``low_noise.safetensors`` for ``transformer_2``), built
+    once under ``root / "tiny-wan-moe-loras"`` (file-locked, versioned like the model)."""
+    from filelock import FileLock
+
+    model_dir = ensure_tiny_wan(root, moe=True)
+    folder = Path(root) / "tiny-wan-moe-loras"
+    files = {"high": folder / "high_noise.safetensors", "low": folder / "low_noise.safetensors"}
+    with FileLock(str(Path(root) / ".tiny_wan_loras.lock")):
+        stamp = folder / ".asset_version"
+        if not (stamp.is_file() and stamp.read_text().strip() == WAN_ASSET_VERSION):
+            for path, (subfolder, seed) in zip(files.values(), [("transformer", 10), ("transformer_2", 11)]):
+                _write_lora(model_dir, subfolder, seed, path)
+            stamp.write_text(WAN_ASSET_VERSION + "\n")
+    return files
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory to write tiny-wan/ (or tiny-wan-moe/) into")
