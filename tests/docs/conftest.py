@@ -22,11 +22,13 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
     from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
     from tools.make_tiny_qwen3_omni import ensure_tiny_qwen3_omni_assets
     from tools.make_tiny_qwen_image import ensure_tiny_qwen_image, ensure_tiny_qwen_image_loras
+    from tools.make_tiny_wan import ensure_tiny_wan, ensure_tiny_wan_loras
 
     root = Path(os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO_ROOT / ".cache" / "test_assets")
     z_image = ensure_tiny_diffusion_assets(root)["z_image"]
     z_loras = ensure_tiny_z_image_loras(z_image, root)
     qwen_image = ensure_tiny_qwen_image(root)
+    wan_loras = ensure_tiny_wan_loras(root)
     qwen3_omni = ensure_tiny_qwen3_omni_assets(root)
     assets = {
         "llm_model": tiny_llm_assets.model_dir,
@@ -38,6 +40,9 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "z_attn_file": z_loras["attn_file"],
         "qwen_image": qwen_image,
         "qwen_image_kohya": ensure_tiny_qwen_image_loras(qwen_image, root)["attn_kohya"],
+        "wan_moe": ensure_tiny_wan(root, moe=True),
+        "wan_high": wan_loras["high"],
+        "wan_low": wan_loras["low"],
         "omni_model": tiny_omni_assets.model_dir,
         "omni_thinker_adapter": tiny_omni_assets.thinker_adapter,
         "qwen3_omni_model": qwen3_omni.model_dir,

@@ -76,6 +76,9 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "z_image_loras/style.safetensors": ("z_attn_file", True),  # diffusers single file (distill)
     "qwen_image": ("qwen_image", False),  # tiny Qwen-Image diffusers directory
     "qwen_image_loras/style.safetensors": ("qwen_image_kohya", True),  # kohya / musubi file, attention
+    "wan2.2": ("wan_moe", False),  # tiny Wan2.2-style two-expert directory (tools/make_tiny_wan.py --moe)
+    "wan_loras/high_noise.safetensors": ("wan_high", True),  # diffusers-format file for transformer
+    "wan_loras/low_noise.safetensors": ("wan_low", True),  # diffusers-format file for transformer_2
     "qwen2_5_omni": ("omni_model", False),  # tiny Qwen2.5-Omni checkpoint
     "qwen2_5_omni_loras/thinker": ("omni_thinker_adapter", True),  # PEFT, whole-model keys
     "qwen3_omni": ("qwen3_omni_model", False),  # tiny Qwen3-Omni checkpoint (MoE thinker)
@@ -83,7 +86,14 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "does_not_exist": (None, False),  # never created: for examples of errors
 }
 # folders that exist because their entries do (usable as --lora-dirs roots)
-PLACEHOLDER_DIRS = {"llm_loras", "z_image_loras", "qwen2_5_omni_loras", "qwen3_omni_loras", "qwen_image_loras"}
+PLACEHOLDER_DIRS = {
+    "llm_loras",
+    "z_image_loras",
+    "qwen2_5_omni_loras",
+    "qwen3_omni_loras",
+    "qwen_image_loras",
+    "wan_loras",
+}
 
 
 @dataclass
