@@ -305,7 +305,8 @@ class AdapterRegistry:
 
     def _refresh(self, record: AdapterRecord, signature: tuple) -> LoRARequest:
         """A new version of ``record`` after its files changed on disk (to ``signature``); the loaded
-        version when a stage has no room for it (logged once per signature; a reload tries again)."""
+        version when a stage has no room for it (logged once per signature; a reload, or the first
+        request after a ``remove``, tries again)."""
         if record.registered:
             try:
                 self.add(record.request, record.targets or None, denoiser=record.denoiser, reload=True)
@@ -618,7 +619,7 @@ class AdapterRegistry:
                 return removed
             with self._lock:
                 self._lost.forget(int_id, None if stage_id is None else (stage_id,))
-                self._refused.pop(int_id, None)
+                self._refused.clear()  # room was freed: requests try refused versions again
                 left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
                 if left:
                     stages = {s: st for s, st in record.stages.items() if s != stage_id}
