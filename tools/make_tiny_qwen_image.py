@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 QWEN_IMAGE_DIR = "tiny-qwen-image"
+QWEN_IMAGE_EDIT_DIR = "tiny-qwen-image-edit"
 # Bump when the layout or any size changes so stale caches are rebuilt.
-QWEN_IMAGE_ASSET_VERSION = "1"
+QWEN_IMAGE_ASSET_VERSION = "2"
 TEXT_HIDDEN = 32
 #: diffusers ``QwenImagePipeline.prompt_template_encode`` up to the prompt, and the number of tokens
 #: the pipeline drops (``prompt_template_encode_start_idx``).
@@ -39,6 +40,16 @@ TEMPLATE_PREFIX = (
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
 )
 TEMPLATE_PREFIX_TOKENS = 34
+#: the same for diffusers ``QwenImageEditPipeline`` (its template's system turn). That pipeline drops 64
+#: tokens; with one token per pre-token this tokenizer needs 66 for the prefix, so the last two
+#: (``user``, ``\n``) stay in the features, in diffusers and in-tree alike.
+EDIT_TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n"
+)
+EDIT_TEMPLATE_PREFIX_TOKENS = 66
 _SPECIALS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -47,45 +58,35 @@ _SPECIALS = [
     "<|vision_end|>",
     "<|image_pad|>",
 ]
-_WORDS = ["system", "user", "assistant", "Describe"]
-_SPACED = [
-    "the",
-    "image",
-    "by",
-    "detailing",
-    "color",
-    "shape",
-    "size",
-    "texture",
-    "quantity",
-    "text",
-    "spatial",
-    "relationships",
-    "of",
-    "objects",
-    "and",
-    "background",
-    "a",
-    "red",
-    "cat",
-    "on",
-    "mat",
-    "blue",
-    "dog",
-]
+#: texts whose pre-tokens (the tokenizer's own split) each become one token, as in Qwen's vocabulary
+_WHOLE = [TEMPLATE_PREFIX, EDIT_TEMPLATE_PREFIX, "assistant", " a red cat on mat blue dog"]
 
 
 def _tokenizer():
-    """Byte-level BPE ``Qwen2Tokenizer``: 256 byte symbols, one left-to-right merge chain per word."""
+    """Byte-level BPE ``Qwen2Tokenizer``: 256 byte symbols plus one left-to-right merge chain per
+    pre-token of :data:`_WHOLE` (so both templates' prefixes encode in as many tokens as Qwen's)."""
+    import re
+
     from transformers import Qwen2Tokenizer
 
     from tools.make_tiny_diffusion import _byte_symbols
 
-    symbols = _byte_symbols()
-    space = symbols[ord(" ")]
-    vocab = {s: i for i, s in enumerate(symbols)}
+    def make(vocab, merges):
+        return Qwen2Tokenizer(
+            vocab=vocab,
+            merges=merges,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            unk_token=None,
+            additional_special_tokens=_SPECIALS[1:],
+        )
+
+    vocab = {s: i for i, s in enumerate(_byte_symbols())}
+    pre = make(dict(vocab), []).backend_tokenizer.pre_tokenizer
+    specials = "|".join(re.escape(t) for t in _SPECIALS)
+    pieces = [p for text in _WHOLE for p in re.split(specials, text) if p]
     merges: list[tuple[str, str]] = []
-    for word in _WORDS + [space + w for w in _SPACED]:
+    for word in (w for piece in pieces for w, _ in pre.pre_tokenize_str(piece)):
         current = word[0]
         for ch in word[1:]:
             if (current, ch) not in merges:
@@ -94,17 +95,14 @@ def _tokenizer():
             vocab.setdefault(current, len(vocab))
     for tok in _SPECIALS:
         vocab[tok] = len(vocab)
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        additional_special_tokens=_SPECIALS[1:],
-    )
-    count = len(tokenizer(TEMPLATE_PREFIX).input_ids)
-    if count != TEMPLATE_PREFIX_TOKENS:
-        raise RuntimeError(f"tiny tokenizer encodes the template prefix in {count} tokens, not 34")
+    tokenizer = make(vocab, merges)
+    for text, want in (
+        (TEMPLATE_PREFIX, TEMPLATE_PREFIX_TOKENS),
+        (EDIT_TEMPLATE_PREFIX, EDIT_TEMPLATE_PREFIX_TOKENS),
+    ):
+        count = len(tokenizer(text).input_ids)
+        if count != want:
+            raise RuntimeError(f"tiny tokenizer encodes a template prefix in {count} tokens, not {want}")
     return tokenizer
 
 
@@ -148,8 +146,10 @@ def _text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_tiny_qwen_image(out: Path) -> None:
-    """Write the tiny ``QwenImagePipeline`` directory to ``out`` (must not exist yet)."""
+def build_tiny_qwen_image(out: Path, edit: bool = False) -> None:
+    """Write the tiny ``QwenImagePipeline`` directory to ``out`` (must not exist yet); with ``edit`` the
+    ``QwenImageEditPipeline`` one: the same components plus a ``processor`` (Qwen2-VL image processor
+    capped at 112 x 112 pixels for the vision tower, and the tokenizer), saved without torchvision."""
     import diffusers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
@@ -187,7 +187,7 @@ def build_tiny_qwen_image(out: Path) -> None:
         time_shift_type="exponential",
     ).save_pretrained(out / "scheduler")
     index = {
-        "_class_name": "QwenImagePipeline",
+        "_class_name": "QwenImageEditPipeline" if edit else "QwenImagePipeline",
         "_diffusers_version": diffusers.__version__,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
@@ -195,11 +195,23 @@ def build_tiny_qwen_image(out: Path) -> None:
         "transformer": ["diffusers", "QwenImageTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLQwenImage"],
     }
+    if edit:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from vllm_omni.models.torchvision_free import qwen2_vl_image_text_processor_class
+
+        image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+        processor = qwen2_vl_image_text_processor_class()(
+            image_processor=image_processor, tokenizer=tokenizer
+        )
+        processor.save_pretrained(out / "processor")
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def ensure_tiny_qwen_image(root: str | os.PathLike) -> Path:
-    """Build (if missing or stale) and return ``root / "tiny-qwen-image"``.
+def ensure_tiny_qwen_image(root: str | os.PathLike, edit: bool = False) -> Path:
+    """Build (if missing or stale) and return ``root / "tiny-qwen-image"`` (``"tiny-qwen-image-edit"``
+    with ``edit``: the ``QwenImageEditPipeline`` folder, same weights).
 
     Safe to call from several processes at once: a file lock serialises builders, the directory
     is written to a temporary sibling and renamed into place, and a version stamp triggers a
@@ -209,13 +221,14 @@ def ensure_tiny_qwen_image(root: str | os.PathLike) -> Path:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / QWEN_IMAGE_DIR
+    name = QWEN_IMAGE_EDIT_DIR if edit else QWEN_IMAGE_DIR
+    final = root / name
     with FileLock(str(root / ".tiny_qwen_image.lock")):
         stamp = final / ".asset_version"
         if not (stamp.is_file() and stamp.read_text().strip() == QWEN_IMAGE_ASSET_VERSION):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{QWEN_IMAGE_DIR}-", dir=root))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
-                build_tiny_qwen_image(tmp / "model")
+                build_tiny_qwen_image(tmp / "model", edit=edit)
                 (tmp / "model" / ".asset_version").write_text(QWEN_IMAGE_ASSET_VERSION + "\n")
                 if final.exists():
                     shutil.rmtree(final)

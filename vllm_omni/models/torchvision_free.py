@@ -90,3 +90,36 @@ def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool
             "install torchvision (the CUDA extra has it) or set limit_mm_per_prompt to 0 for every modality"
         )
     return True
+
+
+_IMAGE_TEXT_PROCESSOR: type | None = None
+
+
+def qwen2_vl_image_text_processor_class() -> type:
+    """transformers' ``Qwen2VLProcessor`` without its video processor (images and text only).
+
+    ``Qwen2VLProcessor`` always builds a video processor, which needs torchvision; this subclass
+    declares only ``image_processor`` and ``tokenizer`` (transformers' ``ProcessorMixin`` takes its
+    sub-processors from ``__init__``'s arguments), so it loads and saves without torchvision and
+    expands ``<|image_pad|>`` exactly as the original does (its ``replace_image_token``).
+    """
+    global _IMAGE_TEXT_PROCESSOR
+    if _IMAGE_TEXT_PROCESSOR is None:
+        from transformers import Qwen2VLProcessor
+
+        class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        _IMAGE_TEXT_PROCESSOR = Qwen2VLImageTextProcessor
+    return _IMAGE_TEXT_PROCESSOR
+
+
+def load_qwen2_vl_processor(folder: str):
+    """A Qwen2-VL processor folder: ``Qwen2VLProcessor`` with torchvision installed, else
+    :func:`qwen2_vl_image_text_processor_class` (images and text; a video input is refused by it)."""
+    if torchvision_available():
+        from transformers import Qwen2VLProcessor
+
+        return Qwen2VLProcessor.from_pretrained(folder)
+    return qwen2_vl_image_text_processor_class().from_pretrained(folder)

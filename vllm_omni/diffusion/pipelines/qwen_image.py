@@ -27,6 +27,7 @@ The CFG scale is ``extra_args["true_cfg_scale"]`` (diffusers' argument) when giv
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -68,9 +69,9 @@ EXTRA_ARGS = ("true_cfg_scale", "attention_kwargs")
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """Noise ``(B, 1, C, h, w)`` (diffusers draws it frame-first) -> ``(B, h/2 * w/2, 4C)``: 2x2
-    patches, channel-major inside a patch (diffusers' ``QwenImagePipeline._pack_latents``)."""
-    b, _, c, h, w = latents.shape
+    """``(B, 1, C, h, w)`` noise (diffusers draws it frame-first) or ``(B, C, 1, h, w)`` VAE latents ->
+    ``(B, h/2 * w/2, 4C)``: 2x2 patches, channel-major inside a patch (diffusers' ``_pack_latents``)."""
+    b, c, h, w = latents.shape[0], latents.shape[1] * latents.shape[2], latents.shape[3], latents.shape[4]
     x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return x.reshape(b, (h // 2) * (w // 2), c * 4)
 
@@ -90,6 +91,22 @@ def true_cfg(out: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
     return comb * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
 
 
+@dataclass(frozen=True)
+class ImageCondition:
+    """An input image as the edit pipeline feeds it (see ``qwen_image_edit``).
+
+    Attributes:
+        prompt_image: the resized image for the vision-language encoder (PIL).
+        latents: its packed, normalised VAE latents ``(1, N_c, 64)`` float32.
+        grid: its patch grid ``(h, w)``. size: the default output ``(height, width)`` in pixels.
+    """
+
+    prompt_image: object
+    latents: torch.Tensor
+    grid: tuple[int, int]
+    size: tuple[int, int]
+
+
 class QwenImagePipeline(InTreePipelineBase):
     """Qwen-Image text-to-image on the in-tree denoiser (one instance per TP rank).
 
@@ -100,6 +117,11 @@ class QwenImagePipeline(InTreePipelineBase):
 
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
+
+    #: the prompt template, the tokens dropped from its start and the ``extra_args`` taken
+    prompt_template = PROMPT_TEMPLATE
+    template_drop = TEMPLATE_DROP
+    extra_args_taken = EXTRA_ARGS
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = self._load_text_and_scheduler(od_config, device)
@@ -122,22 +144,28 @@ class QwenImagePipeline(InTreePipelineBase):
         side = DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
         return side, side
 
-    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
-        """``(height, width)`` after defaults.
+    def resolve_size(
+        self, sp: OmniDiffusionSamplingParams, default: tuple[int, int] | None = None
+    ) -> tuple[int, int]:
+        """``(height, width)``: the request's, else ``default`` (else :attr:`default_size`).
 
         Raises:
             InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor``.
         """
-        return resolve_image_size(sp, self.default_size, self.vae_scale_factor * 2)
+        return resolve_image_size(sp, default or self.default_size, self.vae_scale_factor * 2)
+
+    def _condition(self, sp: OmniDiffusionSamplingParams) -> ImageCondition | None:
+        """The request's input image (text to image: none)."""
+        return None
 
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
     def encode_prompts(
-        self, prompts: list[str], max_sequence_length: int
+        self, prompts: list[str], max_sequence_length: int, condition: ImageCondition | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features (P, L, hidden), mask (P, L) int64)``: the text encoder's last hidden state at each
-        prompt's tokens after the template's first 34, zero-padded to the longest (``L``, at most
-        ``max_sequence_length``); ``mask`` is 1 at real tokens.
+        prompt's tokens after the template's first :attr:`template_drop`, zero-padded to the longest
+        (``L``, at most ``max_sequence_length``); ``mask`` is 1 at real tokens.
 
         Raises:
             InvalidRequestError: ``max_sequence_length > 1024`` (as diffusers).
@@ -146,18 +174,11 @@ class QwenImagePipeline(InTreePipelineBase):
             raise InvalidRequestError(
                 f"max_sequence_length must be at most {TOKENIZER_MAX_LENGTH} for Qwen-Image, got {max_sequence_length}"
             )
-        enc = self.tokenizer(
-            [PROMPT_TEMPLATE.format(p) for p in prompts],
-            max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP,
-            padding=True,
-            truncation=True,
-            return_tensors="pt",
-        ).to(self.device)
-        hidden = self.text_encoder(
-            input_ids=enc.input_ids, attention_mask=enc.attention_mask, output_hidden_states=True
-        ).hidden_states[-1]
-        mask = enc.attention_mask.bool()
-        feats = [hidden[i][mask[i]][TEMPLATE_DROP:][:max_sequence_length] for i in range(len(prompts))]
+        texts = [self.prompt_template.format(p) for p in prompts]
+        hidden, mask = self._encoder_hidden(texts, condition)
+        mask = mask.bool()
+        drop = self.template_drop
+        feats = [hidden[i][mask[i]][drop:][:max_sequence_length] for i in range(len(prompts))]
         length = max(f.shape[0] for f in feats)
         out = hidden.new_zeros(len(feats), length, hidden.shape[-1])
         out_mask = torch.zeros(len(feats), length, dtype=torch.long, device=self.device)
@@ -165,6 +186,22 @@ class QwenImagePipeline(InTreePipelineBase):
             out[i, : f.shape[0]] = f
             out_mask[i, : f.shape[0]] = 1
         return out, out_mask
+
+    def _encoder_hidden(
+        self, texts: list[str], condition: ImageCondition | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last hidden state ``(P, T, hidden)`` of the templated ``texts`` and their attention mask."""
+        enc = self.tokenizer(
+            texts,
+            max_length=TOKENIZER_MAX_LENGTH + self.template_drop,
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        ).to(self.device)
+        out = self.text_encoder(
+            input_ids=enc.input_ids, attention_mask=enc.attention_mask, output_hidden_states=True
+        )
+        return out.hidden_states[-1], enc.attention_mask
 
     def _call_options(self, sp: OmniDiffusionSamplingParams) -> tuple[float, float]:
         """``(true CFG scale, LoRA scale of the call)`` from ``sp`` (module docstring).
@@ -174,11 +211,11 @@ class QwenImagePipeline(InTreePipelineBase):
         """
         extra = dict(sp.extra_args)
         lora_scale = pop_lora_scale(extra)
-        unknown = sorted(set(extra) - {"true_cfg_scale"})
-        if unknown or extra.get("attention_kwargs"):
+        unknown = sorted(set(extra) - set(self.extra_args_taken) | ({"attention_kwargs"} & set(extra)))
+        if unknown:
             raise InvalidRequestError(
-                f"extra_args {unknown or ['attention_kwargs']} are not used by the in-tree Qwen-Image pipeline "
-                f"(it takes {list(EXTRA_ARGS)}, attention_kwargs only with 'scale'); run the stage with "
+                f"extra_args {unknown} are not used by the in-tree {type(self).__name__} "
+                f"(it takes {list(self.extra_args_taken)}, attention_kwargs only with 'scale'); run the stage with "
                 "pipeline_backend='diffusers' to pass other diffusers arguments"
             )
         scale = extra.get("true_cfg_scale", sp.guidance_scale)
@@ -217,19 +254,27 @@ class QwenImagePipeline(InTreePipelineBase):
             prompts = [prompts]
         if not prompts:
             return []
-        height, width = self.resolve_size(sp)
         scale, lora_scale = self._call_options(sp)
+        cond = self._condition(sp)
+        height, width = self.resolve_size(sp, cond.size if cond else None)
         cfg = scale > 1 and sp.negative_prompt is not None
         n = sp.num_images_per_prompt
         texts = list(prompts) + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
-        embeds, mask = self.encode_prompts(texts, sp.max_sequence_length)
+        embeds, mask = self.encode_prompts(texts, sp.max_sequence_length, cond)
         embeds, mask = embeds.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         lat_h, lat_w = (2 * (side // (self.vae_scale_factor * 2)) for side in (height, width))
         shape = (1, self.vae.config.z_dim, lat_h, lat_w)
         latents = pack_latents(seeded_noise(shape, n, sp, len(prompts), seeds, self.device))
         adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
+        grids = [(lat_h // 2, lat_w // 2)] + ([cond.grid] if cond else [])
         latents = self._denoise(
-            latents, (embeds, mask), (lat_h // 2, lat_w // 2), scale if cfg else None, sp, adapters
+            latents,
+            (embeds, mask),
+            grids,
+            scale if cfg else None,
+            sp,
+            adapters,
+            cond.latents if cond else None,
         )
         results = split_by_prompt(prompts, latents, n)
         if sp.output_type != "latent":
@@ -240,28 +285,34 @@ class QwenImagePipeline(InTreePipelineBase):
         self,
         latents: torch.Tensor,
         text: tuple[torch.Tensor, torch.Tensor],
-        grid: tuple[int, int],
+        grids: list[tuple[int, int]],
         cfg_scale: float | None,
         sp: OmniDiffusionSamplingParams,
         adapters: AbstractContextManager,
+        condition: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The flow-matching loop on packed ``latents`` ``(B, N, 64)`` float32; ``text`` holds ``B``
-        positive then (with CFG, ``cfg_scale`` set) ``B`` negative features and their mask; ``grid``
-        is the patch grid ``(h, w)``. Returns the final packed latents, float32."""
+        positive then (with CFG, ``cfg_scale`` set) ``B`` negative features and their mask; ``grids``
+        are the patch grids ``(h, w)`` of the output and, with ``condition`` (packed input-image
+        latents ``(1, N_c, 64)``, appended to every sample's tokens), of the input image.
+        Returns the final packed latents, float32."""
         batch = latents.shape[0]
         embeds, mask = text
         steps = sp.num_inference_steps
         mu = resolution_shift_mu(latents.shape[1], self.scheduler.config)
         sigmas = np.linspace(1.0, 1 / steps, steps)
         scheduler = prepare_scheduler(self.scheduler, self.device, sigmas=sigmas, mu=mu)
-        shapes = [[(1, *grid)]] * embeds.shape[0]
+        shapes = [[(1, *grid) for grid in grids]] * embeds.shape[0]
+        tokens = latents.shape[1]
 
         def predict(_step: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             timestep = t.expand(batch).to(x.dtype) / 1000
             x = x.to(self.transformer.dtype)
+            if condition is not None:
+                x = torch.cat([x, condition.to(x.dtype).expand(batch, -1, -1)], dim=1)
             if cfg_scale is not None:
                 x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-            out = self.transformer(x, embeds, mask, timestep, shapes).float()
+            out = self.transformer(x, embeds, mask, timestep, shapes)[:, :tokens].float()
             return true_cfg(out, batch, cfg_scale) if cfg_scale is not None else out
 
         return run_denoising_loop(
