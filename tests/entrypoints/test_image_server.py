@@ -89,6 +89,7 @@ def server(tiny_z_image_dir, paths, tmp_path_factory):
         str(paths["ff"]),
         "--lora-dirs",
         str(paths["root"]),
+        "--prompt-lora-syntax",
     )
     log = tmp_path_factory.mktemp("serve_img_log") / "server.log"
     srv = start_server(cmd, port, log, server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"))
@@ -190,7 +191,9 @@ def test_peer_spellings_give_byte_identical_images(client, paths):
     """vllm-omni's ``adapter`` / ``lora_scale`` and ComfyUI / A1111's ``strength`` / ``weight`` are the
     canonical ``name`` / ``scale``: the same PNG bytes; a misspelt key is a 400 that names the right one."""
     attn = str(paths["attn"])
-    canonical = generate(client, lora=[{"name": "attn", "path": attn, "scale": 0.5}, {"name": "ff", "scale": 0.7}])
+    canonical = generate(
+        client, lora=[{"name": "attn", "path": attn, "scale": 0.5}, {"name": "ff", "scale": 0.7}]
+    )
     peers = [
         [{"adapter": "attn", "local_path": attn, "lora_scale": 0.5}, {"adapter": "ff", "lora_scale": 0.7}],
         [{"lora_name": "attn", "path": attn, "strength": 0.5}, {"name": "ff", "weight": 0.7}],
@@ -204,6 +207,18 @@ def test_peer_spellings_give_byte_identical_images(client, paths):
     with pytest.raises(openai.BadRequestError) as info:
         generate(client, lora={"adapter": "ff", "scale": {}})
     assert "lora.scale is an empty schedule" in str(info.value)
+
+
+def test_a1111_prompt_tokens_select_registered_adapters(client):
+    """``--prompt-lora-syntax``: ``<lora:ff:0.7>`` in the prompt is ``lora={"name": "ff", "scale": 0.7}``
+    on the prompt without the token (the same PNG bytes); an unknown name is a 404, a bad weight a 400."""
+    by_field = generate(client, lora=[{"name": "ff", "scale": 0.7}])
+    assert np.array_equal(generate(client, prompt="a red cat <lora:ff:0.7> on a mat"), by_field)
+    assert not np.array_equal(generate(client, prompt=f"{PROMPT} <lora:ff:0.3>"), by_field)
+    with pytest.raises(openai.NotFoundError):
+        generate(client, prompt=f"{PROMPT} <lora:no-such-adapter:1>")
+    with pytest.raises(openai.BadRequestError, match="the weight must be a number"):
+        generate(client, prompt=f"{PROMPT} <lora:ff:strong>")
 
 
 def test_model_field_selects_the_startup_adapter(client, paths, tiny_z_image_dir):

@@ -94,6 +94,29 @@ def test_spelling_refusals_name_the_keys(value, message):
     assert message in info.value.message
 
 
+def test_a1111_prompt_tokens(caplog):
+    from vllm_omni.entrypoints.openai.lora import prompt_lora_syntax
+
+    prompt = "<lora:style> a red cat, <lora:detail:-0.5>on a mat"
+    got = prompt_lora_syntax(prompt, {"name": "own", "scale": 0.2}, True)
+    assert got == (
+        "a red cat, on a mat",
+        [{"name": "own", "scale": 0.2}, {"name": "style", "scale": 1.0}, {"name": "detail", "scale": -0.5}],
+    )
+    assert prompt_lora_syntax("a cat", None, True) == ("a cat", None)
+    with caplog.at_level("WARNING"):
+        assert prompt_lora_syntax(prompt, None, False) == (prompt, None)  # off: the text is the prompt
+    warnings = [r for r in caplog.records if "--prompt-lora-syntax" in r.getMessage()]
+    assert len(warnings) == 1 and "'<lora:style:...>'" in warnings[0].getMessage()
+    for bad, message in (
+        ("a <lora:s:x>", "the weight must be a number"),
+        ("a <lora::1>", "names no adapter"),
+    ):
+        with pytest.raises(OpenAIError, match=message) as info:
+            prompt_lora_syntax(bad, None, True)
+        assert info.value.status == 400 and info.value.param == "prompt"
+
+
 @pytest.mark.parametrize(
     "value",
     [

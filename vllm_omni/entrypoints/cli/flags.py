@@ -123,6 +123,12 @@ def _add_omni_args(parser: argparse.ArgumentParser) -> None:
         help="Let requests name remote adapters (hub ids, URLs). Off by default.",
     )
     g.add_argument(
+        "--prompt-lora-syntax",
+        action="store_true",
+        help="Image routes: an A1111 '<lora:name:weight>' token in the prompt selects that registered "
+        "adapter at that scale and is removed from the text. Off by default.",
+    )
+    g.add_argument(
         "--dry-run",
         action="store_true",
         help="Resolve the stage configs and server settings, print them as JSON and exit "

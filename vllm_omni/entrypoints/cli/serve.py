@@ -145,6 +145,7 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         lora_modules=lora_modules,
         lora_dirs=lora_dirs,
         allow_remote_lora=bool(args.allow_remote_lora),
+        prompt_lora_syntax=bool(getattr(args, "prompt_lora_syntax", False)),
         chat_template=args.chat_template,
         response_role=args.response_role,
         uvicorn_log_level=args.uvicorn_log_level,

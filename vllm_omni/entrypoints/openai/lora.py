@@ -38,7 +38,9 @@ says the same thing whether or not the target exists. Pickle-only adapters are r
 from __future__ import annotations
 
 import difflib
+import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,11 @@ MAX_NAME_LEN = 256
 MAX_PATH_LEN = 4096
 MAX_ITEMS = 16  # hard cap before any per-pipeline limit
 _INT_ID_MAX = 2**31 - 1
+#: An A1111 extra-network token in a prompt: ``<lora:name>`` or ``<lora:name:weight>``.
+PROMPT_LORA_TOKEN = re.compile(r"<lora:([^:<>]*)(?::([^<>]*))?>")
+_TOKEN_WITH_SPACES = re.compile(r"\s*" + PROMPT_LORA_TOKEN.pattern + r"\s*")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -180,6 +187,49 @@ def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:
         for i, item in enumerate(items)
     ]
     return specs
+
+
+def prompt_lora_syntax(prompt: Any, lora: Any, enabled: bool) -> tuple[Any, Any]:
+    """A1111's ``<lora:name:weight>`` tokens in an image prompt (``--prompt-lora-syntax``).
+
+    Enabled, each token selects the registered adapter ``name`` at scale ``weight`` (default 1.0) and is
+    removed from the text (it and the whitespace around it become one space): the result is the ``lora`` field with one
+    ``{"name": name, "scale": weight}`` entry per token after the body's own entries. Disabled, the
+    prompt and field are returned unchanged and a prompt holding a token gets one log warning naming
+    the option. Anything but a string prompt is returned unchanged.
+
+    Returns:
+        ``(prompt, lora)`` to use.
+
+    Raises:
+        OpenAIError: (400, ``prompt``) a token without a name or with a weight that is not a number.
+    """
+    if not isinstance(prompt, str) or "<lora:" not in prompt:
+        return prompt, lora
+    tokens = PROMPT_LORA_TOKEN.findall(prompt)
+    if not tokens:
+        return prompt, lora
+    if not enabled:
+        logger.warning(
+            "the prompt holds %d A1111 LoRA token(s) (e.g. '<lora:%s:...>'); they are sent to the model as "
+            "text: start the server with --prompt-lora-syntax to select adapters with them, or use the "
+            "'lora' field",
+            len(tokens),
+            tokens[0][0][:64],
+        )
+        return prompt, lora
+    entries = []
+    for name, weight in tokens:
+        token = f"<lora:{name}{':' + weight if weight else ''}>"
+        if not name.strip():
+            raise bad_request(f"prompt: {token!r:.120} names no adapter", "prompt")
+        try:
+            scale = float(weight) if weight.strip() else 1.0
+        except ValueError:
+            raise bad_request(f"prompt: {token!r:.120}: the weight must be a number", "prompt") from None
+        entries.append({"name": name.strip(), "scale": scale})
+    own = [] if lora is None else lora if isinstance(lora, list) else [lora]
+    return _TOKEN_WITH_SPACES.sub(" ", prompt).strip(), [*own, *entries]
 
 
 def is_remote(path: str) -> bool:

@@ -23,6 +23,8 @@ class ServerSettings:
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
     lora_dirs: list[str] = field(default_factory=list)
     allow_remote_lora: bool = False
+    #: ``--prompt-lora-syntax``: A1111 ``<lora:name:weight>`` prompt tokens select adapters on image routes
+    prompt_lora_syntax: bool = False
     chat_template: str | None = None
     response_role: str = "assistant"
     uvicorn_log_level: str = "info"

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from vllm import SamplingParams
 
 from vllm_omni.entrypoints.openai.errors import bad_request, engine_errors, not_found
-from vllm_omni.entrypoints.openai.lora import parse_lora_field
+from vllm_omni.entrypoints.openai.lora import parse_lora_field, prompt_lora_syntax
 from vllm_omni.entrypoints.openai.state import ServerState
 from vllm_omni.entrypoints.stage_info import seed_unseeded, seeded_stage_default
 from vllm_omni.errors import ClientDisconnected, OpenAIError
@@ -226,10 +226,13 @@ async def run_diffusion(
     if produces not in info.output_kinds:
         raise bad_request(f"pipeline {info.pipeline!r} does not produce {what}")
     dparams = req.diffusion_params(n)
-    adapters = resolve_adapters(state, req.model, req.lora)
+    prompt, lora = req.prompt, req.lora
+    if produces == "image":  # A1111 <lora:name:weight> tokens (--prompt-lora-syntax)
+        prompt, lora = prompt_lora_syntax(prompt, lora, state.settings.prompt_lora_syntax)
+    adapters = resolve_adapters(state, req.model, lora)
     dparams.extra_args.update(extra_args or {})
     params = stage_params(state, default_llm_params(state), dparams)
-    return await run_pipeline(state, req.prompt, params, adapters, request)
+    return await run_pipeline(state, prompt, params, adapters, request)
 
 
 def text_output(outputs: list[Any]) -> Any:
