@@ -84,3 +84,11 @@ def tiny_qwen_image_loras(tiny_qwen_image_dir) -> dict[str, Path]:
     from tools.make_tiny_qwen_image import ensure_tiny_qwen_image_loras
 
     return ensure_tiny_qwen_image_loras(tiny_qwen_image_dir, _assets_root())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_dir() -> Path:
+    """Tiny diffusers ``QwenImageEditPipeline`` directory (the same weights plus a Qwen2-VL processor)."""
+    from tools.make_tiny_qwen_image import ensure_tiny_qwen_image
+
+    return ensure_tiny_qwen_image(_assets_root(), edit=True)

@@ -42,6 +42,7 @@ DTYPES = {
 IN_TREE_PIPELINES: dict[str, str] = {
     "ZImagePipeline": "vllm_omni.diffusion.pipelines.z_image:ZImagePipeline",
     "QwenImagePipeline": "vllm_omni.diffusion.pipelines.qwen_image:QwenImagePipeline",
+    "QwenImageEditPipeline": "vllm_omni.diffusion.pipelines.qwen_image_edit:QwenImageEditPipeline",
     "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
 }
 
