@@ -31,6 +31,8 @@ import torch
 
 WAN_DIR = "tiny-wan"
 WAN_MOE_DIR = "tiny-wan-moe"
+WAN_I2V_DIR = "tiny-wan-i2v"
+WAN_I2V_MOE_DIR = "tiny-wan-i2v-moe"
 # Bump when the layout or any size changes so stale caches are rebuilt.
 WAN_ASSET_VERSION = "1"
 
@@ -60,8 +62,10 @@ def _tokenizer():
     )
 
 
-def build_tiny_wan(out: Path, moe: bool = False) -> None:
-    """Write the tiny Wan directory to ``out``; ``moe``: the two-denoiser (Wan2.2) form."""
+def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False) -> None:
+    """Write the tiny Wan directory to ``out``; ``moe``: the two-denoiser (Wan2.2) form; ``i2v``: the
+    image-to-video form (``WanImageToVideoPipeline``: denoiser input 16 noise + 4 mask + 16 image-latent
+    channels; with one denoiser also a tiny CLIP image encoder and image cross-attention, as Wan2.1 I2V)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -90,11 +94,12 @@ def build_tiny_wan(out: Path, moe: bool = False) -> None:
 
     for seed, name in [(1, "transformer"), (3, "transformer_2")][: 2 if moe else 1]:
         torch.manual_seed(seed)
+        image_kwargs = {"image_dim": 24, "added_kv_proj_dim": 16} if i2v and not moe else {}
         WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=2,
             attention_head_dim=8,
-            in_channels=16,
+            in_channels=36 if i2v else 16,
             out_channels=16,
             text_dim=text_dim,
             freq_dim=32,
@@ -103,6 +108,7 @@ def build_tiny_wan(out: Path, moe: bool = False) -> None:
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
+            **image_kwargs,
         ).save_pretrained(out / name, safe_serialization=True)
 
     torch.manual_seed(2)
@@ -115,8 +121,11 @@ def build_tiny_wan(out: Path, moe: bool = False) -> None:
     ).save_pretrained(out / "vae", safe_serialization=True)
 
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(out / "scheduler")
+    encoder = i2v and not moe
+    if encoder:
+        _write_image_encoder(out)
     index = {
-        "_class_name": "WanPipeline",
+        "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
         "_diffusers_version": "0.42.1",
         "boundary_ratio": 0.5 if moe else None,
         "expand_timesteps": False,
@@ -127,11 +136,34 @@ def build_tiny_wan(out: Path, moe: bool = False) -> None:
         "transformer_2": ["diffusers", "WanTransformer3DModel"] if moe else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
+    if i2v:
+        index["image_encoder"] = ["transformers", "CLIPVisionModel"] if encoder else [None, None]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"] if encoder else [None, None]
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False) -> Path:
-    """Build (if missing or stale) and return ``root / "tiny-wan"`` (``"tiny-wan-moe"`` with ``moe``).
+def _write_image_encoder(out: Path) -> None:
+    """A 2-layer ``CLIPVisionModel`` (hidden 24, 32 px images in 8 px patches) and its image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(4)
+    config = CLIPVisionConfig(
+        hidden_size=24,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    CLIPVisionModel(config).eval().save_pretrained(out / "image_encoder", safe_serialization=True)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        out / "image_processor"
+    )
+
+
+def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False, i2v: bool = False) -> Path:
+    """Build (if missing or stale) and return ``root / "tiny-wan"`` (``"tiny-wan-moe"`` with ``moe``;
+    ``"tiny-wan-i2v"`` / ``"tiny-wan-i2v-moe"`` with ``i2v``).
 
     Safe to call from several processes at once: a file lock serialises builders, the
     directory is written to a temporary sibling and renamed into place, and a version
@@ -141,14 +173,16 @@ def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False) -> Path:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = WAN_MOE_DIR if moe else WAN_DIR
+    name = {(False, False): WAN_DIR, (True, False): WAN_MOE_DIR, (False, True): WAN_I2V_DIR}.get(
+        (moe, i2v), WAN_I2V_MOE_DIR
+    )
     final = root / name
     with FileLock(str(root / ".tiny_wan.lock")):
         stamp = final / ".asset_version"
         if not (stamp.is_file() and stamp.read_text().strip() == WAN_ASSET_VERSION):
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
-                build_tiny_wan(tmp / name, moe=moe)
+                build_tiny_wan(tmp / name, moe=moe, i2v=i2v)
                 (tmp / name / ".asset_version").write_text(WAN_ASSET_VERSION + "\n")
                 if final.exists():
                     shutil.rmtree(final)
@@ -202,8 +236,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory to write tiny-wan/ (or tiny-wan-moe/) into")
     parser.add_argument("--moe", action="store_true", help="the Wan2.2 two-denoiser form (transformer_2)")
+    parser.add_argument("--i2v", action="store_true", help="the image-to-video form (WanImageToVideoPipeline)")
     args = parser.parse_args()
-    print(ensure_tiny_wan(args.out, moe=args.moe))
+    print(ensure_tiny_wan(args.out, moe=args.moe, i2v=args.i2v))
 
 
 if __name__ == "__main__":

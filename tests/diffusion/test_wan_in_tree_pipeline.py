@@ -193,7 +193,7 @@ def test_per_step_schedules_across_the_expert_switch(omni, wan_moe_dir, files, l
     ("extra", "match"),
     [
         ({"num_frames": 6}, r"num_frames must be 1 \+ a multiple of 4.*got 6"),
-        ({"flow_shift": 2.0}, r"extra_args \['flow_shift'\] are not used by the in-tree Wan pipeline"),
+        ({"flow_shift": 2.0}, r"extra_args \['flow_shift'\] are not used by the in-tree WanPipeline"),
         ({"attention_kwargs": {"scale": 0.5, "other": 1}}, r"attention_kwargs'\] keys \['other'\]"),
     ],
 )

@@ -69,6 +69,8 @@ class WanPipeline(InTreePipelineBase):
     """
 
     output_kind = "video"
+    #: ``extra_args`` keys the pipeline takes
+    extra_args_taken: tuple[str, ...] = EXTRA_ARGS
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = self._load_text_and_scheduler(od_config, device)
@@ -149,10 +151,11 @@ class WanPipeline(InTreePipelineBase):
                 f"extra_args['attention_kwargs'] keys {sorted(extra['attention_kwargs'])} are not used by the "
                 "in-tree Wan pipeline (only 'scale', the LoRA scale of the call)"
             )
-        unknown = sorted(set(extra) - set(EXTRA_ARGS))
+        unknown = sorted(set(extra) - set(self.extra_args_taken))
         if unknown:
             raise InvalidRequestError(
-                f"extra_args {unknown} are not used by the in-tree Wan pipeline (it takes {list(EXTRA_ARGS)}); "
+                f"extra_args {unknown} are not used by the in-tree {type(self).__name__} (it takes "
+                f"{list(self.extra_args_taken)}); "
                 "run the stage with pipeline_backend='diffusers' to pass other diffusers arguments"
             )
         guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
@@ -227,15 +230,16 @@ class WanPipeline(InTreePipelineBase):
         embeds = self.encode_prompts(texts, sp.max_sequence_length)
         embeds = embeds.repeat_interleave(n, dim=0)  # [pos (n per prompt); neg (n per prompt)]
         shape = (
-            self.transformer.in_channels,
+            self.transformer.out_channels,
             (frames - 1) // self.vae_scale_factor_temporal + 1,
             height // self.vae_scale_factor,
             width // self.vae_scale_factor,
         )
         latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)
+        conditioning = self._conditioning(sp, latents.shape, frames, height, width)
         adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
         scheduler = prepare_scheduler(self.scheduler, self.device, steps=sp.num_inference_steps)
-        predict = self._predictor(embeds, (guidance, guidance_2), cfg)
+        predict = self._predictor(embeds, (guidance, guidance_2), cfg, *conditioning)
         latents = run_denoising_loop(
             scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
         )
@@ -251,28 +255,49 @@ class WanPipeline(InTreePipelineBase):
         boundary = self.boundary_ratio * self.scheduler.config.num_train_timesteps
         return (self.transformer, 0) if timestep >= boundary else (self.transformer_2, 1)
 
-    def _predictor(self, embeds: torch.Tensor, guidances: tuple[float, float], cfg: bool):
-        """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG) against
-        ``embeds`` (``B`` positive then ``B`` negative rows), ``neg + g * (pos - neg)``, float32."""
+    def _conditioning(self, sp, shape, frames: int, height: int, width: int):
+        """``(channels, image_embeds)`` the denoiser sees beside the latents; text-to-video has neither
+        (image-to-video: :class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`)."""
+        return None, None
+
+    def _predictor(
+        self,
+        embeds: torch.Tensor,
+        guidances: tuple[float, float],
+        cfg: bool,
+        channels: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+    ):
+        """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG; ``channels``
+        ``(B, c, f, h, w)`` concatenated after the latent channels) against ``embeds`` (``B`` positive then
+        ``B`` negative rows) and ``image_embeds`` (``(k, L, d)``, repeated per sample),
+        ``neg + g * (pos - neg)``, float32."""
 
         def predict(_step: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             batch = latents.shape[0]
             model, expert = self.expert_for(float(t))
-            x = latents.to(model.dtype)
+            x = latents if channels is None else torch.cat([latents, channels], dim=1)
+            x = x.to(model.dtype)
             x = torch.cat([x, x]) if cfg else x
-            out = model(x, t.expand(x.shape[0]), embeds).float()
+            image = None if image_embeds is None else image_embeds.repeat(x.shape[0], 1, 1)
+            out = model(x, t.expand(x.shape[0]), embeds, image).float()
             return out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out
 
         return predict
+
+    def latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel latent ``mean`` and ``1 / std``, ``(1, z_dim, 1, 1, 1)`` on ``like``'s device
+        and dtype (a VAE latent ``z`` is normalised as ``(z - mean) * inv_std``)."""
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like)
+        return mean, 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like)
 
     def _decode_into(
         self, results: list[DiffusionOutput], latents: torch.Tensor, output_type: str, n: int
     ) -> None:
         """Decode with the VAE (``latents * std + mean``) and give each result its ``n`` videos."""
-        config = self.vae.config
         latents = latents.to(self.vae.dtype)
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        mean, inv_std = self.latent_stats(latents)
         video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]
         video = self.video_processor.postprocess_video(video, output_type=output_type)
         for i, res in enumerate(results):
