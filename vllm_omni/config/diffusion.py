@@ -44,6 +44,7 @@ IN_TREE_PIPELINES: dict[str, str] = {
     "QwenImagePipeline": "vllm_omni.diffusion.pipelines.qwen_image:QwenImagePipeline",
     "QwenImageEditPipeline": "vllm_omni.diffusion.pipelines.qwen_image_edit:QwenImageEditPipeline",
     "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
+    "WanImageToVideoPipeline": "vllm_omni.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline",
 }
 
 # Field metadata: ``concern`` groups the LoRA options; ``option=False`` marks runtime-internal
