@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "vllm_omni.stats",
             "vllm_omni.version",
             "vllm_omni.ipc",
+            "vllm_omni.log_noise",
         ),
     ),
     ("lora: request types, adapter files", ("vllm_omni.lora",)),

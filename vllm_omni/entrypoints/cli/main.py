@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from vllm_omni import log_noise
 from vllm_omni.entrypoints.cli import fast
 
 
@@ -63,12 +64,17 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``serve``); ``argv`` defaults to ``sys.argv[1:]``."""
+    command = argv is None  # the console script (not a caller in this process, such as a test)
     argv = list(sys.argv[1:] if argv is None else argv)
     answered = fast.try_fast(argv, make_parser)
     if answered is not None:  # as argparse would: exit, except for the bare command
         if argv:
             raise SystemExit(answered)
         return answered
+    if argv[:1] == [
+        "serve"
+    ]:  # before vLLM's import (its import-time notes); run as the command: its children too
+        log_noise.install(children=command)
     parser = make_parser()
     fast.save(parser, parser.serve_parser)
     args = parser.parse_args(argv)
