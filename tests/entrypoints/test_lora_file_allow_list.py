@@ -81,8 +81,10 @@ def _folder(path, weights: bytes):
 @pytest.mark.parametrize("swap", ["folder", "file"])
 def test_files_are_checked_at_every_read_reload_request_and_restart(tmp_path, swap):
     """Issue 35 rule 5: an adapter registered from inside a root whose folder (or weights file) is later
-    replaced by a symlink leading out is refused at reload and at a worker restart, naming the path;
-    nothing outside is read and the loaded version keeps serving requests that name it."""
+    replaced by a symlink leading out is refused at reload, at a request that finds its files changed and
+    at a worker restart, naming the path; nothing outside is read, the loaded version stays registered
+    and loaded, and serves again once the files are back (a cache miss on a stage would re-read the
+    files, so a request is never answered from the old version while they lead out)."""
     from vllm_omni.engine.workers.lora_journal import replay_adapters
     from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
 
@@ -96,7 +98,7 @@ def test_files_are_checked_at_every_read_reload_request_and_restart(tmp_path, sw
     reg.core.add(LoRARequest("startup", 8, reg.register_startup_path(str(trusted))))
     loaded = reg.core.get("attn").engine
     if swap == "folder":
-        shutil.rmtree(attn)
+        shutil.move(attn, tmp_path / "attn_moved")
         attn.symlink_to(outside, target_is_directory=True)
         named = str(attn)
     else:
@@ -108,8 +110,9 @@ def test_files_are_checked_at_every_read_reload_request_and_restart(tmp_path, sw
         reg.core.add(lora, reload=True)
     assert named in str(info.value) and "--lora-dirs" in str(info.value)
     assert reg.core.get("attn").engine == loaded and reg.core.get("attn").version == 1
-    # a request naming it: the files changed, the new read is refused, the loaded version serves
-    assert reg.core.resolve(reg.lookup("attn")) == loaded
+    # a request naming it: the files changed, so they would be read; refused the same way
+    with pytest.raises(AdapterFileNotAllowedError, match=named):
+        reg.core.resolve(reg.lookup("attn"))
     assert len(stages.calls) == calls and stages.loaded[0][loaded.lora_int_id] == loaded  # nothing read
     # a restarted worker is told not to read it (the restart reports it as not restored)
     expected = dict((r.lora_name, r) for r, _ in reg.core.expected_on(0))
@@ -121,3 +124,9 @@ def test_files_are_checked_at_every_read_reload_request_and_restart(tmp_path, sw
     with pytest.raises(OpenAIError) as http:  # the HTTP load_inplace path refuses it too
         reg.resolve_path(str(attn))
     assert http.value.status == 400
+    # the files come back: the loaded version serves again, nothing was reloaded
+    if swap == "folder":
+        attn.unlink()
+        shutil.move(tmp_path / "attn_moved", attn)
+        assert reg.core.resolve(reg.lookup("attn")) == loaded
+        assert len(stages.calls) == calls and reg.core.expected_on(0)[0][0] == loaded

@@ -272,6 +272,9 @@ class AdapterRegistry:
         Raises:
             InvalidAdapterError: its id already names an adapter at another location (remove it first),
                 or its files changed on disk and the new version is refused by a stage.
+            AdapterFileNotAllowedError: its files would be read (new, or changed on disk) but the file
+                check refuses them (they now resolve outside the server's ``--lora-dirs``); the loaded
+                version stays registered and serves again once the files are back.
         """
         if not isinstance(lora, LoRARequest) or not lora.lora_path or isinstance(lora.lora_int_id, bool):
             return lora
@@ -289,6 +292,8 @@ class AdapterRegistry:
             return self._refresh(record, signature)
         try:
             identity = self._identity(lora)
+        except AdapterFileNotAllowedError:
+            raise  # the stage would read the same files
         except (FileNotFoundError, InvalidAdapterError):
             return lora
         with self._lock:
@@ -310,7 +315,7 @@ class AdapterRegistry:
         if record.registered:
             try:
                 self.add(record.request, record.targets or None, denoiser=record.denoiser, reload=True)
-            except (AdapterUpdateRefusedError, AdapterFileNotAllowedError) as exc:  # nothing was read
+            except AdapterUpdateRefusedError as exc:
                 with self._lock:
                     self._refused[record.int_id] = signature
                 logger.warning("%s; requests get the loaded version until the adapter is reloaded", exc)

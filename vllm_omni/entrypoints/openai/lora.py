@@ -20,6 +20,9 @@
 - ``denoiser``: on a two-denoiser diffusion stage (Wan2.2 MoE), the denoiser the adapter acts on:
   ``"transformer"`` / ``"high_noise"`` or ``"transformer_2"`` / ``"low_noise"``; unset follows
   :func:`~vllm_omni.lora.request.assign_denoisers` (``[high_noise, low_noise]`` by position).
+- ``text_encoder_scale`` (or ``strength_clip``, ComfyUI's "clip strength"): on a diffusion stage, the
+  weight of the adapter's text-encoder parts (a number; unset: its ``scale``); checked with the other
+  request-adapter rules (:func:`~vllm_omni.lora.request.validate_request_adapters`).
 
 Two spellings of one field in one object are refused, and so is any other key (the message names the
 nearest allowed key). A bare ``{"name": ...}`` selects an adapter the engine's registry knows
@@ -30,7 +33,7 @@ Paths in requests are served only when they are inside a ``--lora-dirs`` root af
 start-up; every file read for such an adapter (``adapter_config.json``, the weights) must resolve
 inside a root as well, at every read: registration, reloads (``load_inplace``, a request finding the
 files changed) and worker restarts check again (:mod:`vllm_omni.lora.allow_list`), so an adapter folder
-later replaced by a symlink leading out is refused, naming it, and the loaded version keeps serving.
+later replaced by a symlink leading out is refused, naming it; the loaded version stays registered.
 Remote locations (URLs, hub ids) only with ``--allow-remote-lora``. A refusal
 says the same thing whether or not the target exists. Pickle-only adapters are refused.
 """
@@ -64,6 +67,7 @@ FIELD_SPELLINGS: dict[str, tuple[str, ...]] = {
     "int_id": ("int_id",),
     "stage": ("stage",),
     "denoiser": ("denoiser",),
+    "text_encoder_scale": ("text_encoder_scale", "strength_clip"),
 }
 ALLOWED_KEYS = tuple(key for spellings in FIELD_SPELLINGS.values() for key in spellings)
 MAX_STAGE_ID = 1023
@@ -88,6 +92,7 @@ class LoRASpec:
     int_id: int | None = None
     stage: int | None = None  # None: the entry stage
     denoiser: str | None = None  # None: by the request's position rule (two-denoiser stages)
+    text_encoder_scale: Any = None  # None: the scale; checked by validate_request_adapters
 
 
 def _canonical_fields(entry: dict, where: str) -> dict[str, Any]:
@@ -155,7 +160,8 @@ def _parse_entry(entry: Any, where: str) -> LoRASpec:
         denoiser = canonical_denoiser(entry.get("denoiser"), f"{where}.denoiser")
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "lora") from None
-    return LoRASpec(name=name, path=path, scale=scale, int_id=int_id, stage=stage, denoiser=denoiser)
+    te_scale = entry.get("text_encoder_scale")
+    return LoRASpec(name, path, scale, int_id, stage, denoiser, te_scale)
 
 
 def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:
