@@ -57,18 +57,27 @@ def adapter_config_metadata(adapter_dir: str | os.PathLike) -> dict:
 
 
 def _build_adapter(
-    transformer_dir: Path, out: Path, seed: int, r: int, alpha: float, targets: list[str] | str
+    transformer_dir: Path,
+    out: Path,
+    seed: int,
+    r: int,
+    alpha: float,
+    targets: list[str] | str,
+    model_class: str = "ZImageTransformer2DModel",
+    std: float = LORA_STD,
 ):
-    from diffusers import ZImageTransformer2DModel
+    """A PEFT LoRA folder on ``targets`` of the diffusers ``model_class`` in ``transformer_dir``, weights
+    ~ N(0, ``std``) from ``seed``."""
+    import diffusers
     from peft import LoraConfig, get_peft_model
 
-    base = ZImageTransformer2DModel.from_pretrained(str(transformer_dir)).eval()
+    base = getattr(diffusers, model_class).from_pretrained(str(transformer_dir)).eval()
     model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
     model.save_pretrained(str(out))
     cfg_path = out / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -255,23 +255,11 @@ LORA_ASSET_VERSION = "1"
 def build_qwen_image_lora(transformer_dir: Path, out: Path, seed: int, targets: list[str]) -> None:
     """A PEFT LoRA folder (rank 4, alpha 8, weights ~ N(0, 0.3) from ``seed``) on ``targets`` of the
     diffusers transformer in ``transformer_dir``."""
-    from diffusers import QwenImageTransformer2DModel
-    from peft import LoraConfig, get_peft_model
+    from tools.make_tiny_diffusion_lora import _build_adapter
 
-    base = QwenImageTransformer2DModel.from_pretrained(str(transformer_dir)).eval()
-    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0)
-    model = get_peft_model(base, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
-    model.save_pretrained(str(out))
-    cfg_path = out / "adapter_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["base_model_name_or_path"] = None  # independent of where the tiny model lives
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    (out / "README.md").unlink(missing_ok=True)
+    _build_adapter(
+        transformer_dir, out, seed, LORA_RANK, LORA_ALPHA, targets, "QwenImageTransformer2DModel", LORA_STD
+    )
 
 
 def ensure_tiny_qwen_image_loras(model_dir: str | os.PathLike, root: str | os.PathLike) -> dict[str, Path]:

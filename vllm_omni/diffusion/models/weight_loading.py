@@ -175,3 +175,34 @@ def load_denoiser(
     model.load_weights(iter_safetensors(folder))
     finalize_linear_layers(model, keep_base_weights=keep_base_weights)
     return model.eval().requires_grad_(False)
+
+
+class PretrainedDenoiser(nn.Module):
+    """Base of the in-tree denoisers: loading from a diffusers ``transformer/`` folder.
+
+    A subclass declares :attr:`stacked_params_mapping` (``(packed_param, checkpoint_sub_module,
+    shard_id)``: which checkpoint projections share one packed vLLM layer; also read by the LoRA
+    manager) and takes the ``config.json`` fields plus ``dtype`` in its constructor.
+    """
+
+    stacked_params_mapping: StackedParamsMapping = []
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        keep_base_weights: bool = True,
+    ):
+        """Build from the folder and load this rank's shard (see :func:`load_denoiser`).
+
+        Raises:
+            FileNotFoundError: missing config or weights. ConfigError: checkpoint/config mismatch.
+        """
+        return load_denoiser(cls, folder, dtype, device, keep_base_weights)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load diffusers-named tensors through :attr:`stacked_params_mapping`; strict (see
+        :func:`load_stacked_weights`)."""
+        return load_stacked_weights(self, weights, self.stacked_params_mapping)

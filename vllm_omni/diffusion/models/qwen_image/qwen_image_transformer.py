@@ -31,8 +31,7 @@ Embedders, ``norm_out.linear`` and ``proj_out`` are replicated.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.distributed.parallel_state import get_tp_rank_and_size
 from vllm_omni.diffusion.models.layers import RMSNorm, linear_out, timestep_sinusoid
-from vllm_omni.diffusion.models.weight_loading import load_denoiser, load_stacked_weights
+from vllm_omni.diffusion.models.weight_loading import PretrainedDenoiser
 from vllm_omni.errors import ConfigError
 
 EPS = 1e-6
@@ -292,7 +291,7 @@ _UNSUPPORTED = {
 }
 
 
-class QwenImageTransformer2DModel(nn.Module):
+class QwenImageTransformer2DModel(PretrainedDenoiser):
     """Qwen-Image denoiser (diffusers ``QwenImageTransformer2DModel`` checkpoint layout) on vLLM layers.
 
     Construct after :func:`~vllm_omni.diffusion.distributed.parallel_state.init_diffusion_parallel_state`
@@ -419,19 +418,3 @@ class QwenImageTransformer2DModel(nn.Module):
         for block in self.transformer_blocks:
             img, txt = block(img, txt, key_mask, temb, freqs)
         return linear_out(self.proj_out, self.norm_out(img, temb))
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        folder: str | os.PathLike,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        keep_base_weights: bool = True,
-    ) -> QwenImageTransformer2DModel:
-        """Build from a diffusers ``transformer/`` folder and load this rank's shard (see
-        :func:`~vllm_omni.diffusion.models.weight_loading.load_denoiser`)."""
-        return load_denoiser(cls, folder, dtype, device, keep_base_weights)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load diffusers-named tensors through :attr:`stacked_params_mapping`; strict."""
-        return load_stacked_weights(self, weights, self.stacked_params_mapping)

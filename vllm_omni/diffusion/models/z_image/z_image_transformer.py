@@ -24,8 +24,6 @@ omni inputs, no controlnet residuals).
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +40,7 @@ from vllm_omni.diffusion.distributed.parallel_state import get_tp_rank_and_size
 from vllm_omni.diffusion.forward_context import rows_per_sample
 from vllm_omni.diffusion.models.layers import RMSNorm
 from vllm_omni.diffusion.models.layers import linear_out as _linear
-from vllm_omni.diffusion.models.weight_loading import load_denoiser, load_stacked_weights
+from vllm_omni.diffusion.models.weight_loading import PretrainedDenoiser
 from vllm_omni.errors import ConfigError
 
 ADALN_EMBED_DIM = 256
@@ -243,7 +241,7 @@ def _grid_ids(size: tuple[int, int, int], start: tuple[int, int, int], device) -
     return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).flatten(0, 2)
 
 
-class ZImageTransformer2DModel(nn.Module):
+class ZImageTransformer2DModel(PretrainedDenoiser):
     """Z-Image denoiser (diffusers ``ZImageTransformer2DModel`` checkpoint layout) on vLLM linear layers.
 
     Construct after :func:`~vllm_omni.diffusion.distributed.parallel_state.init_diffusion_parallel_state`
@@ -507,26 +505,3 @@ class ZImageTransformer2DModel(nn.Module):
         h_joint = self.all_final_layer[key](h_joint, adaln)
 
         return self._unpatchify(h_joint, sizes, patch_size, f_patch_size)
-
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(
-        cls,
-        folder: str | os.PathLike,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        keep_base_weights: bool = True,
-    ) -> ZImageTransformer2DModel:
-        """Build from a diffusers ``transformer/`` folder (``config.json`` + safetensors) and load this rank's shard.
-
-        Requires an initialised diffusion parallel state. ``keep_base_weights`` is passed to
-        :func:`~vllm_omni.diffusion.models.weight_loading.finalize_linear_layers`.
-
-        Raises:
-            FileNotFoundError: missing config or weights. ValueError: checkpoint/config mismatch.
-        """
-        return load_denoiser(cls, folder, dtype, device, keep_base_weights)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load diffusers-named tensors through :attr:`stacked_params_mapping`; strict (see ``load_stacked_weights``)."""
-        return load_stacked_weights(self, weights, self.stacked_params_mapping)
