@@ -12,13 +12,17 @@ given at start-up, hub snapshots it fetched itself).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from vllm.lora.request import LoRARequest
 
 from vllm_omni.errors import InvalidAdapterError
-from vllm_omni.lora.adapter_files import AdapterFiles
+from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
+from vllm_omni.lora.tensor_request import TensorLoRARequest
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterFileNotAllowedError(InvalidAdapterError):
@@ -95,3 +99,22 @@ class RefusedRestore(LoRARequest, kw_only=True):
     (``refusal`` says why, naming the file); the restart reports it as not restored."""
 
     refusal: str = ""
+
+
+def refuse_unreadable(
+    request: LoRARequest, check: Callable[[str, AdapterFiles, str], None] | None, stage_id: int
+) -> LoRARequest:
+    """``request`` as a restarting worker of ``stage_id`` should get it: itself, or a
+    :class:`RefusedRestore` when ``check`` (:meth:`AdapterFileAllowList.check_read`) refuses its files now
+    (logged). Files that cannot be found pass: the stage then says so itself. In-memory adapters pass."""
+    if check is None or isinstance(request, TensorLoRARequest) or not request.lora_path:
+        return request
+    location = str(request.lora_path)
+    try:
+        check(location, locate_adapter(location), location)
+    except AdapterFileNotAllowedError as exc:
+        logger.warning("not restoring adapter %r on stage %d: %s", request.lora_name, stage_id, exc)
+        return RefusedRestore(request.lora_name, request.lora_int_id, location, refusal=str(exc))
+    except (OSError, InvalidAdapterError):
+        pass
+    return request

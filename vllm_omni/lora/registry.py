@@ -54,7 +54,7 @@ from vllm_omni.errors import (
     restate,
 )
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
-from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
+from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, refuse_unreadable
 from vllm_omni.lora.records import (
     AdapterRecord,
     StageState,
@@ -155,32 +155,10 @@ class AdapterRegistry:
         restarted worker of that stage must hold), in registration order. An adapter whose files the
         file check now refuses comes as a :class:`~vllm_omni.lora.allow_list.RefusedRestore` (not
         loaded; the restart reports it as not restored, naming the file)."""
-        out = []
-        for request, pinned in expected_on(self.records(), stage_id):
-            refusal = self._read_refusal(request)
-            if refusal is not None:
-                logger.warning(
-                    "not restoring adapter %r on stage %d: %s", request.lora_name, stage_id, refusal
-                )
-                request = RefusedRestore(
-                    request.lora_name, request.lora_int_id, request.lora_path, refusal=refusal
-                )
-            out.append((request, pinned))
-        return out
-
-    def _read_refusal(self, request: LoRARequest) -> str | None:
-        """Why reading ``request``'s files now is refused by the file check (``None``: it is not, or the
-        files cannot be found: the stage then says so itself)."""
-        if self._file_check is None or isinstance(request, TensorLoRARequest):
-            return None
-        location = str(request.lora_path)
-        try:
-            self._file_check(location, locate_adapter(location), location)
-        except AdapterFileNotAllowedError as exc:
-            return str(exc)
-        except (OSError, InvalidAdapterError):
-            return None
-        return None
+        return [
+            (refuse_unreadable(r, self._file_check, stage_id), p)
+            for r, p in expected_on(self.records(), stage_id)
+        ]
 
     def note_restart(self, stage_id: int, failed: Mapping[int, str], replica: int = 0) -> None:
         """A worker of ``stage_id`` (replica ``replica``) restarted; ``failed`` maps the engine ids it
