@@ -6,7 +6,8 @@ Conventions (also described in ``docs/contributing_docs.md``):
   directory the test builds from the tiny test assets (see :data:`PLACEHOLDERS`). A name that
   is not listed there fails the test, so the docs cannot use a path nobody checks.
   ``localhost:8000`` is rewritten to the address of the page's live server (``serve`` below).
-  Paths under ``examples/`` resolve as from the repository's root (the page folder links it).
+  Paths under ``examples/`` and ``.cache/test_assets/`` (the tiny model and adapters the main job
+  writes) resolve as from the repository's root (the page folder links them).
 * **Languages.** ``python``: every block is a script of its own, run as a reader would run it
   (``python block.py`` in a fresh per-page folder, a new process, ``VLLM_ENABLE_V1_MULTIPROCESSING``
   unset as in a fresh shell), so a block defines every name it
@@ -53,8 +54,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_DIR = REPO_ROOT / "docs"
 #: Seconds a block, a server start or a server stop may go without output or CPU time.
 STALL_S = float(os.environ.get("VLLM_OMNI_DOCS_STALL_S", "300"))
+#: What the main job (``tools/setup.sh``) writes, as the first pages name it: ``.cache/test_assets/...``
+#: from the repository's root (the suite's assets folder: the same place unless ``VLLM_OMNI_TEST_ASSETS``).
+SHIPPED_ASSETS = Path(os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO_ROOT / ".cache" / "test_assets")
 #: An engine built on an LLM checkpoint: the script needs the ``__main__`` guard (vLLM spawns processes).
-_ENGINE_LLM = re.compile(r"\b(Omni|AsyncOmni)\(\s*\"/path/to/(model|qwen2_5_omni|qwen3_omni)\"")
+_ENGINE_LLM = re.compile(
+    r"\b(Omni|AsyncOmni)\(\s*\"(/path/to/(model|qwen2_5_omni|qwen3_omni)|\.cache/test_assets/tiny_llm_v\d+/model)\""
+)
 _MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
@@ -461,6 +467,11 @@ class PageRunner:
         for top in ("examples",):
             if not (workdir / top).exists():
                 (workdir / top).symlink_to(REPO_ROOT / top, target_is_directory=True)
+        # ... and so does what the main job wrote there (the tiny model the first pages use)
+        shipped = workdir / ".cache" / "test_assets"
+        if not shipped.exists():
+            shipped.parent.mkdir(exist_ok=True)
+            shipped.symlink_to(SHIPPED_ASSETS, target_is_directory=True)
         self.server: LiveServer | None = None
         self.ran: list[str] = []
         self.skipped: list[str] = []
