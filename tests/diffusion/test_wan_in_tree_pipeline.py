@@ -229,3 +229,36 @@ def test_single_expert_distill_file_equals_diffusers(tmp_path):
         assert isinstance(pipeline, WanPipeline) and pipeline.transformer_2 is None
         got = _latents(omni)
     assert _err(got, want) <= TOL
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_the_culprit(omni, tmp_path):
+    """A file for another model size names the module and both shapes; a lightx2v-style file with bias
+    deltas (``diff_b``, which this runtime does not apply) names the keys; nothing is registered."""
+    from safetensors.torch import save_file
+
+    from vllm_omni.errors import LoRAFormatError
+
+    g = torch.Generator().manual_seed(0)
+    wrong = {
+        "diffusion_model.blocks.0.self_attn.q.lora_A.weight": torch.randn(4, 24, generator=g),
+        "diffusion_model.blocks.0.self_attn.q.lora_B.weight": torch.randn(16, 4, generator=g),
+    }
+    biased = {
+        k.replace("lora_A", "lora_down").replace("lora_B", "lora_up"): v[:, :16].clone()
+        for k, v in wrong.items()
+    }
+    biased["diffusion_model.blocks.0.self_attn.q.diff_b"] = torch.randn(16, generator=g)
+    before = omni.list_loras()
+    for name, tensors, match in [
+        ("wrong", wrong, r"wrong\.safetensors: module '.*blocks\.0\.attn1\.to_q' has lora_A \(4, 24\)"),
+        (
+            "biased",
+            biased,
+            r"bias terms are not supported.*'diffusion_model\.blocks\.0\.self_attn\.q\.diff_b'",
+        ),
+    ]:
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path))
+        with pytest.raises(LoRAFormatError, match=match):
+            omni.add_lora(LoRARequest(name, 50, str(path)))
+    assert omni.list_loras() == before
