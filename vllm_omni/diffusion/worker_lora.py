@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.lora import DiffusionLoRAManager, find_denoisers, fuse_lora_files_into_pipeline
+from vllm_omni.diffusion.lora.text_encoder_lora import TextEncoderLoRA
 from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.lora.request import (
     LoRARequest,
@@ -84,6 +85,12 @@ class WorkerLoRA:
             "banks": od_config.compiles,  # a compiled denoiser reads fixed-shape banks (never recompiles)
             "merge": od_config.lora_merge,  # one adapter for a whole batch folded into the base weights
         }
+        #: the text encoders' managers; their reader splits each file (text-encoder parts refused
+        #: before anything is cached when the pipeline lacks that encoder)
+        self.text_encoders = TextEncoderLoRA(
+            pipeline, self.label, **{k: sizes[k] for k in ("max_loras", "max_rank", "max_cpu_loras")}
+        )
+        sizes["adapter_loader"] = self.text_encoders.read
         if len(denoisers) == 1:
             self.managers = {next(iter(denoisers)) or "transformer": DiffusionLoRAManager(pipeline, **sizes)}
         else:
@@ -136,16 +143,28 @@ class WorkerLoRA:
             for manager in self.managers.values():
                 if manager.add_lora(lora_request):
                     loaded.append(manager)
+            self.text_encoders.note_loaded([lora_request])
+            for name in self.text_encoders.users(lora_request):
+                if self.text_encoders.managers[name].add_lora(lora_request):
+                    loaded.append(self.text_encoders.managers[name])
         except BaseException:
             for manager in loaded:
                 manager.remove_lora(lora_request.lora_int_id)
             raise
+        finally:
+            self.text_encoders.done_loading()
         return bool(loaded)
+
+    def _every_manager(self) -> list[DiffusionLoRAManager]:
+        return [*self.managers.values(), *self.text_encoders.managers.values()]
+
+    def _manager(self, name: str) -> DiffusionLoRAManager:
+        return self.managers[name] if name in self.managers else self.text_encoders.managers[name]
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop from every denoiser's cache and slots; ``False`` when none had it. ``LoRACacheError``
         (nothing removed) while a request holds it on any denoiser."""
-        holders = [m for m in self.managers.values() if m.cache_entry(lora_int_id) is not None]
+        holders = [m for m in self._every_manager() if m.cache_entry(lora_int_id) is not None]
         for manager in holders:
             entry = manager.cache_entry(lora_int_id)
             if entry.refcount > 0 or lora_int_id in manager.active_lora_ids:
@@ -163,7 +182,7 @@ class WorkerLoRA:
 
     def pin_lora(self, lora_int_id: int) -> bool:
         """Pin a cached adapter on every denoiser that holds it (``InvalidRequestError`` when none does)."""
-        holders = [m for m in self.managers.values() if m.cache_entry(lora_int_id) is not None]
+        holders = [m for m in self._every_manager() if m.cache_entry(lora_int_id) is not None]
         if not holders:
             return self.manager.pin_lora(lora_int_id)  # raises: not cached
         pinned = all(m.pin_lora(lora_int_id) for m in holders)
@@ -264,18 +283,28 @@ class WorkerLoRA:
             for name in dict.fromkeys(targets):
                 loras = [a.lora for a, t in zip(adapters, targets, strict=True) if t == name]
                 held.append((name, self.managers[name].acquire_loras(loras)))
+            self.text_encoders.note_loaded([a.lora for a in adapters])
+            for name, manager in self.text_encoders.managers.items():
+                loras = [a.lora for a in adapters if name in self.text_encoders.users(a.lora)]
+                if loras:
+                    held.append((name, manager.acquire_loras(loras)))
 
+        before = set(self.list_loras())
         try:
             self._loading([a.lora for a in adapters], load, True)
         except BaseException:
             self.release(held)
+            for lora_int_id in {a.lora.lora_int_id for a in adapters} - before:
+                self.remove_lora(lora_int_id)  # a text-encoder part failed: nothing stays cached
             raise
+        finally:
+            self.text_encoders.done_loading()
         return held
 
     def release(self, held: Sequence[tuple[str, list[int]]]) -> None:
         for name, ids in held:
             if ids:
-                self.managers[name].release_loras(ids)
+                self._manager(name).release_loras(ids)
 
     def context_factory(
         self, sets: Sequence[LoRASet]
@@ -285,7 +314,10 @@ class WorkerLoRA:
         The callback receives the prompt index of every denoiser sample (CFG copies included)
         and activates, on each denoiser, a per-sample scale matrix of the adapters that act on it;
         with ``None`` (a pipeline that cannot report its layout) every prompt must share one set,
-        which is then applied to the whole batch.
+        which is then applied to the whole batch. With ``component="text_encoder"`` it activates the
+        adapters' text-encoder parts instead, on every text encoder, for an encoder batch whose
+        sequences belong to the given prompts (negative prompts included), each at its
+        ``text_encoder_scale`` (default: its scale; a schedule's: the stage default).
 
         Raises (from the callback):
             ValueError: ``None`` layout but the prompts' sets differ.
@@ -305,7 +337,15 @@ class WorkerLoRA:
             )
         used = [name for name in self.denoisers if any(p[name][0] for p in per_prompt)]
 
-        def make(sample_prompts: list[int] | None, lora_scale: float = 1.0) -> AbstractContextManager:
+        def make(
+            sample_prompts: list[int] | None, lora_scale: float = 1.0, component: str = "transformer"
+        ) -> AbstractContextManager:
+            if component == "text_encoder":
+                return self._text_encoder_context(sets, sample_prompts, lora_scale)
+            if component != "transformer":
+                raise ValueError(
+                    f"lora_context component must be 'transformer' or 'text_encoder', got {component!r}"
+                )
             if not used:
                 return contextlib.nullcontext()
             table = per_prompt
@@ -330,6 +370,27 @@ class WorkerLoRA:
             )
 
         return make
+
+    def _text_encoder_context(
+        self, sets: Sequence[LoRASet], rows: list[int] | None, lora_scale: float
+    ) -> AbstractContextManager:
+        """The text encoders' activation for prompts using ``sets`` (see :meth:`context_factory`)."""
+        if not self.text_encoders.managers or not any(
+            self.text_encoders.users(a.lora) for adapters in sets for a in adapters
+        ):
+            return contextlib.nullcontext()
+        prompts = []
+        for adapters in sets:
+            scales = self.resolve_scales(adapters)
+            pairs = []
+            for a, scale in zip(adapters, scales, strict=True):
+                if a.text_encoder_scale is not None:
+                    scale = a.text_encoder_scale
+                elif isinstance(scale, LoRAScaleSchedule):
+                    scale = self.default_scales.get(a.lora.lora_int_id, 1.0)
+                pairs.append((a.lora, float(scale) * lora_scale))
+            prompts.append(pairs)
+        return self.text_encoders.activate(prompts, rows)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,12 +175,16 @@ class RequestAdapter:
             ``"high_noise"``) or ``"transformer_2"`` (alias ``"low_noise"``); ``None`` follows
             :func:`assign_denoisers` (by position on a two-denoiser stage). Aliases become the
             attribute name in :func:`validate_request_adapters`.
+        text_encoder_scale: on a diffusion stage, its weight on the text encoder(s) when its file has
+            text-encoder parts (ComfyUI's "clip strength"); ``None`` takes :attr:`scale` (for a schedule,
+            the stage default). A finite number, no schedule: the prompt is encoded once.
     """
 
     lora: LoRARequest
     scale: float | LoRAScaleSchedule | None = None
     stage_id: int | None = None
     denoiser: str | None = None
+    text_encoder_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -291,11 +295,15 @@ def llm_stage_adapter(adapters: Sequence[RequestAdapter], stage: str) -> LoRAReq
         InvalidRequestError: more than one adapter, a scale other than 1.0, or a denoiser.
     """
     if len(adapters) > 1 or any(
-        isinstance(a.scale, bool) or a.scale not in (None, 1.0) or a.denoiser is not None for a in adapters
+        isinstance(a.scale, bool)
+        or a.scale not in (None, 1.0)
+        or a.denoiser is not None
+        or a.text_encoder_scale is not None
+        for a in adapters
     ):
         raise InvalidRequestError(
-            f"{stage}: an LLM stage applies one adapter per request, at scale 1.0, with no denoiser "
-            "(denoisers and scales belong to diffusion stages)"
+            f"{stage}: an LLM stage applies one adapter per request, at scale 1.0, with no denoiser or "
+            "text_encoder_scale (denoisers and scales belong to diffusion stages)"
         )
     return adapters[0].lora if adapters else None
 
@@ -358,11 +366,26 @@ def validate_request_adapters(
             value = coerce_scale(scale, scale_name)
             if isinstance(value, LoRAScaleSchedule) and num_steps is not None:
                 value.check_steps(num_steps, scale_name)
+            te_scale = _text_encoder_scale(adapter.text_encoder_scale, f"{field}[{i}].text_encoder_scale")
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{exc} (LoRA {lora_id}, {lora.lora_name!r})") from None
-        same = value is scale and denoiser == adapter.denoiser
-        out.append(adapter if same else RequestAdapter(lora, value, adapter.stage_id, denoiser))
+        same = value is scale and denoiser == adapter.denoiser and te_scale is adapter.text_encoder_scale
+        out.append(adapter if same else RequestAdapter(lora, value, adapter.stage_id, denoiser, te_scale))
     return tuple(out)
+
+
+def _text_encoder_scale(value: Any, where: str) -> float | None:
+    """A ``text_encoder_scale`` as ``None`` or a finite ``float`` within the scale limits.
+
+    Raises:
+        InvalidRequestError: a schedule (a list or dict), or what :func:`coerce_scale` refuses.
+    """
+    if isinstance(value, LoRAScaleSchedule | Mapping | list | tuple):
+        raise InvalidRequestError(
+            f"{where} must be a number (the prompt is encoded once, so it has no per-step or per-block "
+            f"schedule), got {type(value).__name__}"
+        )
+    return coerce_scale(value, where)
 
 
 def to_request_adapters(

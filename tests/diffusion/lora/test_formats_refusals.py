@@ -111,13 +111,19 @@ def _variants(directory: str, tmp: str) -> dict[str, tuple[str, str]]:
             _edit_file(kohya, f"{tmp}/shape.safetensors", _mismatch),
             r"shape\.safetensors.*feed_forward.w2.*\(6, 99\).*\(6, \d+\)",
         ),
-        "text_encoder_keys": (
+        "text_encoder_keys": (  # a bare manager patches its denoiser only: a text-encoder part is refused, not dropped
             _edit_file(
                 kohya,
                 f"{tmp}/te.safetensors",
-                lambda t: t.update({"lora_te1_text_model_encoder_layers_0_mlp_fc1.alpha": torch.tensor(1.0)}),
+                lambda t: t.update(
+                    {
+                        "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(2, 8),
+                        "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(8, 2),
+                        "lora_te1_text_model_encoder_layers_0_mlp_fc1.alpha": torch.tensor(1.0),
+                    }
+                ),
             ),
-            r"text-encoder.*lora_te1_",
+            r"text-encoder parts.*denoiser only.*lora_te1_.*text_model_encoder_layers_0_mlp_fc1",
         ),
         "unknown_module": (
             _edit_file(

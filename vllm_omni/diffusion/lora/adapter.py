@@ -96,6 +96,9 @@ class LoRAAdapterWeights:
         base_model_name_or_path: what the adapter's configuration says it was trained on (informative).
         untargeted: module keys with tensors that the configuration's ``target_modules`` does not
             select (peft would ignore them); refused at bind time once the names are known to resolve.
+        text_encoders: the file's text-encoder parts, per pipeline component (``"text_encoder"``,
+            ``"text_encoder_2"``, ...; :mod:`.formats.text_encoders`), each parsed like a file of its own
+            (module keys relative to that encoder); empty for a denoiser-only adapter.
     """
 
     modules: dict[str, LoRAModuleWeights] = field(default_factory=dict)
@@ -105,6 +108,7 @@ class LoRAAdapterWeights:
     has_config: bool = False
     base_model_name_or_path: str | None = None
     untargeted: list[str] = field(default_factory=list)
+    text_encoders: dict[str, LoRAAdapterWeights] = field(default_factory=dict, repr=False)
 
     @property
     def max_rank(self) -> int:

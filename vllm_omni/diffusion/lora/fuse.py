@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
+from vllm_omni.diffusion.lora.formats.text_encoders import fit_part_to_encoder, text_encoder_parts_refusal
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.manager import DEFAULT_DENOISER_ATTRS, _mapping_from_models, find_denoisers
 from vllm_omni.diffusion.lora.safetensors_format import adapter_from_state_dict
 from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
-from vllm_omni.errors import ConfigError, OmniUserError, restate
+from vllm_omni.diffusion.lora.text_encoder_lora import find_text_encoders
+from vllm_omni.errors import ConfigError, LoRAFormatError, OmniUserError, restate
 
 AdapterSource = str | os.PathLike[str] | Mapping[str, torch.Tensor] | LoRAAdapterWeights
 
@@ -85,7 +89,11 @@ def fuse_lora_into_model(
     denoisers = find_denoisers(model, denoiser_attrs)
     mapping = _mapping_from_models(denoisers) if stacked_params_mapping is None else stacked_params_mapping
     index = TargetIndex(denoisers, mapping)
-    bound = bind_adapter(_as_adapter(adapter, metadata), index)
+    adapter = _as_adapter(adapter, metadata)
+    if adapter.text_encoders:  # never dropped silently
+        why = "this call fuses into denoisers; fuse_lora_files_into_pipeline fuses text-encoder parts too"
+        raise LoRAFormatError(text_encoder_parts_refusal(adapter, why))
+    bound = bind_adapter(adapter, index)
 
     plan: list[tuple[str, torch.Tensor, list[tuple[slice, torch.Tensor]]]] = []
     for name, weights in bound.items():
@@ -119,15 +127,18 @@ def fuse_lora_files_into_pipeline(
     denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS,
 ) -> dict[str, list[str]]:
     """Fuse the i-th adapter into the i-th denoiser (e.g. Wan2.2: high-noise file -> ``transformer``,
-    low-noise file -> ``transformer_2``).
+    low-noise file -> ``transformer_2``), and its text-encoder parts (:mod:`.formats.text_encoders`) into
+    the pipeline's text encoders (:func:`.text_encoder_lora.find_text_encoders`), at the same scale, as
+    diffusers' ``fuse_lora(components=[...])`` does.
 
     Returns:
-        denoiser attribute -> fused layer names.
+        denoiser or text-encoder attribute -> fused layer names.
 
     Raises:
         ConfigError: more adapters than denoisers, or ``scales`` of another length.
         LoRAFormatError: a file that binds no layer of its denoiser (message names the file's
-            position and the denoiser).
+            position and the denoiser), or with text-encoder parts the pipeline has no encoder for
+            (their keys named; nothing is fused).
     """
     denoisers = find_denoisers(pipeline, denoiser_attrs)
     if len(adapters) > len(denoisers):
@@ -135,12 +146,29 @@ def fuse_lora_files_into_pipeline(
     scales = [1.0] * len(adapters) if scales is None else list(scales)
     if len(scales) != len(adapters):
         raise ConfigError(f"{len(adapters)} LoRA files but {len(scales)} scales")
+    encoders = find_text_encoders(pipeline)
+    parsed = [_as_adapter(source, None) for source in adapters]
+    for adapter in parsed:
+        missing = [c for c in adapter.text_encoders if c not in encoders]
+        if missing:
+            why = f"the pipeline has text encoders {list(encoders)}"
+            raise LoRAFormatError(text_encoder_parts_refusal(adapter, why, missing))
     result: dict[str, list[str]] = {}
-    for i, ((attr, module), source, value) in enumerate(
-        zip(denoisers.items(), adapters, scales, strict=False)
+    for i, ((attr, module), adapter, value) in enumerate(
+        zip(denoisers.items(), parsed, scales, strict=False)
     ):
+        where = attr
         try:
-            result[attr] = fuse_lora_into_model(module, source, value)
+            result[attr] = fuse_lora_into_model(module, replace(adapter, text_encoders={}), value)
+            for where, part in adapter.text_encoders.items():
+                fitted = replace(
+                    part, modules=fit_part_to_encoder(part.modules, encoders[where]), raw_state_dict=None
+                )
+                holder = types.SimpleNamespace(**{where: encoders[where]})
+                names = fuse_lora_into_model(
+                    holder, fitted, value, stacked_params_mapping=[], denoiser_attrs=(where,)
+                )
+                result.setdefault(where, []).extend(names)
         except OmniUserError as exc:
-            raise restate(exc, f"LoRA file {i} of {len(adapters)} (fused into {attr!r})") from exc
+            raise restate(exc, f"LoRA file {i} of {len(adapters)} (fused into {where!r})") from exc
     return result

@@ -35,6 +35,7 @@ from vllm_omni.diffusion.lora.activation import check_request, validate_activati
 from vllm_omni.diffusion.lora.banks import DEFAULT_BANK_ROWS, LoRABankSet
 from vllm_omni.diffusion.lora.batch_state import LoRABatchState, SlotActivation, scale_runs
 from vllm_omni.diffusion.lora.cache import AdapterCache, CacheEntry, SlotTable
+from vllm_omni.diffusion.lora.formats.text_encoders import text_encoder_parts_refusal
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.merge import MergedWeights, single_adapter
@@ -199,6 +200,9 @@ class DiffusionLoRAManager:
     def _load_entry(self, request: LoRARequest) -> CacheEntry:
         lora_id, path = check_request(request)
         adapter = adapter_from_tensors(request) if isinstance(request, TensorLoRARequest) else self._loader(path)
+        if getattr(adapter, "text_encoders", None):  # never ignored silently (a stage applies them itself)
+            why = "this LoRA manager patches the denoiser only"
+            raise LoRAFormatError(text_encoder_parts_refusal(adapter, why))
         bound = bind_adapter(adapter, self._index, self.max_rank)
         prepared = {}
         for name, weights in bound.items():

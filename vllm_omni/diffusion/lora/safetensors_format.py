@@ -44,6 +44,7 @@ from vllm_omni.diffusion.lora.formats.lycoris import (
     read_lycoris_config,
     split_lycoris,
 )
+from vllm_omni.diffusion.lora.formats.text_encoders import split_text_encoder_parts
 from vllm_omni.diffusion.lora.peft_format import build_module_weights, untargeted_modules
 from vllm_omni.errors import LoRAFormatError
 from vllm_omni.lora.adapter_files import (
@@ -61,7 +62,12 @@ _COMPONENT_PREFIXES = ("transformer.", "transformer_2.", "unet.")
 _SCALING_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")
 
 
-def _config_from_metadata(metadata: Mapping[str, str] | None, source: str) -> dict | None:
+def _config_from_metadata(
+    metadata: Mapping[str, str] | None, source: str, component: str | None = None
+) -> dict | None:
+    """The LoRA configuration in the ``lora_adapter_metadata`` header: the denoiser's (keys bare or under
+    ``transformer.`` / ``unet.``), or with ``component`` that text encoder's (keys under ``<component>.``,
+    as diffusers' ``save_lora_weights`` packs them); ``None`` when absent."""
     if not metadata or METADATA_KEY not in metadata:
         return None
     try:
@@ -70,6 +76,9 @@ def _config_from_metadata(metadata: Mapping[str, str] | None, source: str) -> di
         raise LoRAFormatError(f"{source}: {METADATA_KEY} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise LoRAFormatError(f"{source}: {METADATA_KEY} is not a JSON object")
+    if component is not None:
+        mine = {k[len(component) + 1 :]: v for k, v in raw.items() if k.startswith(component + ".")}
+        return mine or None
     prefixed = any("." in key for key in raw)
     config: dict = {}
     for key, value in raw.items():
@@ -115,6 +124,11 @@ def adapter_from_state_dict(
             unpaired or malformed tensors, a config without ``lora_alpha``, configs or ``.alpha`` values
             that disagree, or declared ranks that disagree with the tensors.
     """
+    denoiser_part, text_parts = split_text_encoder_parts(state_dict)
+    if text_parts:
+        return _with_text_encoder_parts(
+            denoiser_part, text_parts, metadata=metadata, source=source, config=config
+        )
     state_dict = canonical_flat_prefix(state_dict, source)
     screen_state_dict(state_dict, source)
     lycoris, rest = split_lycoris(state_dict)
@@ -151,6 +165,28 @@ def adapter_from_state_dict(
         else None,
         untargeted=untargeted_modules(config, modules) if config is not None else [],
     )
+
+
+def _with_text_encoder_parts(
+    denoiser_part, text_parts, *, metadata, source: str, config
+) -> LoRAAdapterWeights:
+    """A file with text-encoder parts (:mod:`.formats.text_encoders`): the denoiser part parsed as the
+    file (the sibling configuration applies to it), each text-encoder part with the configuration
+    diffusers stores for that component in the header, else its ``.alpha`` tensors (kohya), else
+    ``alpha = r``."""
+    encoders = {}
+    for component, part in text_parts.items():
+        where = f"{source} [{component}]"
+        raw = _config_from_metadata(metadata, source, component)
+        part_config = lora_config_from_dict(raw, where) if raw is not None else None
+        encoders[component] = adapter_from_state_dict(part, source=where, config=part_config)
+    if denoiser_part:
+        adapter = adapter_from_state_dict(denoiser_part, metadata=metadata, source=source, config=config)
+    else:
+        first = next(iter(encoders.values()))
+        adapter = LoRAAdapterWeights(source=source, layout=first.layout, has_config=config is not None)
+    adapter.text_encoders = encoders
+    return adapter
 
 
 def _lycoris_adapter(state_dict, lycoris, rest, *, metadata, source: str, config) -> LoRAAdapterWeights:

@@ -41,7 +41,11 @@ def check_image_side(name: str, value: int | None, factor: int, limit: int | Non
 #: sample to its prompt index (CFG copies included), or ``None`` when every sample shares one
 #: adapter set (pipelines with ``mixed_lora_batch = False``). A pipeline that takes a call-wide LoRA
 #: scale (the diffusers fallback's ``joint_attention_kwargs={"scale": s}`` and its kin) passes it as
-#: ``lora_context(rows, lora_scale=s)``: every adapter's scale is multiplied by ``s``.
+#: ``lora_context(rows, lora_scale=s)``: every adapter's scale is multiplied by ``s``. Around prompt
+#: encoding a pipeline enters ``lora_context(rows, component="text_encoder")`` with the prompt index of
+#: every encoded text (negative texts included; ``None``: one set for the call): the adapters'
+#: text-encoder parts act on its text encoders (``pipelines.denoise.encode_texts`` does it for the
+#: in-tree pipelines).
 LoRAContextFactory = Callable[..., AbstractContextManager]
 
 

@@ -3,7 +3,7 @@
 A pipeline adds its own prompt encoding, latent layout, denoiser call and decoding; these functions
 do the rest, in the order a ``generate`` uses them::
 
-    texts = prompts + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
+    embeds = encode_texts(encode, prompts, sp.negative_prompt, cfg, lora_context)  # prompts (+ negatives)
     latents = seeded_noise(shape, n, sp, len(prompts), seeds, device)          # (P*n, *shape) fp32
     adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg))  # LoRA row layout
     scheduler = prepare_scheduler(pipe.scheduler, device, sigmas=..., mu=...)
@@ -96,6 +96,38 @@ def negative_texts(prompts: list[str], negative: str | list[str] | None) -> list
             f"negative_prompt has {len(negative)} entries for {len(prompts)} prompts; pass one per prompt"
         )
     return list(negative)
+
+
+def text_rows(num_prompts: int, cfg: bool) -> list[int]:
+    """The text encoder's LoRA row layout: the prompt index of every encoded text (the prompts, then,
+    with CFG, their negative texts)."""
+    rows = list(range(num_prompts))
+    return rows * 2 if cfg else rows
+
+
+def encode_texts(
+    encode: Callable[[list[str]], Any],
+    prompts: list[str],
+    negative: str | list[str] | None,
+    cfg: bool,
+    lora_context: LoRAContextFactory | None,
+    lora_scale: float = 1.0,
+) -> Any:
+    """``encode(texts)`` of the prompts and, with CFG, their negative texts (:func:`negative_texts`),
+    inside the text encoders' LoRA scope: ``lora_context(text_rows(...), component="text_encoder")``,
+    so each text is encoded with its own prompt's adapters (their text-encoder parts), negative
+    texts with their prompt's. ``lora_scale`` (a call-wide multiplier, 1 = none) is passed only when
+    it is not 1.
+
+    Raises:
+        InvalidRequestError: see :func:`negative_texts`.
+    """
+    texts = list(prompts) + (negative_texts(prompts, negative) if cfg else [])
+    if lora_context is None:
+        return encode(texts)
+    extra = {"lora_scale": lora_scale} if lora_scale != 1.0 else {}
+    with lora_context(text_rows(len(prompts), cfg), component="text_encoder", **extra):
+        return encode(texts)
 
 
 def seeded_noise(
@@ -220,6 +252,7 @@ __all__ = [
     "Predict",
     "attach_decoded",
     "denoiser_rows",
+    "encode_texts",
     "load_component",
     "lora_scope",
     "negative_texts",
@@ -228,4 +261,5 @@ __all__ = [
     "run_denoising_loop",
     "seeded_noise",
     "split_by_prompt",
+    "text_rows",
 ]

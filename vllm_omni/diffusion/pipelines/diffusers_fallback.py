@@ -14,15 +14,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import check_image_side
+from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, check_image_side
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -146,13 +144,15 @@ class DiffusersFallbackPipeline:
         sp: OmniDiffusionSamplingParams,
         *,
         seeds: list[int | None] | None = None,
-        lora_context: Callable[[list[int] | None], AbstractContextManager] | None = None,
+        lora_context: LoRAContextFactory | None = None,
     ) -> list[DiffusionOutput]:
         """Run the diffusers pipeline on all prompts in one call; one :class:`DiffusionOutput` per prompt.
 
-        ``seeds`` (one per prompt) override ``sp.seed``; ``lora_context(None)`` is entered around
-        the whole diffusers call (all prompts share one adapter set here), with ``lora_scale`` when
-        ``extra_args`` carries a LoRA scale (module docstring).
+        ``seeds`` (one per prompt) override ``sp.seed``; ``lora_context(None)`` and
+        ``lora_context(None, component="text_encoder")`` (the adapters' text-encoder parts, on the
+        diffusers pipeline's text encoders) are entered around the whole diffusers call (all prompts
+        share one adapter set here), with ``lora_scale`` when ``extra_args`` carries a LoRA scale
+        (module docstring; diffusers scales its text-encoder LoRA by it too).
 
         With ``seed`` set each prompt gets its own generator seeded identically (so a
         prompt's result does not depend on its batch). ``latents`` is filled only for
@@ -184,11 +184,11 @@ class DiffusersFallbackPipeline:
                 gens.extend([g] * n)
             kwargs["generator"] = gens
         lora_scale = pop_lora_scale(kwargs)
-        if lora_context is None:
-            adapters = contextlib.nullcontext()
-        else:
-            adapters = lora_context(None, lora_scale=lora_scale) if lora_scale != 1.0 else lora_context(None)
-        with adapters:
+        with contextlib.ExitStack() as adapters:
+            if lora_context is not None:  # one adapter set for the whole call: denoiser and text encoders
+                extra = {"lora_scale": lora_scale} if lora_scale != 1.0 else {}
+                adapters.enter_context(lora_context(None, **extra))
+                adapters.enter_context(lora_context(None, component="text_encoder", **extra))
             out = self.pipe(prompt=list(prompts), **kwargs)
         is_video = getattr(out, "images", None) is None and getattr(out, "frames", None) is not None
         images = out.frames if is_video else out.images

@@ -34,8 +34,8 @@ from vllm_omni.diffusion.pipelines.denoise import (
     InTreePipelineBase,
     attach_decoded,
     denoiser_rows,
+    encode_texts,
     lora_scope,
-    negative_texts,
     prepare_scheduler,
     resolution_shift_mu,
     run_denoising_loop,
@@ -169,7 +169,9 @@ class ZImagePipeline(InTreePipelineBase):
                 ``sp.seed``; ignored when ``sp.generator`` is set.
             lora_context: called once, before the first step, with the prompt index of every
                 denoiser sample (CFG copies included, in batch order); the returned context is
-                held over all denoising steps (the LoRA worker activates adapters there).
+                held over all denoising steps (the LoRA worker activates adapters there). Also
+                called around prompt encoding with ``component="text_encoder"`` and the prompt index
+                of every encoded text (negative texts included): adapters' text-encoder parts.
 
         Returns one :class:`DiffusionOutput` per prompt, in order, with float32 CPU
         ``latents`` ``(n, 16, H/8, W/8)`` and, unless ``output_type="latent"``, decoded images.
@@ -190,8 +192,14 @@ class ZImagePipeline(InTreePipelineBase):
         guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
         cfg = guidance > 0
         n = sp.num_images_per_prompt
-        texts = list(prompts) + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
-        captions = [c for c in self.encode_prompts(texts, sp.max_sequence_length) for _ in range(n)]
+        encoded = encode_texts(
+            lambda texts: self.encode_prompts(texts, sp.max_sequence_length),
+            prompts,
+            sp.negative_prompt,
+            cfg,
+            lora_context,
+        )
+        captions = [c for c in encoded for _ in range(n)]
         factor = self.vae_scale_factor * 2
         shape = (self.transformer.in_channels, 2 * (height // factor), 2 * (width // factor))
         latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)

@@ -65,9 +65,10 @@ _REFUSED_KEYS: tuple[tuple[Callable[[str], bool], str, str], ...] = (
         "linear LoRA, LoHa and LoKr are supported; convert to one of them or fuse offline",
     ),
     (
-        lambda k: k.startswith(("lora_te", "text_encoder", "te.", "te1.", "te2.", "text_model.")),
-        "text-encoder LoRA",
-        "the diffusion stage applies LoRA to the denoiser only; remove the text-encoder keys",
+        lambda k: k.startswith(("te.", "te1.", "te2.")),
+        "text-encoder keys in a layout this runtime does not read",
+        "save them as diffusers' text_encoder.* / text_encoder_2.* keys or kohya's lora_te_* / lora_te1_* / "
+        "lora_te2_* keys",
     ),
     (
         lambda k: any(t in k for t in ("weight_scale", "scale_weight", "absmax", "quant_state", "quant_map")),
@@ -83,7 +84,8 @@ def screen_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> No
     Raises:
         LoRAFormatError: DoRA (``lora_magnitude_vector`` / kohya ``dora_scale``), ``modules_to_save``,
             LoRA bias (``lora_B.bias``, ``.diff_b``), full diffs, OFT / Tucker-core / embedding tensors
-            (LoHa / LoKr keys pass, :mod:`.lycoris` checks them), text-encoder keys,
+            (LoHa / LoKr keys pass, :mod:`.lycoris` checks them), text-encoder keys in an unread layout
+            (``te.`` / ``te1.`` / ``te2.``; the read ones are split off first, :mod:`.text_encoders`),
             quantisation state, or a tensor whose dtype is not float16/bfloat16/float32/float64.
     """
     found: dict[int, list[str]] = {}

@@ -120,7 +120,10 @@ def resolve_adapters(state: ServerState, model: str | None, lora: Any) -> Adapte
     # entries with a later "stage" (one each) come on top of the entry stage's limit
     specs = parse_lora_field(lora, max_items=info.max_adapters_per_request + len(info.stage_is_llm) - 1)
     with engine_errors("lora", "lora"):
-        chosen.extend(RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser) for s in specs)
+        chosen.extend(
+            RequestAdapter(state.registry.to_request(s), s.scale, s.stage, s.denoiser, s.text_encoder_scale)
+            for s in specs
+        )
     return tuple(chosen)
 
 

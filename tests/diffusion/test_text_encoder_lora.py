@@ -1,0 +1,185 @@
+"""Text-encoder LoRA (issue 35 item 3): adapter files whose text-encoder parts act on the pipeline's text
+encoder(s), against transformers+peft on the tiny Z-Image's encoder and on the in-tree pipeline.
+
+Files: a diffusers-keyed one (``transformer.*`` + ``text_encoder.*``, both configurations in the
+``lora_adapter_metadata`` header, as ``save_lora_weights`` writes them) and a kohya one (``lora_unet_*`` +
+``lora_te_*`` with ``.alpha``), holding the same tensors: the tiny ``attn`` denoiser adapter (r 4, alpha 8)
+and a random encoder adapter (r 4, alpha 8 on q/v/down projections).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_omni.lora.request import LoRARequest, RequestAdapter
+
+TE_TARGETS = ["q_proj", "v_proj", "down_proj"]
+R, ALPHA = 4, 8.0
+PROMPTS = ["a red square", "two blue circles"]
+
+
+def _flat(module: str) -> str:
+    return module.replace(".", "_")
+
+
+@pytest.fixture(scope="module")
+def te_setup(tiny_z_image_dir, tiny_z_image_loras, tmp_path_factory):
+    """``(base encoder, peft encoder, {"diffusers", "kohya", "kohya_te2", "denoiser"}: path)``."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from transformers import Qwen3Model
+
+    base = Qwen3Model.from_pretrained(str(tiny_z_image_dir / "text_encoder")).eval()
+    config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TE_TARGETS, init_lora_weights=False)
+    peft_te = inject_adapter_in_model(config, copy.deepcopy(base)).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_te.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    te_sd = get_peft_model_state_dict(peft_te)  # layers.0.self_attn.q_proj.lora_A.weight, ...
+    den_sd = load_file(str(tiny_z_image_loras["attn_file"]))  # bare diffusers keys, r 4 alpha 8
+    out = tmp_path_factory.mktemp("te_lora")
+    meta = {"r": R, "lora_alpha": ALPHA}
+    header = {f"{c}.{k}": v for c in ("transformer", "text_encoder") for k, v in meta.items()}
+    paths = {"diffusers": out / "diffusers.safetensors", "kohya": out / "kohya.safetensors"}
+    diffusers_sd = {f"transformer.{k}": v for k, v in den_sd.items()}
+    diffusers_sd.update({f"text_encoder.{k}": v for k, v in te_sd.items()})
+    save_file(diffusers_sd, str(paths["diffusers"]), metadata={"lora_adapter_metadata": json.dumps(header)})
+    kohya: dict[str, torch.Tensor] = {}
+    for prefix, sd in (("lora_unet_", den_sd), ("lora_te_", te_sd)):
+        for key, tensor in sd.items():
+            module, kind = key.rsplit(".lora_", 1)
+            name = prefix + _flat(module)
+            kohya[f"{name}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = tensor
+            kohya[f"{name}.alpha"] = torch.tensor(ALPHA)
+    save_file(kohya, str(paths["kohya"]))
+    te2 = dict(kohya)
+    te2.update(
+        {k.replace("lora_te_", "lora_te2_"): v.clone() for k, v in kohya.items() if k.startswith("lora_te_")}
+    )
+    paths["kohya_te2"] = out / "kohya_te2.safetensors"
+    save_file(te2, str(paths["kohya_te2"]))
+    paths["denoiser"] = tiny_z_image_loras["attn"]
+    return base, peft_te, paths
+
+
+def _peft_scaled(peft_te, scale: float):
+    from peft.tuners.lora import LoraLayer
+
+    model = copy.deepcopy(peft_te)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.set_scale("default", scale)
+    return model
+
+
+def _hidden(encoder, ids, mask) -> torch.Tensor:
+    return encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["diffusers", "kohya"])
+def test_encoder_output_equals_peft(te_setup, layout):
+    """(a) A batch of two prompts through the encoder: prompt 0 with the file's text-encoder part at 0.7,
+    prompt 1 without; each row equals transformers+peft (same tensors, ``set_scale``) / the base encoder."""
+    from vllm_omni.diffusion.lora.text_encoder_lora import TextEncoderLoRA
+
+    base, peft_te, paths = te_setup
+    ours = copy.deepcopy(base)
+    te = TextEncoderLoRA(types.SimpleNamespace(text_encoder=ours), "test", max_loras=2, max_rank=8)
+    lora = LoRARequest(layout, 1, str(paths[layout]))
+    denoiser_part = te.read(lora.lora_path)
+    assert denoiser_part.modules and not denoiser_part.text_encoders
+    te.note_loaded([lora])
+    assert te.users(lora) == ["text_encoder"]
+    te.managers["text_encoder"].add_lora(lora)
+    te.done_loading()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, base.config.vocab_size, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    with te.activate([[(lora, 0.7)], []], [0, 1]):
+        got = _hidden(ours, ids, mask)
+    want0 = _hidden(_peft_scaled(peft_te, 0.7), ids[:1], mask[:1])
+    want1 = _hidden(base, ids[1:], mask[1:])
+    errs = [(got[:1] - want0).abs().max().item(), (got[1:] - want1).abs().max().item()]
+    assert max(errs) <= 1e-5, errs
+    assert (want0 - _hidden(base, ids[:1], mask[:1])).abs().max().item() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_z_image_dir):
+    """In-process fp32 CPU engine on the tiny Z-Image with two adapter slots (a mixed batch)."""
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    config = OmniDiffusionConfig(
+        model=str(tiny_z_image_dir), dtype="float32", device="cpu", enable_progress_bar=False, max_loras=2
+    )
+    with DiffusionEngine(config) as eng:
+        yield eng
+
+
+def _run(engine, prompts, sets, seed: int = 3) -> list[torch.Tensor]:
+    """Final latents per prompt (CFG on: negative texts go through the encoder too)."""
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+    from vllm_omni.lora.request import RequestAdapters
+
+    sp = OmniDiffusionSamplingParams(
+        height=32, width=32, num_inference_steps=2, guidance_scale=3.0, output_type="latent", seed=seed
+    )
+    outs = engine.worker.generate_batch(
+        list(prompts), sp, [RequestAdapters(tuple(s)) for s in sets], [seed] * len(prompts)
+    )
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    return [out.latents for out in outs]
+
+
+@torch.no_grad()
+def test_in_tree_z_image_equals_hand_reference_and_mixed_batch(engine, te_setup):
+    """(c) Latents with a file's denoiser + text-encoder parts equal the pipeline run with the denoiser part
+    alone (the PEFT folder of the same tensors) and the encoder replaced by transformers+peft at the
+    adapter's ``text_encoder_scale``; kohya at scale 0.8 with ``text_encoder_scale`` 1.5, diffusers at 0.6
+    (the encoder follows the scale); the two prompts in one batch equal each alone."""
+    _, peft_te, paths = te_setup
+    pipe = engine.worker.pipeline
+    kohya = RequestAdapter(LoRARequest("kohya", 21, str(paths["kohya"])), 0.8, text_encoder_scale=1.5)
+    diffusers = RequestAdapter(LoRARequest("diffusers", 22, str(paths["diffusers"])), 0.6)
+    denoiser = LoRARequest("attn", 23, str(paths["denoiser"]))
+    batched = _run(engine, PROMPTS, [[kohya], [diffusers]])
+    alone = _run(engine, PROMPTS[:1], [[kohya]]) + _run(engine, PROMPTS[1:], [[diffusers]])
+    original = pipe.text_encoder
+    try:
+        pipe.text_encoder = _peft_scaled(peft_te, 1.5)
+        reference = _run(engine, PROMPTS[:1], [[RequestAdapter(denoiser, 0.8)]])
+        pipe.text_encoder = _peft_scaled(peft_te, 0.6)
+        reference += _run(engine, PROMPTS[1:], [[RequestAdapter(denoiser, 0.6)]])
+    finally:
+        pipe.text_encoder = original
+    without_te = _run(engine, PROMPTS[:1], [[RequestAdapter(denoiser, 0.8)]])[0]
+    for got, one, want in zip(batched, alone, reference, strict=True):
+        assert (got - want).abs().max().item() <= 1e-4
+        assert (got - one).abs().max().item() <= 1e-5
+    assert (reference[0] - without_te).abs().max().item() > 1e-3  # the encoder part matters
+
+
+def test_part_for_a_missing_encoder_is_refused_naming_keys(engine, te_setup):
+    """(e) ``lora_te2_*`` on a one-encoder pipeline: refused naming the keys; nothing cached anywhere."""
+    from vllm_omni.errors import LoRAFormatError
+
+    lora_state = engine.worker.lora
+    managers = [*lora_state.managers.values(), *lora_state.text_encoders.managers.values()]
+    before = [m.list_loras() for m in managers]
+    bad = LoRARequest("te2", 24, str(te_setup[2]["kohya_te2"]))
+    with pytest.raises(LoRAFormatError, match=r"text_encoder_2.*lora_te2_layers_0_self_attn_q_proj"):
+        lora_state.add_lora(bad)
+    with pytest.raises(LoRAFormatError, match="lora_te2_"):
+        _run(engine, PROMPTS[:1], [[RequestAdapter(bad)]])
+    assert [m.list_loras() for m in managers] == before
