@@ -149,12 +149,14 @@ class QwenJointAttention(nn.Module):
         img: torch.Tensor,
         txt: torch.Tensor,
         key_mask: torch.Tensor | None,
-        freqs: tuple[torch.Tensor, torch.Tensor],
+        img_freqs: torch.Tensor,
+        txt_freqs: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``img`` ``(B, N, dim)``, ``txt`` ``(B, L, dim)``, ``key_mask`` ``(B, L + N)`` bool (True =
-        attend) or ``None``; returns the two streams' attention outputs, same shapes."""
-        iq, ik, iv = self._project(self.to_qkv, self.norm_q, self.norm_k, img, freqs[0])
-        tq, tk, tv = self._project(self.add_qkv, self.norm_added_q, self.norm_added_k, txt, freqs[1])
+        attend) or ``None``, rotations ``(N, D/2)`` / ``(L, D/2)`` complex; returns the two streams'
+        attention outputs, same shapes."""
+        iq, ik, iv = self._project(self.to_qkv, self.norm_q, self.norm_k, img, img_freqs)
+        tq, tk, tv = self._project(self.add_qkv, self.norm_added_q, self.norm_added_k, txt, txt_freqs)
         q, k, v = (torch.cat(pair, dim=1).transpose(1, 2) for pair in ((tq, iq), (tk, ik), (tv, iv)))
         mask = key_mask[:, None, None, :] if key_mask is not None else None
         joint = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
@@ -230,14 +232,16 @@ class QwenImageTransformerBlock(nn.Module):
         txt: torch.Tensor,
         key_mask: torch.Tensor | None,
         temb: torch.Tensor,
-        freqs: tuple[torch.Tensor, torch.Tensor],
+        img_freqs: torch.Tensor,
+        txt_freqs: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``img`` ``(B, N, dim)``, ``txt`` ``(B, L, dim)``, ``temb`` ``(B, dim)``; returns new ``(img, txt)``."""
+        """``img`` ``(B, N, dim)``, ``txt`` ``(B, L, dim)``, ``temb`` ``(B, dim)``, RoPE rotations of each
+        stream (plain tensors, so the block compiles as a region); returns new ``(img, txt)``."""
         img_mod1, img_mod2 = linear_out(self.img_mod[1], self.img_mod[0](temb)).chunk(2, dim=-1)
         txt_mod1, txt_mod2 = linear_out(self.txt_mod[1], self.txt_mod[0](temb)).chunk(2, dim=-1)
         img_in, img_gate = self._modulate(img, img_mod1)
         txt_in, txt_gate = self._modulate(txt, txt_mod1)
-        img_attn, txt_attn = self.attn(img_in, txt_in, key_mask, freqs)
+        img_attn, txt_attn = self.attn(img_in, txt_in, key_mask, img_freqs, txt_freqs)
         img = img + img_gate * img_attn
         txt = txt + txt_gate * txt_attn
         img_in, img_gate = self._modulate(img, img_mod2)
@@ -410,11 +414,11 @@ class QwenImageTransformer2DModel(PretrainedDenoiser):
             timestep.to(img.dtype), 256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000
         )
         temb = self.time_text_embed.timestep_embedder(proj.to(img.dtype))
-        freqs = self.pos_embed(img_shapes[0], txt.shape[1], img.device)
+        img_freqs, txt_freqs = self.pos_embed(img_shapes[0], txt.shape[1], img.device)
         key_mask = None
         if encoder_hidden_states_mask is not None and not bool(encoder_hidden_states_mask.all()):
             image_keys = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
             key_mask = torch.cat([encoder_hidden_states_mask.to(torch.bool), image_keys], dim=1)
         for block in self.transformer_blocks:
-            img, txt = block(img, txt, key_mask, temb, freqs)
+            img, txt = block(img, txt, key_mask, temb, img_freqs, txt_freqs)
         return linear_out(self.proj_out, self.norm_out(img, temb))
