@@ -7,6 +7,7 @@ by diffusers here, both read back from disk with their real key names.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,48 @@ def test_bad_checkpoint_and_sizes_name_the_culprit(t2v, wan_dir, tmp_path):
     save_file(tensors, str(weights))
     with pytest.raises(ConfigError, match=r"blocks\.0\.attn1\.to_q_extra\.weight"):
         WanTransformer3DModel.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [
+        ("loha", {"r": 4, "alpha": 6.0}),
+        ("lokr", {"r": 2, "alpha": 3.0, "decompose_both": True, "decompose_factor": 4}),
+    ],
+)
+def test_loha_and_lokr_adapters_match_peft(t2v, wan_dir, tmp_path, kind, config):
+    """LyCORIS adapters (peft's LoHa / LoKr) on the packed q/k/v, cross-attention and FFN layers of the
+    in-tree denoiser (``DiffusionLoRAManager``) equal peft's own forward on diffusers' model, at scale 0.7."""
+    import peft
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    from vllm_omni.diffusion.lora import DiffusionLoRAManager
+    from vllm_omni.lora.request import LoRARequest
+
+    reference = t2v[0]
+    ours = WanTransformer3DModel.from_pretrained(wan_dir / "transformer")  # patched here alone
+    cls = {"loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}[kind]
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+    model = peft.get_peft_model(copy.deepcopy(reference), cls(target_modules=targets, **config))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "hada_" in name or "lokr_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(str(tmp_path / kind))
+    for module in model.modules():
+        if isinstance(module, LycorisLayer):
+            module.set_scale("default", 0.7)
+    manager = DiffusionLoRAManager(ours, max_loras=1, max_rank=16)
+    request = LoRARequest(kind, 1, str(tmp_path / kind))
+    x, t, text = _inputs(16, text_len=20)
+    try:
+        manager.set_active_adapters([request], [0.7])
+        with torch.no_grad():
+            got = ours(x, t, text)
+            want = model(x, t, text, return_dict=False)[0]
+            base = reference(x, t, text, return_dict=False)[0]
+    finally:
+        manager.deactivate()
+    assert (want - base).abs().max().item() > 1e-2
+    assert (got - want).abs().max().item() <= TOL
