@@ -298,6 +298,38 @@ def test_runtime_load_and_unload_reach_the_diffusion_stage(server, client, paths
         generate(client, model="qv-rt")
 
 
+def test_a_folder_swapped_for_a_symlink_out_is_refused_at_every_read(server, client, paths):
+    """Issue 35 rule 5 over HTTP: an adapter loaded from inside --lora-dirs whose folder is then replaced
+    by a symlink leading out is refused on reload (load_inplace) and on a request naming it (its files
+    would be read), naming the folder; it stays listed, and serves the same image once the files are back."""
+    import shutil
+
+    folder = copy_adapter(paths["qv"], paths["root"] / "swapped")
+    r = httpx.post(
+        server.url("/v1/load_lora_adapter"), json={"lora_name": "swapped", "lora_path": str(folder)}
+    )
+    assert r.status_code == 200, r.text
+    before = generate(client, model="swapped")
+    shutil.move(folder, paths["root"].parent / "swapped_aside")
+    outside = copy_adapter(paths["attn"], paths["root"].parent / "outside_attn")  # not in --lora-dirs
+    folder.symlink_to(outside, target_is_directory=True)
+    try:
+        body = {"lora_name": "swapped", "lora_path": str(folder), "load_inplace": True}
+        assert (
+            str(folder)
+            in assert_openai_error(httpx.post(server.url("/v1/load_lora_adapter"), json=body))["message"]
+        )
+        with pytest.raises(openai.BadRequestError) as info:
+            generate(client, model="swapped")
+        assert str(folder) in str(info.value) and "--lora-dirs" in str(info.value)
+        assert "swapped" in {m.id for m in client.models.list().data}
+    finally:
+        folder.unlink()
+        shutil.move(paths["root"].parent / "swapped_aside", folder)
+    assert close(generate(client, model="swapped"), before, 0)
+    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "swapped"}).status_code == 200
+
+
 def _png_bytes() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (SIZE, SIZE), (200, 30, 30)).save(buf, format="PNG")
