@@ -183,3 +183,101 @@ def test_part_for_a_missing_encoder_is_refused_naming_keys(engine, te_setup):
     with pytest.raises(LoRAFormatError, match="lora_te2_"):
         _run(engine, PROMPTS[:1], [[RequestAdapter(bad)]])
     assert [m.list_loras() for m in managers] == before
+
+
+SD3_PARTS = (  # component, targets, r, lora_alpha, seed
+    ("transformer", ["to_q", "to_k", "to_v", "add_q_proj"], 4, 8.0, 31),
+    ("text_encoder", ["q_proj", "v_proj", "out_proj"], 4, 2.0, 32),
+    ("text_encoder_2", ["k_proj", "fc1"], 2, 4.0, 33),
+)
+SD3_CALL = dict(height=32, width=32, num_inference_steps=2, guidance_scale=4.0, output_type="latent")
+
+
+@pytest.fixture(scope="module")
+def sd3_file(tiny_sd3_dir, tmp_path_factory) -> str:
+    """A LoRA on the tiny SD3's transformer and both CLIP encoders (alpha != r), saved by
+    ``StableDiffusion3Pipeline.save_lora_weights`` with each component's configuration as metadata."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir), text_encoder_3=None, tokenizer_3=None)
+    kwargs = {}
+    for component, targets, r, alpha, seed in SD3_PARTS:
+        config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+        model = inject_adapter_in_model(config, getattr(pipe, component))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        kwargs[f"{component}_lora_layers"] = get_peft_model_state_dict(model)
+        kwargs[f"{component}_lora_adapter_metadata"] = {
+            "r": r,
+            "lora_alpha": alpha,
+            "target_modules": targets,
+        }
+    out = tmp_path_factory.mktemp("sd3_te_lora")
+    StableDiffusion3Pipeline.save_lora_weights(out, weight_name="lora.safetensors", **kwargs)
+    return str(out / "lora.safetensors")
+
+
+def _diffusers_sd3(tiny_sd3_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir), text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _sd3_engine(tiny_sd3_dir, **lora):
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    return DiffusionEngine(
+        OmniDiffusionConfig(model=str(tiny_sd3_dir), dtype="float32", enable_progress_bar=False, **lora)
+    )
+
+
+@torch.no_grad()
+def test_diffusers_fallback_equals_load_lora_weights_and_set_adapters(tiny_sd3_dir, sd3_file):
+    """(b) SD3 through the diffusers fallback: denoiser and both text-encoder parts at scale 0.7 equal
+    diffusers' ``load_lora_weights`` + ``set_adapters([name], [0.7])`` (which weights the text encoders
+    too); without its text-encoder parts the output differs."""
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+    from vllm_omni.lora.request import RequestAdapters
+
+    pipe = _diffusers_sd3(tiny_sd3_dir)
+    pipe.load_lora_weights(sd3_file, adapter_name="x")
+    pipe.set_adapters(["x"], [0.7])
+    want = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(4), **SD3_CALL).images
+    pipe.set_adapters(["x"], [{"transformer": 0.7, "text_encoder": 0.0, "text_encoder_2": 0.0}])
+    denoiser_only = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(4), **SD3_CALL).images
+    lora = LoRARequest("x", 41, sd3_file)
+    with _sd3_engine(tiny_sd3_dir) as engine:
+        sp = OmniDiffusionSamplingParams(seed=4, **SD3_CALL)
+        [out] = engine.worker.generate_batch(PROMPTS[:1], sp, [RequestAdapters((RequestAdapter(lora, 0.7),))])
+        assert engine.worker.lora.text_encoders.users(lora) == ["text_encoder", "text_encoder_2"]
+        [te_off] = engine.worker.generate_batch(
+            PROMPTS[:1], sp, [RequestAdapters((RequestAdapter(lora, 0.7, text_encoder_scale=0.0),))]
+        )
+    got = torch.as_tensor(out.latents)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (torch.as_tensor(te_off.latents) - denoiser_only).abs().max().item() <= 1e-4
+    assert (want - denoiser_only).abs().max().item() > 1e-3
+
+
+@torch.no_grad()
+def test_distill_equals_diffusers_fuse_lora(tiny_sd3_dir, sd3_file):
+    """(d) The distill backend fuses the file's denoiser and text-encoder parts at ``lora_scale`` 0.7, as
+    diffusers' ``fuse_lora(components=[transformer, text_encoder, text_encoder_2], lora_scale=0.7)``."""
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    pipe = _diffusers_sd3(tiny_sd3_dir)
+    pipe.load_lora_weights(sd3_file, adapter_name="x")
+    pipe.fuse_lora(components=["transformer", "text_encoder", "text_encoder_2"], lora_scale=0.7)
+    pipe.unload_lora_weights()
+    want = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(4), **SD3_CALL).images
+    with _sd3_engine(tiny_sd3_dir, lora_backend="distill", lora_path=sd3_file, lora_scale=0.7) as engine:
+        assert set(engine.worker.lora.fused) == {"transformer", "text_encoder", "text_encoder_2"}
+        [out] = engine.generate(PROMPTS[:1], OmniDiffusionSamplingParams(seed=4, **SD3_CALL))
+    assert (torch.as_tensor(out.latents) - want).abs().max().item() <= 1e-4

@@ -42,8 +42,8 @@ from vllm_omni.diffusion.pipelines.denoise import (
     InTreePipelineBase,
     attach_decoded,
     denoiser_rows,
+    encode_texts,
     lora_scope,
-    negative_texts,
     prepare_scheduler,
     resolution_shift_mu,
     run_denoising_loop,
@@ -259,8 +259,13 @@ class QwenImagePipeline(InTreePipelineBase):
         height, width = self.resolve_size(sp, cond.size if cond else None)
         cfg = scale > 1 and sp.negative_prompt is not None
         n = sp.num_images_per_prompt
-        texts = list(prompts) + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
-        embeds, mask = self.encode_prompts(texts, sp.max_sequence_length, cond)
+        embeds, mask = encode_texts(
+            lambda texts: self.encode_prompts(texts, sp.max_sequence_length, cond),
+            prompts,
+            sp.negative_prompt,
+            cfg,
+            lora_context,
+        )
         embeds, mask = embeds.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         lat_h, lat_w = (2 * (side // (self.vae_scale_factor * 2)) for side in (height, width))
         shape = (1, self.vae.config.z_dim, lat_h, lat_w)

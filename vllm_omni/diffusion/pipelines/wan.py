@@ -35,8 +35,8 @@ from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image
 from vllm_omni.diffusion.pipelines.denoise import (
     InTreePipelineBase,
     denoiser_rows,
+    encode_texts,
     lora_scope,
-    negative_texts,
     prepare_scheduler,
     run_denoising_loop,
     seeded_noise,
@@ -226,8 +226,13 @@ class WanPipeline(InTreePipelineBase):
         frames, guidance, guidance_2, lora_scale = self._call_options(sp)
         n = sp.num_images_per_prompt
         cfg = guidance > 1.0
-        texts = list(prompts) + (negative_texts(prompts, sp.negative_prompt) if cfg else [])
-        embeds = self.encode_prompts(texts, sp.max_sequence_length)
+        embeds = encode_texts(
+            lambda texts: self.encode_prompts(texts, sp.max_sequence_length),
+            prompts,
+            sp.negative_prompt,
+            cfg,
+            lora_context,
+        )
         embeds = embeds.repeat_interleave(n, dim=0)  # [pos (n per prompt); neg (n per prompt)]
         shape = (
             self.transformer.out_channels,
