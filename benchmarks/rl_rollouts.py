@@ -7,7 +7,8 @@ the tiny test models (real formats, random weights), both stage kinds:
    ``TensorLoRARequest`` (``get_peft_model_state_dict`` + ``LoraConfig.to_dict()``, copied and hashed)
    against files (``save_pretrained`` into a folder, then ``add_lora`` with ``reload=True``), each followed by
    ``add_lora`` and one request (LLM: 1 token on a 64-token prompt; diffusion: 1 step at 32x32). ``--updates``
-   updates per side, interleaved; the ratio is files / tensors (> 1: in memory is faster).
+   updates per side, interleaved; the ratio is files / tensors (> 1: in memory is faster). On the LLM
+   stage every answer is also checked against transformers+peft on that update's weights (``exact_updates``).
 2. **step time**: a diffusion request (``--steps`` steps, 32x32, no CFG) on the base model, with one adapter
    un-merged (``lora_merge=False``) and merged (``lora_merge=True``, a second engine), interleaved; ratios
    to the base step.
@@ -50,8 +51,10 @@ def _policy(base_loader, targets: list[str], r: int, alpha: float):
     )
 
 
-def _update_latency(timer: Timer, omni, policy, run_one, updates: int, name: str) -> dict:
-    """Median seconds from an updated policy to its first answer, in memory and through files."""
+def _update_latency(timer: Timer, omni, policy, run_one, updates: int, name: str, check=None) -> dict:
+    """Median seconds from an updated policy to its first answer, in memory and through files; with
+    ``check(output) -> bool`` (the answer equals the reference on the policy's weights of that update),
+    how many timed updates of each side served exactly that update's weights."""
     import torch
     from peft import get_peft_model_state_dict
 
@@ -62,6 +65,8 @@ def _update_latency(timer: Timer, omni, policy, run_one, updates: int, name: str
     file_lora = LoRARequest(f"{name}_files", 2, str(folder))
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {"tensors": [], "files": []}
+    exact = {"tensors": 0, "files": 0}
+    answers: list = []
 
     def by_tensors() -> None:
         lora = TensorLoRARequest(
@@ -71,12 +76,12 @@ def _update_latency(timer: Timer, omni, policy, run_one, updates: int, name: str
             lora_tensors=get_peft_model_state_dict(policy),
         )
         omni.add_lora(lora)
-        run_one(lora)
+        answers.append(run_one(lora))
 
     def by_files() -> None:
         policy.save_pretrained(str(folder))
         omni.add_lora(file_lora, reload=True)
-        run_one(file_lora)
+        answers.append(run_one(file_lora))
 
     for i in range(updates + 1):  # the first round warms both paths up (not counted)
         for side, fn in (
@@ -88,7 +93,10 @@ def _update_latency(timer: Timer, omni, policy, run_one, updates: int, name: str
             spent = timer(fn)
             if i:
                 times[side].append(spent)
+                exact[side] += bool(check and check(answers[-1]))
     out = {side: median(values) for side, values in times.items()}
+    if check is not None:
+        out["exact_updates"] = {side: f"{n}/{updates}" for side, n in exact.items()}
     out["files_over_tensors"] = out["files"] / out["tensors"]
     return out
 
@@ -108,9 +116,22 @@ def _llm(timer: Timer, updates: int) -> dict:
     )
     prompt = [10 + (i * 37) % 480 for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def check(outputs) -> bool:  # transformers+peft's greedy token on the policy's current weights
+        with torch.inference_mode():
+            return outputs[0].token_ids[0] == int(
+                policy(input_ids=torch.tensor([prompt])).logits[0, -1].argmax()
+            )
+
     try:
         return _update_latency(
-            timer, omni, policy, lambda lora: omni.generate(prompt, params, lora_request=lora), updates, "llm"
+            timer,
+            omni,
+            policy,
+            lambda lora: omni.generate(prompt, params, lora_request=lora),
+            updates,
+            "llm",
+            check,
         )
     finally:
         omni.shutdown()

@@ -185,7 +185,8 @@ def parse_lora_field(value: Any, max_items: int = MAX_ITEMS) -> list[LoRASpec]:
     if len(items) > limit:
         raise bad_request(
             f"too many adapters in lora: {len(items)}; this pipeline applies at most {limit} per request "
-            "(a diffusion stage's max_loras; an LLM stage applies one)",
+            "(a diffusion stage's max_loras: start the server with --max-loras N to allow N; an LLM stage "
+            "applies one)",
             "lora",
         )
     specs = [
