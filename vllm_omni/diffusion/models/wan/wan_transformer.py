@@ -70,9 +70,11 @@ class WanTransformerBlock(nn.Module):
         text: torch.Tensor,
         image: torch.Tensor | None,
         modulation: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
     ) -> torch.Tensor:
-        """``x`` ``(B, L, dim)``; ``modulation`` ``(B, 6, dim)`` or per token ``(B, L, 6, dim)``."""
+        """``x`` ``(B, L, dim)``; ``modulation`` ``(B, 6, dim)`` or per token ``(B, L, 6, dim)``; the rotary
+        table ``(L, head_dim / 2)`` as two tensors (a compiled block takes tensors, not tuples)."""
         if modulation.ndim == 4:
             parts = (self.scale_shift_table.unsqueeze(0) + modulation.float()).chunk(6, dim=2)
             parts = [p.squeeze(2) for p in parts]
@@ -80,7 +82,7 @@ class WanTransformerBlock(nn.Module):
             parts = (self.scale_shift_table + modulation.float()).chunk(6, dim=1)
         shift, scale, gate, c_shift, c_scale, c_gate = parts
         h = (fp32_layer_norm(self.norm1, x.float()) * (1 + scale) + shift).type_as(x)
-        x = (x.float() + self.attn1(h, rope) * gate).type_as(x)
+        x = (x.float() + self.attn1(h, (rope_cos, rope_sin)) * gate).type_as(x)
         h = fp32_layer_norm(self.norm2, x.float()).type_as(x) if self.norm2 is not None else x
         x = x + self.attn2(h, text, image)
         h = (fp32_layer_norm(self.norm3, x.float()) * (1 + c_scale) + c_shift).type_as(x)
@@ -240,7 +242,7 @@ class WanTransformer3DModel(nn.Module):
         if encoder_hidden_states_image is not None:
             image = self.condition_embedder.image_embedder(encoder_hidden_states_image.to(self._dtype))
         for block in self.blocks:
-            x = block(x, text, image, modulation, rope)
+            x = block(x, text, image, modulation, *rope)
         if temb.ndim == 3:
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
             shift, scale = shift.squeeze(2), scale.squeeze(2)
