@@ -1,7 +1,8 @@
 """The Qwen3-Omni MoE thinker on vLLM with LoRA on CPU (tiny checkpoint, float32).
 
-``Omni(<folder>)`` picks the pipeline from ``config.json``; greedy tokens equal transformers'
-``Qwen3OmniMoeForConditionalGeneration`` thinker with and without a thinker adapter (peft);
+``Omni(<folder>)`` picks the pipeline from ``config.json``; on ``qwen3_omni_thinker_only``, greedy
+tokens equal transformers' ``Qwen3OmniMoeForConditionalGeneration`` thinker with and without a
+thinker adapter (peft);
 ``enable_lora`` runs on CPU because the MoE experts stay out of LoRA
 (:func:`vllm_omni.models.moe_lora.keep_moe_experts_out_of_lora`), and an adapter on expert weights is
 refused before it reaches vLLM, which would load it and silently not apply it."""
@@ -36,7 +37,9 @@ def omni(assets):
     # peft writes rank_pattern {".*\\.gate_up_proj": 2r} into every adapter of this model, and
     # vLLM checks that rank against max_lora_rank: 16 for the rank-8 adapters here
     stage = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 16, "max_model_len": 256}
-    with Omni(str(assets.model_dir), stage_overrides={"0": stage}) as engine:
+    with Omni(
+        str(assets.model_dir), pipeline="qwen3_omni_thinker_only", stage_overrides={"0": stage}
+    ) as engine:
         yield engine
 
 
@@ -53,7 +56,8 @@ def _prompt_ids(omni, text):
 @pytest.mark.parametrize(
     ("arch", "audio", "expected"),
     [
-        ("Qwen3OmniMoeForConditionalGeneration", None, "qwen3_omni_thinker_only"),
+        ("Qwen3OmniMoeForConditionalGeneration", None, "qwen3_omni"),
+        ("Qwen3OmniMoeForConditionalGeneration", False, "qwen3_omni_thinker_only"),
         ("Qwen2_5OmniForConditionalGeneration", None, "qwen2_5_omni"),
         ("Qwen2_5OmniForConditionalGeneration", False, "qwen2_5_omni_thinker_only"),
     ],
@@ -152,5 +156,9 @@ def test_serve_picks_the_pipeline_from_config_json(assets, monkeypatch, capsys):
     monkeypatch.setattr("vllm_omni.entrypoints.openai.api_server.run_server", no_server)
     cli_main.main(["serve", str(assets.model_dir), "--dry-run"])
     described = json.loads(capsys.readouterr().out)
-    assert described["pipeline"] == "qwen3_omni_thinker_only"
-    assert [s["model_arch"] for s in described["stages"]] == [THINKER_ARCH]
+    assert described["pipeline"] == "qwen3_omni"
+    assert [s["model_arch"] for s in described["stages"]] == [
+        THINKER_ARCH,
+        "OmniQwen3OmniMoeTalkerForConditionalGeneration",
+        "OmniQwen3OmniMoeCode2Wav",
+    ]

@@ -11,7 +11,8 @@ Registering a topology does not make its model classes available. Run end to end
 tiny checkpoints; ``wan2_2_ti2v`` through its class): ``qwen2_5_omni`` (thinker and talker on
 vLLM, code2wav on transformers' Token2Wav: :mod:`vllm_omni.stages.qwen2_5_omni`),
 ``qwen2_5_omni_thinker_only`` and ``qwen3_omni_thinker_only`` (vLLM's Qwen2.5-Omni / Qwen3-Omni MoE
-thinkers, registered by :mod:`vllm_omni.models`),
+thinkers, registered by :mod:`vllm_omni.models`), ``qwen3_omni`` (the MoE thinker on vLLM, talker and
+code2wav on transformers: :mod:`vllm_omni.stages.qwen3_omni`),
 ``wan2_2_ti2v``, ``llm_chain``, ``llm_to_diffusion`` and the single-stage defaults. ``qwen3_tts``
 and ``bagel`` name classes that neither this package nor stock vLLM / diffusers implement yet.
 They resolve (options, overrides, ``--dry-run``), and starting one fails before any engine is
@@ -91,6 +92,19 @@ def _ar(arch=None, **kw) -> StageSpec:
     return StageSpec("llm_ar", arch, **kw)
 
 
+def _omni(name: str, thinker: str, talker: str, code2wav: str, description: str) -> PipelineConfig:
+    """An Omni topology: thinker (text out) -> talker (``thinker2talker``) -> code2wav (audio out)."""
+    return PipelineConfig(
+        name,
+        (
+            _ar(thinker, final_output=True),
+            _ar(talker, engine_input_source=(0,), input_processor="thinker2talker"),
+            StageSpec("llm_generation", code2wav, (1,), "talker2code2wav", final_output=True),
+        ),
+        description,
+    )
+
+
 _REGISTRY: dict[str, PipelineConfig] = {}
 
 
@@ -121,25 +135,24 @@ for _p in (
         ),
         "Qwen3-TTS: talker (AR) -> code2wav (generation)",
     ),
-    PipelineConfig(
+    _omni(
         "qwen2_5_omni",
-        (
-            _ar("OmniQwen2_5OmniThinkerForConditionalGeneration", final_output=True),
-            _ar(
-                "OmniQwen2_5OmniTalkerForConditionalGeneration",
-                engine_input_source=(0,),
-                input_processor="thinker2talker",
-            ),
-            StageSpec(
-                "llm_generation", "OmniQwen2_5OmniToken2WavModel", (1,), "talker2code2wav", final_output=True
-            ),
-        ),
+        "OmniQwen2_5OmniThinkerForConditionalGeneration",
+        "OmniQwen2_5OmniTalkerForConditionalGeneration",
+        "OmniQwen2_5OmniToken2WavModel",
         "Qwen2.5-Omni: thinker -> talker -> code2wav",
     ),
     PipelineConfig(
         "qwen2_5_omni_thinker_only",
         (_ar("OmniQwen2_5OmniThinkerForConditionalGeneration", final_output=True),),
         "Qwen2.5-Omni thinker alone (text out)",
+    ),
+    _omni(
+        "qwen3_omni",
+        "OmniQwen3OmniMoeThinkerForConditionalGeneration",
+        "OmniQwen3OmniMoeTalkerForConditionalGeneration",
+        "OmniQwen3OmniMoeCode2Wav",
+        "Qwen3-Omni: MoE thinker -> talker (with code predictor) -> code2wav",
     ),
     PipelineConfig(
         "qwen3_omni_thinker_only",
@@ -178,10 +191,9 @@ for _p in (
 
 #: ``architectures[0]`` of a checkpoint -> (pipeline with audio output, pipeline without): the
 #: pipeline a model directory gets when no pipeline is named (``enable_audio_output`` chooses).
-#: Qwen3-Omni's talker and code2wav stages are not implemented yet: both pick its thinker.
 PIPELINES_BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Qwen2_5OmniForConditionalGeneration": ("qwen2_5_omni", "qwen2_5_omni_thinker_only"),
-    "Qwen3OmniMoeForConditionalGeneration": ("qwen3_omni_thinker_only", "qwen3_omni_thinker_only"),
+    "Qwen3OmniMoeForConditionalGeneration": ("qwen3_omni", "qwen3_omni_thinker_only"),
 }
 
 

@@ -12,6 +12,8 @@ model class                                            runtime
 =====================================================  =========================================
 ``OmniQwen2_5OmniTalkerForConditionalGeneration``      :class:`~.qwen2_5_omni.talker.TalkerStageEngine`
 ``OmniQwen2_5OmniToken2WavModel``                      :class:`~.qwen2_5_omni.code2wav.Code2WavStageEngine`
+``OmniQwen3OmniMoeTalkerForConditionalGeneration``     :class:`~.qwen3_omni.talker.TalkerStageEngine` (transformers)
+``OmniQwen3OmniMoeCode2Wav``                           :class:`~.qwen3_omni.code2wav.Code2WavStageEngine` (transformers)
 =====================================================  =========================================
 """
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 from vllm_omni.engine.stage_registry import register_input_processor, register_stage_runtime
 from vllm_omni.stages.qwen2_5_omni import pipeline as qwen2_5_omni
+from vllm_omni.stages.qwen3_omni import pipeline as qwen3_omni
 
-FAMILIES = (qwen2_5_omni,)
+FAMILIES = (qwen2_5_omni, qwen3_omni)
 
 
 def register_stage_runtimes() -> None:

@@ -14,12 +14,8 @@ after ``torch.manual_seed(seed)``.
 from __future__ import annotations
 
 import glob
-import logging
 import os
-import threading
-import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,14 +24,10 @@ from safetensors.torch import load_file
 from transformers import Qwen2_5OmniConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
-from vllm_omni.engine.connectors import StagePayload
-from vllm_omni.engine.protocols import StageDescription
-from vllm_omni.engine.stage_driver import StageDriver
-from vllm_omni.errors import InvalidRequestError, LoRANotEnabledError, StageEngineError
+from vllm_omni.errors import InvalidRequestError, StageEngineError
 from vllm_omni.inputs.audio import AudioParams
 from vllm_omni.inputs.stage_request import StageRequest
-
-logger = logging.getLogger(__name__)
+from vllm_omni.stages.model_driver import ModelStageDriver
 
 #: Samples per second of Qwen2.5-Omni's vocoder output (the model card's 24 kHz; the config
 #: does not carry it).
@@ -87,15 +79,7 @@ def load_token2wav(model_dir: str) -> torch.nn.Module:
     return model.float().eval()
 
 
-@dataclass
-class _Pending:
-    codes: torch.Tensor
-    params: AudioParams
-    future: Future
-    submitted: float = field(default_factory=time.monotonic)
-
-
-class Code2WavStageEngine(StageDriver):
+class Code2WavStageEngine(ModelStageDriver):
     """Runs the code2wav stage: ``submit(payload, AudioParams)`` -> future of :class:`AudioOutput`.
 
     The prompt is the talker's :class:`~vllm_omni.engine.connectors.StagePayload` whose
@@ -106,71 +90,36 @@ class Code2WavStageEngine(StageDriver):
         StageEngineError: no model directory, or the checkpoint cannot be loaded.
     """
 
-    def __init__(self, stage: Any):
-        self.stage = stage
-        if not stage.model:
-            raise StageEngineError(f"{stage.label}: no model directory given for the code2wav stage")
-        try:
-            self.model = load_token2wav(stage.model)
-            self.speakers = load_speakers(stage.model)
-        except StageEngineError as exc:
-            raise StageEngineError(f"{stage.label}: {exc}") from exc
-        except Exception as exc:  # a checkpoint transformers cannot read
-            raise StageEngineError(f"{stage.label}: cannot load token2wav from {stage.model}: {exc}") from exc
+    kind = "code2wav"
+    params_type = AudioParams
+
+    def load(self, model_dir: str) -> None:
+        """transformers' Token2Wav and the checkpoint's speakers."""
+        self.model = load_token2wav(model_dir)
+        self.speakers = load_speakers(model_dir)
         if not self.speakers:
-            raise StageEngineError(f"{stage.label}: {SPEAKER_FILE} of {stage.model} holds no speaker")
-        self._init_driver()
-        self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
-        self._thread.start()
+            raise StageEngineError(f"{SPEAKER_FILE} of {model_dir} holds no speaker")
 
     @property
     def voices(self) -> list[str]:
         return list(self.speakers)
 
-    def describe(self) -> StageDescription:
-        """Audio out (:class:`AudioOutput`, ``SAMPLE_RATE`` Hz); the talker's payload in;
-        ``AudioParams``; the checkpoint's voices; no LoRA."""
-        return StageDescription(
-            self.stage.stage_id,
-            self.stage.label,
-            "audio",
-            frozenset({"stage_payload"}),
-            AudioParams,
-            voices=tuple(self.speakers),
-        )
+    def prepare(self, request: StageRequest) -> tuple[torch.Tensor, AudioParams]:
+        """``(codes int64 [1, N], AudioParams)`` of a validated request."""
+        codes = request.prompt.tensor("codes", consumer=self.stage.label).reshape(1, -1).long()
+        return codes, request.params or AudioParams()
 
-    def submit(self, request: StageRequest) -> Future:
-        """Queue one waveform request (see the class docstring).
-
-        Raises (synchronously): ``InvalidRequestError`` (unknown voice, bad params or codes),
-        ``LoRANotEnabledError`` (an adapter), ``StageEngineError`` (shut down / dead).
-        """
-        self.validate_request(request)
-        prompt, params = request.prompt, request.params
-        codes = prompt.tensor("codes", consumer=self.stage.label).reshape(1, -1).long()
-        item = _Pending(codes, params or AudioParams(), Future())
-        with self._cv:
-            self._raise_if_unusable()
-            self._queue.append(item)
-            self._cv.notify()
-        return item.future
+    def run(self, work: tuple[torch.Tensor, AudioParams]) -> AudioOutput:
+        return self.synthesize(*work)
 
     def validate_request(self, request: StageRequest) -> None:
         """Every check of :meth:`submit`, queueing nothing."""
-        prompt, params = request.prompt, request.params
-        if request.adapters:
-            raise LoRANotEnabledError(f"{self.stage.label} (code2wav) takes no adapter")
-        if params is not None and not isinstance(params, AudioParams):
-            raise InvalidRequestError(f"{self.stage.label} takes AudioParams, got {type(params).__name__}")
-        voice = (params or AudioParams()).voice
-        if voice is not None and voice not in self.speakers:
-            raise InvalidRequestError(f"{self.stage.label}: unknown voice {voice!r}; voices: {self.voices}")
-        if (params or AudioParams()).num_steps < 2:
+        params = request.params or AudioParams()
+        self.check_request(request, AudioParams, "talker", params.voice, self.voices)
+        if params.num_steps < 2:
             raise InvalidRequestError(f"{self.stage.label}: num_steps must be at least 2")
-        if not isinstance(prompt, StagePayload):
-            raise InvalidRequestError(
-                f"{self.stage.label} takes the talker's StagePayload, got {type(prompt).__name__}"
-            )
+        if request.prompt is None:
+            raise InvalidRequestError(f"{self.stage.label} takes the talker's StagePayload, got NoneType")
 
     def synthesize(self, codes: torch.Tensor, params: AudioParams) -> AudioOutput:
         """One waveform from ``codes`` (int64 ``[1, N]``), on the calling thread."""
@@ -188,30 +137,3 @@ class Code2WavStageEngine(StageDriver):
             )
         waveform = wav.reshape(-1).float().numpy().astype(np.float32, copy=True)
         return AudioOutput(waveform, SAMPLE_RATE, codes.reshape(-1).clone())
-
-    # LoRA management: code2wav has no adapters
-    def _no_lora(self, *_: Any) -> Any:
-        raise LoRANotEnabledError(f"{self.stage.label} (code2wav) does not support LoRA")
-
-    add_lora = remove_lora = list_loras = pin_lora = _no_lora
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the driver (a running synthesis finishes first, up to ``timeout`` s, default 60)."""
-        deadline = time.monotonic() + (60.0 if timeout is None else timeout)
-        self._stop_driver(self._thread, deadline - time.monotonic())
-
-    def _drive(self) -> None:
-        while (work := self._next_work(self._queue.popleft)) is not None:
-            commands, item = work
-            self._run_commands(commands)
-            if item is None or not item.future.set_running_or_notify_cancel():
-                continue
-            try:
-                wav = self.synthesize(item.codes, item.params)
-            except Exception as exc:
-                logger.warning("%s: synthesis failed: %s", self.stage.label, exc)
-                self.recorder.request_done((), time.monotonic() - item.submitted, False)
-                item.future.set_exception(StageEngineError(f"{self.stage.label}: synthesis failed: {exc}"))
-                continue
-            self.recorder.request_done((), time.monotonic() - item.submitted, True)
-            item.future.set_result(wav)
