@@ -191,7 +191,8 @@ def check_startup_adapters(config: Any, settings: ServerSettings) -> None:
     """
     if not settings.lora_modules:
         return
-    lora_stages = [s for s in config.stages if s.lora_config is not None]
+    # a diffusion stage always takes adapters (DiffusionLoRAManager); an LLM stage with enable_lora
+    lora_stages = [s for s in config.stages if not s.is_llm or s.lora_config is not None]
     name, path = settings.lora_modules[0]
     if not lora_stages:
         raise ServeArgsError(
