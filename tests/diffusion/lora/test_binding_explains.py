@@ -51,6 +51,7 @@ def z(tiny_z_image_dir, tmp_path_factory):
         adapters[name] = (str(path), model.eval())
     return {
         "reference": reference,
+        "folder": folder,
         "ours": lambda: ZImageTransformer2DModel.from_pretrained(folder),
         "adapters": adapters,
         "root": tmp_path_factory.mktemp("z_files"),
@@ -81,11 +82,17 @@ def _dotted(mapping):
 
 
 def test_dotted_packed_mapping_gives_the_sub_layer_names_and_peft_values(z):
-    ours = z["ours"]()
-    bare = TargetIndex({"": ours}, ours.stacked_params_mapping)
-    dotted = TargetIndex({"": ours}, _dotted(ours.stacked_params_mapping))
+    from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
+
+    class DottedZImage(ZImageTransformer2DModel):  # the same model, its mapping written vLLM's way
+        stacked_params_mapping = _dotted(ZImageTransformer2DModel.stacked_params_mapping)
+
+    ours = DottedZImage.from_pretrained(z["folder"])  # the weight loader reads the dotted form too
+    bare = TargetIndex({"": ours}, ZImageTransformer2DModel.stacked_params_mapping)
+    dotted = TargetIndex({"": ours}, ours.stacked_params_mapping)
     assert dotted.packed == bare.packed and "layers.0.attention.to_q" in dotted.packed
-    ours.stacked_params_mapping = _dotted(type(ours).stacked_params_mapping)  # a model written vLLM's way
+    with torch.no_grad():
+        assert (ours(*_inputs())[0] - _reference(z["reference"])).abs().max().item() <= TOL
     manager = DiffusionLoRAManager(ours, max_loras=1, max_rank=4)
     path, peft_model = z["adapters"]["q"]
     got = _served(manager, ours, LoRARequest("q", 1, path))

@@ -59,7 +59,9 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _swap_segment(name: str, old: str, new: str) -> str | None:
-    """Replace the dotted path segment ``old`` by ``new``; ``None`` when ``old`` is no segment of ``name``."""
+    """Replace the dotted path segment ``old`` by ``new``; ``None`` when ``old`` is no segment of ``name``.
+    A mapping written vLLM's way (``".to_q"``) names the same segment as the bare form (``"to_q"``)."""
+    old, new = old.strip("."), new.strip(".")
     parts = name.split(".")
     if old not in parts:
         return None
