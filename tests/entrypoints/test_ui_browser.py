@@ -153,6 +153,28 @@ def test_page_loads_the_adapters_and_a_generation_shows_its_image(browser, image
     assert shown_png(img) != api_image(image_server, 32, 3, 0, [])
 
 
+def test_the_page_follows_the_server_limits_and_defaults(browser, image_server):
+    """Sliders start at the server's scale; no more adapters can be ticked than a request may use, and the
+    server's refusal of too many names the flag that allows more."""
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, image_server)
+    info = httpx.get(image_server.url("/ui/info"), timeout=300).json()
+    assert info["max_adapters"] == 2 and info["default_scale"] == 1.0
+    assert browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm] .scale-value").text == "1"
+    # a server that applies one adapter per request, with --lora-scale 0.5 (the page's own state)
+    browser.execute_script("state.info.max_adapters = 1; state.info.default_scale = 0.5; renderAdapters();")
+    assert browser.find_element(By.CSS_SELECTOR, "[data-adapter=stripes] .scale-value").text == "0.5"
+    browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm] .use").click()
+    stripes = browser.find_element(By.CSS_SELECTOR, "[data-adapter=stripes] .use")
+    assert not stripes.is_enabled() and "--max-loras" in stripes.get_attribute("title")
+    three = [{"name": n, "scale": 1} for n in ("warm", "stripes", "warm")]
+    reply = httpx.post(
+        image_server.url("/v1/images/generations"), json={"prompt": "x", "lora": three}, timeout=300
+    )
+    assert reply.status_code == 400 and "--max-loras N" in reply.json()["error"]["message"]
+
+
 def test_a_schedule_reaches_the_server_and_bad_ones_are_explained(browser, image_server):
     from selenium.webdriver.common.by import By
 

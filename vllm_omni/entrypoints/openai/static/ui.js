@@ -55,19 +55,39 @@ function renderAdapters() {
   const box = $("adapters");
   box.innerHTML = "";
   if (!state.adapters.length) { box.innerHTML = "<em>no adapters (start the server with --lora-modules or --lora-path)</em>"; return; }
+  const scale = String(state.info.default_scale ?? 1);  // the server's --lora-scale
   for (const name of state.adapters) {
     const row = document.createElement("div");
     row.className = "adapter";
     row.dataset.adapter = name;
     row.innerHTML = `<label><input type="checkbox" class="use"> <span></span></label>
-      <input type="range" class="scale" min="-1" max="2" step="0.05" value="1">
-      <output class="scale-value">1</output>
+      <input type="range" class="scale" min="-1" max="2" step="0.05">
+      <output class="scale-value"></output>
       <input type="text" class="schedule" placeholder="schedule (optional)">`;
     row.querySelector("span").textContent = name;
     const slider = row.querySelector(".scale");
+    slider.value = scale;
+    row.querySelector(".scale-value").textContent = slider.value;
     slider.addEventListener("input", () => { row.querySelector(".scale-value").textContent = slider.value; });
+    row.querySelector(".use").addEventListener("change", limitChoices);
     box.appendChild(row);
   }
+  limitChoices();
+}
+
+// No more adapters can be ticked than the server applies per request (its --max-loras).
+function limitChoices() {
+  const max = state.info.max_adapters ?? Infinity;
+  const boxes = [...document.querySelectorAll("#adapters .use")];
+  const full = boxes.filter((b) => b.checked).length >= max;
+  for (const b of boxes) {
+    b.disabled = full && !b.checked;
+    b.title = b.disabled ? tooMany(max) : "";
+  }
+}
+
+function tooMany(max) {
+  return `this server applies at most ${max} adapter(s) per request; start it with --max-loras N to allow N`;
 }
 
 // The request's `lora` list from the adapter rows, with per-cell overrides {adapter: scale}.
@@ -175,6 +195,8 @@ async function runGrid() {
   head.appendChild(document.createElement("th")).textContent = "Y \\ X";
   for (const label of x.labels) head.appendChild(document.createElement("th")).textContent = label;
   const jobs = [];
+  const widest = Math.max(...y.values.flatMap((yv) => x.values.map((xv) => (cellSettings([x, y], [xv, yv]).lora || []).length)));
+  if (widest > (state.info.max_adapters ?? Infinity)) { setStatus(`grid: ${widest} adapters in a cell, but ${tooMany(state.info.max_adapters)}`); return; }
   y.values.forEach((yv, j) => {
     const row = table.insertRow();
     row.appendChild(document.createElement("th")).textContent = y.labels[j];
