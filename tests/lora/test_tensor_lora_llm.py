@@ -85,7 +85,11 @@ def test_each_update_serves_that_steps_weights(omni, tiny_llm_assets, tmp_path, 
     for step in range(STEPS):
         policy.step()
         lora = TensorLoRARequest(
-            lora_name="policy", lora_int_id=7, peft_config=policy.config, lora_tensors=policy.tensors()
+            lora_name="policy",
+            lora_int_id=7,
+            peft_config=policy.config,
+            lora_tensors=policy.tensors(),
+            load_inplace=step == 3,  # vLLM's in-place reload flag: a new version all the same
         )
         expected = policy.greedy(PROMPT_IDS)
         seen.add(tuple(expected))
@@ -99,6 +103,7 @@ def test_each_update_serves_that_steps_weights(omni, tiny_llm_assets, tmp_path, 
             next(p for n, p in policy.model.named_parameters() if "lora_B" in n).add_(1.0)
         assert list(omni.generate(PROMPT_IDS, greedy(), lora_request=lora)[0].token_ids) == expected
     assert len(seen) > 1  # the steps' policies differ in their outputs
+    assert omni.adapter_registry.get("policy").version == STEPS - 1  # registered at step 1, then one per step
     assert omni.list_loras() <= {7}
     assert list(tmp_path.iterdir()) == []
 
