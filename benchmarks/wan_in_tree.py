@@ -17,6 +17,12 @@ Run from the repository root (one intra-op thread; CPU time of this process)::
 
     .venv/bin/python -m benchmarks.wan_in_tree           # dim 512 (4 x 128), 4 blocks, 9 frames, 128 px
     .venv/bin/python -m benchmarks.wan_in_tree --quick   # dim 256, 2 blocks, 5 frames, 64 px
+    .venv/bin/python -m benchmarks.wan_in_tree --compile-check   # compiled stage == eager (tiny two experts)
+
+``--compile-check`` runs the tiny Wan2.2-style directory (``tools/make_tiny_wan.py --moe``) through ``Omni``
+eagerly and compiled (``enforce_eager=False``: regional compilation of both experts' blocks, LoRA from
+fixed-shape banks) without adapters, with the ``[high, low]`` pair and with the pair at other scales, and
+prints the largest difference of the final latents (float32) and the wall time of each run.
 """
 
 from __future__ import annotations
@@ -132,6 +138,48 @@ def run(args) -> dict:
     }
 
 
+def compile_check() -> dict:
+    """Final latents of the compiled stage vs the eager one (see the module docstring)."""
+    import os
+    import time
+
+    from tools.make_tiny_wan import ensure_tiny_wan, ensure_tiny_wan_loras
+    from vllm_omni import Omni
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+    from vllm_omni.lora.request import LoRARequest
+
+    assets = os.environ.get("VLLM_OMNI_TEST_ASSETS") or REPO / ".cache" / "test_assets"
+    model_dir = ensure_tiny_wan(assets, moe=True)
+    files = ensure_tiny_wan_loras(assets)
+    pair = [LoRARequest("high", 1, str(files["high"])), LoRARequest("low", 2, str(files["low"]))]
+    sp = OmniDiffusionSamplingParams(
+        height=32,
+        width=48,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        seed=5,
+        output_type="latent",
+        extra_args={"num_frames": 5},
+    )
+    cases = {
+        "base": {},
+        "pair": {"lora_requests": pair},
+        "pair_scaled": {"lora_requests": pair, "lora_scales": [0.5, 1.0]},
+    }
+    runs, walls = {}, {}
+    for eager in (True, False):
+        start = time.perf_counter()
+        with Omni(
+            str(model_dir), max_loras=2, dtype="float32", enforce_eager=eager, enable_progress_bar=False
+        ) as omni:
+            runs[eager] = {
+                name: omni.generate(["a red cat"], sp, **kw)[0].latents for name, kw in cases.items()
+            }
+        walls["eager_s" if eager else "compiled_s"] = time.perf_counter() - start
+    diffs = {name: (runs[True][name] - runs[False][name]).abs().max().item() for name in cases}
+    return {"compiled_vs_eager_max_abs": diffs, **walls}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="dim 256, 2 blocks, 5 frames, 64 px, 3 repeats")
@@ -142,10 +190,11 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    p.add_argument("--compile-check", action="store_true", help="compiled stage vs eager on the tiny model")
     args = p.parse_args(argv)
     if args.quick:
         args.heads, args.layers, args.frames, args.size, args.repeats = 2, 2, 5, 64, 3
-    result = run(args)
+    result = compile_check() if args.compile_check else run(args)
     text = json.dumps(result, indent=2, default=str)
     print(text)
     if args.out:
