@@ -1,0 +1,239 @@
+"""Qwen3-Omni on one pipeline (tiny checkpoint, float32): ``Omni(<folder>)`` picks ``qwen3_omni``
+(MoE thinker on vLLM with LoRA -> talker -> code2wav on transformers).
+
+- The thinker (``last_stage=0``): greedy tokens equal transformers' ``Qwen3OmniMoeForConditionalGeneration``
+  thinker with and without a thinker adapter (peft); ``enable_lora`` runs on CPU because the MoE experts
+  stay out of LoRA (:func:`vllm_omni.models.moe_lora.keep_moe_experts_out_of_lora`), and an adapter on
+  expert weights is refused before it reaches vLLM, which would load it and silently not apply it.
+- The whole pipeline: text, codes and waveform against transformers' ``generate(return_audio=True)``
+  (run once), greedy thinker and talker on both sides (transformers mirrors the talker's ``do_sample``
+  onto its code predictor), the thinker's stop at ``<|im_end|>`` on both sides.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+from omni_reference import thinker_greedy
+from vllm import SamplingParams
+
+from tests.conftest import test_assets_root
+from vllm_omni.errors import ConfigError, InvalidAdapterError, InvalidRequestError, LoRANotEnabledError
+from vllm_omni.inputs.audio import AudioParams
+from vllm_omni.lora.request import LoRARequest
+
+THINK, TALK = 8, 16
+TEXT = "Once upon a time"
+PROMPTS = [TEXT, "The weather today is"]
+N = THINK
+THINKER_ARCH = "OmniQwen3OmniMoeThinkerForConditionalGeneration"
+#: the waveform's tolerance against transformers (float32, same code path; measured 0.0)
+WAVE_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def assets():
+    from tools.make_tiny_qwen3_omni import ensure_tiny_qwen3_omni_assets
+
+    return ensure_tiny_qwen3_omni_assets(test_assets_root())
+
+
+@pytest.fixture(scope="module")
+def omni(assets):
+    from vllm_omni import Omni
+
+    # peft writes rank_pattern {".*\\.gate_up_proj": 2r} into every adapter of this model, and
+    # vLLM checks that rank against max_lora_rank: 16 for the rank-8 adapters here
+    stage = {"dtype": "float32", "max_model_len": 256, "enable_lora": True, "max_lora_rank": 16}
+    with Omni(str(assets.model_dir), stage_overrides={"0": stage}) as engine:
+        yield engine
+
+
+def _chat(omni, text=TEXT) -> str:
+    tokenizer = omni._orchestrator.runtimes[0].tokenizer
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def _text_params():
+    """The thinker's, for ``last_stage=0`` runs: ``N`` tokens, no stop."""
+    return SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+
+
+def _prompt_ids(omni, text):
+    return omni._orchestrator.runtimes[0].tokenizer.encode(text, add_special_tokens=False)
+
+
+def _params(voice="Ethan"):
+    return [
+        SamplingParams(temperature=0, max_tokens=THINK),
+        SamplingParams(temperature=0, max_tokens=TALK),
+        AudioParams(voice=voice),
+    ]
+
+
+@functools.cache
+def reference(model_dir: str, prompt_ids: tuple[int, ...], eos: int, voice: str):
+    """``(thinker tokens, talker codes [G, N], waveform)`` of transformers' Omni ``generate``."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    captured = {}
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, **kwargs):
+        captured["codes"] = codes[0].clone()
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = capture
+    ids = torch.tensor([prompt_ids])
+    seq, wav = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        speaker=voice,
+        thinker_max_new_tokens=THINK,
+        thinker_eos_token_id=eos,
+        talker_do_sample=False,
+        talker_max_new_tokens=TALK,
+    )
+    return seq[0, ids.shape[1] :].tolist(), captured["codes"], wav.reshape(-1).numpy()
+
+
+def test_thinker_runs_vllms_moe_thinker_with_experts_out_of_lora(omni):
+    """Without torchvision (this venv) the stage is made text-only, as Qwen2.5-Omni's thinker."""
+    from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from vllm_omni.models import qwen3_omni_thinker
+    from vllm_omni.models.moe_lora import moe_experts_kept_out_of_lora
+
+    assert omni.stage_configs[0].model_arch == THINKER_ARCH
+    assert qwen3_omni_thinker.Qwen3OmniMoeThinkerForConditionalGeneration is (
+        Qwen3OmniMoeThinkerForConditionalGeneration
+    )
+    assert moe_experts_kept_out_of_lora()
+    mm = omni._orchestrator.runtimes[0]._engine.vllm_config.model_config.multimodal_config
+    assert [mm.get_limit_per_prompt(m) for m in ("audio", "image", "video")] == [0, 0, 0]
+
+
+def test_thinker_tokens_equal_transformers_with_and_without_adapter(omni, assets):
+    adapter = LoRARequest("thinker", 1, str(assets.thinker_adapter))
+    base = omni.generate(PROMPTS, _text_params(), last_stage=0, use_tqdm=False)
+    adapted = omni.generate(PROMPTS, _text_params(), lora_request={0: adapter}, last_stage=0, use_tqdm=False)
+    for prompt, plain, out in zip(PROMPTS, base, adapted):
+        ids = _prompt_ids(omni, prompt)
+        assert plain.token_ids == thinker_greedy(assets.model_dir, ids, N)
+        assert out.token_ids == thinker_greedy(assets.model_dir, ids, N, assets.thinker_adapter)
+        assert out.token_ids != plain.token_ids  # the adapter does change the output
+
+
+def _per_expert_adapter(path, layer0_experts=2):
+    """An adapter in the per-expert layout (``mlp.experts.{e}.gate_proj``, as vLLM's 2-D MoE LoRA
+    reads it) on the thinker's layer-0 experts, plus a valid ``q_proj``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tools.make_tiny_qwen3_omni import HIDDEN
+
+    prefix = "base_model.model.thinker.model.layers.0."
+    shapes = {"self_attn.q_proj": (HIDDEN, HIDDEN)}
+    shapes |= {f"mlp.experts.{e}.gate_proj": (HIDDEN, 64) for e in range(layer0_experts)}
+    tensors = {}
+    for module, (d_in, d_out) in shapes.items():
+        tensors[f"{prefix}{module}.lora_A.weight"] = torch.full((8, d_in), 0.01)
+        tensors[f"{prefix}{module}.lora_B.weight"] = torch.full((d_out, 8), 0.01)
+    path.mkdir()
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "gate_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["peft", "per_expert"])
+def test_adapter_on_moe_experts_is_refused_with_the_reason(omni, assets, tmp_path, layout):
+    """peft 0.21 turns the MLP names into the fused experts of every MoE block (target_parameters);
+    an adapter in the per-expert layout names them as modules. vLLM on CPU keeps experts out of
+    LoRA and would serve the base model for them: both are refused, saying why, and the stage
+    keeps serving."""
+    path = assets.experts_adapter if layout == "peft" else _per_expert_adapter(tmp_path / "experts")
+    with pytest.raises(InvalidAdapterError) as err:
+        omni.generate(
+            PROMPTS[0],
+            _text_params(),
+            lora_request={0: LoRARequest("experts", 2 if layout == "peft" else 3, str(path))},
+            last_stage=0,
+            use_tqdm=False,
+        )
+    message = str(err.value)
+    assert "'experts'" in message
+    assert "keeps MoE experts out of LoRA" in message and "Triton" in message
+    if layout == "per_expert":
+        assert "Stage 0 (llm_ar)" in message
+        assert "thinker.model.layers.0.mlp.experts.0.gate_proj" in message
+    else:
+        assert "target_parameters" in message
+    (out,) = omni.generate(PROMPTS[0], _text_params(), last_stage=0, use_tqdm=False)
+    assert out.token_ids == thinker_greedy(assets.model_dir, _prompt_ids(omni, PROMPTS[0]), N)
+
+
+def test_folder_gets_thinker_talker_and_code2wav(omni):
+    assert omni.config.pipeline.name == "qwen3_omni"
+    assert [s.model_arch for s in omni.stage_configs] == [
+        "OmniQwen3OmniMoeThinkerForConditionalGeneration",
+        "OmniQwen3OmniMoeTalkerForConditionalGeneration",
+        "OmniQwen3OmniMoeCode2Wav",
+    ]
+    kinds = [d.output_kind for d in omni._orchestrator.descriptions]
+    assert kinds == ["text", "codec", "audio"]
+
+
+def test_text_codes_and_waveform_equal_transformers(omni, assets):
+    from vllm_omni.stages.qwen3_omni.code2wav import SAMPLE_RATE
+
+    prompt = _chat(omni)
+    text, audio = omni.generate(prompt, _params(), use_tqdm=False)
+    tokenizer = omni._orchestrator.runtimes[0].tokenizer
+    ids = tuple(tokenizer.encode(prompt, add_special_tokens=False))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokens, codes, wav = reference(str(assets.model_dir), ids, eos, "Ethan")
+    assert text.token_ids == tokens
+    talker_codes = audio.stage_outputs[1].codes
+    assert talker_codes.shape == codes.shape and talker_codes.shape[1] > 0
+    assert torch.equal(talker_codes, codes)
+    assert audio.sample_rate == SAMPLE_RATE and audio.audio.dtype == np.float32 and audio.audio.ndim == 1
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=WAVE_ATOL)
+    assert np.abs(wav).max() > 1e-3  # not a silent reference
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lora_request": {1: "talker"}}, LoRANotEnabledError, r"Stage 1 \(llm_ar\)"),
+        ({"lora_request": {2: "talker"}}, LoRANotEnabledError, r"Stage 2 \(llm_generation\)"),
+        ({"voice": "nobody"}, InvalidRequestError, "unknown voice 'nobody'"),
+        ({"prompt": TEXT}, InvalidRequestError, r"Stage 1 .*no '<\|im_start\|>assistant' turn"),
+    ],
+)
+def test_bad_requests_are_refused_naming_the_stage(omni, assets, kwargs, error, match):
+    """An adapter for a stage without LoRA or an unknown voice is refused before the request
+    starts; a prompt without the chat template's assistant turn is refused by the talker. The
+    pipeline keeps serving."""
+    lora = kwargs.get("lora_request")
+    if lora is not None:
+        lora = {stage: LoRARequest(name, 7, str(assets.thinker_adapter)) for stage, name in lora.items()}
+    prompt = kwargs.get("prompt", _chat(omni))
+    with pytest.raises(error, match=match):
+        omni.generate(prompt, _params(kwargs.get("voice", "Ethan")), lora_request=lora, use_tqdm=False)
+    text, audio = omni.generate(_chat(omni), _params(), use_tqdm=False)
+    assert len(text.token_ids) == THINK and audio.audio.size > 0
+
+
+def test_global_lora_options_are_refused_naming_the_llm_stages(assets):
+    from vllm_omni.entrypoints.omni_base import build_omni_config
+
+    with pytest.raises(ConfigError, match=r"qwen3_omni.*\[0, 1, 2\]"):
+        build_omni_config(str(assets.model_dir), enable_lora=True)
