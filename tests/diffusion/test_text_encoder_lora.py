@@ -281,3 +281,73 @@ def test_distill_equals_diffusers_fuse_lora(tiny_sd3_dir, sd3_file):
         assert set(engine.worker.lora.fused) == {"transformer", "text_encoder", "text_encoder_2"}
         [out] = engine.generate(PROMPTS[:1], OmniDiffusionSamplingParams(seed=4, **SD3_CALL))
     assert (torch.as_tensor(out.latents) - want).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_kohya_two_encoder_file_reads_as_the_diffusers_file(tiny_sd3_dir, sd3_file, tmp_path):
+    """The SD3 file's text-encoder parts rewritten as kohya writes SDXL ones (``lora_te1_text_model_<flat>`` /
+    ``lora_te2_text_model_<flat>``, ``lora_down`` / ``lora_up``, ``.alpha`` instead of the header's
+    configuration) give both CLIP encoders the same outputs as the diffusers-keyed file."""
+    from transformers import CLIPTextModelWithProjection
+
+    from vllm_omni.diffusion.lora.text_encoder_lora import TextEncoderLoRA
+
+    alphas = {c: a for c, _, _, a, _ in SD3_PARTS}
+    kohya = {}
+    for key, tensor in load_file(sd3_file).items():
+        component, rest = key.split(".", 1)
+        module, kind = rest.rsplit(".lora_", 1)
+        prefix = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}[
+            component
+        ]
+        flat = prefix + _flat(module)
+        kohya[f"{flat}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = tensor
+        kohya[f"{flat}.alpha"] = torch.tensor(alphas[component])
+    save_file(kohya, str(tmp_path / "kohya.safetensors"))
+    encoders = {
+        c: CLIPTextModelWithProjection.from_pretrained(str(tiny_sd3_dir / c)).eval()
+        for c in ("text_encoder", "text_encoder_2")
+    }
+    te = TextEncoderLoRA(types.SimpleNamespace(**encoders), "sd3", max_loras=2, max_rank=8)
+    loras = [LoRARequest("d", 51, sd3_file), LoRARequest("k", 52, str(tmp_path / "kohya.safetensors"))]
+    for lora in loras:
+        te.read(lora.lora_path)
+        te.note_loaded([lora])
+        for name in te.users(lora):
+            te.managers[name].add_lora(lora)
+        te.done_loading()
+    assert all(te.users(lora) == ["text_encoder", "text_encoder_2"] for lora in loras)
+    ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(1)).repeat(2, 1)
+    with te.activate([[(loras[0], 0.9)], [(loras[1], 0.9)]], [0, 1]):  # row 0: diffusers file, row 1: kohya
+        outs = {c: m(input_ids=ids).text_embeds for c, m in encoders.items()}
+    for c, out in outs.items():
+        assert (out[0] - out[1]).abs().max().item() <= 1e-5
+        assert (out[0] - encoders[c](input_ids=ids[:1]).text_embeds[0]).abs().max().item() > 1e-3
+
+
+def test_text_encoder_scale_in_the_http_field_and_its_one_rule_site():
+    """HTTP ``text_encoder_scale`` (or ComfyUI's ``strength_clip``) reaches the request adapter; the value is
+    checked in ``validate_request_adapters`` (a number, finite, within the scale limits, no schedule), and an
+    LLM stage refuses it."""
+    from vllm_omni.entrypoints.openai.lora import parse_lora_field
+    from vllm_omni.errors import InvalidRequestError, OpenAIError
+    from vllm_omni.lora.request import llm_stage_adapter, validate_request_adapters
+
+    for key in ("text_encoder_scale", "strength_clip"):
+        [spec] = parse_lora_field({"path": "/loras/a.safetensors", "scale": 0.5, key: 1.5})
+        assert (spec.scale, spec.text_encoder_scale) == (0.5, 1.5)
+    with pytest.raises(OpenAIError, match="spellings of the same field 'text_encoder_scale'"):
+        parse_lora_field({"path": "/a", "text_encoder_scale": 1, "strength_clip": 1})
+    lora = LoRARequest("a", 1, "/loras/a.safetensors")
+    [ok] = validate_request_adapters([RequestAdapter(lora, 0.5, text_encoder_scale=2)], field="lora")
+    assert ok.text_encoder_scale == 2.0 and isinstance(ok.text_encoder_scale, float)
+    for bad, match in (
+        (float("inf"), "finite"),
+        ([1.0, 2.0], "no per-step"),
+        ("1", "finite number"),
+        (1e9, "finite"),
+    ):
+        with pytest.raises(InvalidRequestError, match=rf"lora\[0\]\.text_encoder_scale.*{match}"):
+            validate_request_adapters([RequestAdapter(lora, 0.5, text_encoder_scale=bad)], field="lora")
+    with pytest.raises(InvalidRequestError, match="text_encoder_scale"):
+        llm_stage_adapter([RequestAdapter(lora, text_encoder_scale=1.0)], "stage 0")
