@@ -31,6 +31,30 @@ def params(**overrides) -> OmniDiffusionSamplingParams:
     return OmniDiffusionSamplingParams(**base)
 
 
+def diffusers_pipe(folder):
+    """A fresh diffusers ``QwenImagePipeline`` on ``folder`` (the reference)."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@torch.no_grad()
+def diffusers_latents(pipe, prompt=PROMPT, **kw):
+    """diffusers' output for the settings of :func:`params` (``kw``: more call arguments)."""
+    kw.setdefault("output_type", "latent")
+    return pipe(
+        prompt,
+        negative_prompt=NEG,
+        true_cfg_scale=4.0,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(5),
+        **SIZE,
+        **kw,
+    ).images
+
+
 @pytest.fixture(scope="module")
 def loras(tiny_qwen_image_loras):
     return tiny_qwen_image_loras
@@ -53,15 +77,12 @@ def omni(tiny_qwen_image_dir):
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen_image_dir):
-    """``run(adapter_path=None, scale=1.0, prompt=PROMPT, output_type="latent")``: diffusers' output."""
-    from diffusers import QwenImagePipeline
-
+    """``run(adapter_path=None, scale=1.0, prompt=PROMPT, output_type="latent", n=1)``: diffusers' output."""
     pipes: dict = {}
 
     def pipe_for(path):
         if path not in pipes:
-            pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image_dir))
-            pipe.set_progress_bar_config(disable=True)
+            pipe = diffusers_pipe(tiny_qwen_image_dir)
             if path is not None and path.is_dir():
                 load_peft_into_transformer(pipe.transformer, path, "a")
             elif path is not None:
@@ -69,21 +90,11 @@ def reference(tiny_qwen_image_dir):
             pipes[path] = pipe
         return pipes[path]
 
-    @torch.no_grad()
     def run(path=None, scale=1.0, prompt=PROMPT, output_type="latent", n=1):
         pipe = pipe_for(path)
         if path is not None:
             pipe.set_adapters(["a"], [scale])
-        return pipe(
-            prompt,
-            negative_prompt=NEG,
-            true_cfg_scale=4.0,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(5),
-            output_type=output_type,
-            num_images_per_prompt=n,
-            **SIZE,
-        ).images
+        return diffusers_latents(pipe, prompt, output_type=output_type, num_images_per_prompt=n)
 
     return run
 
@@ -135,12 +146,9 @@ def test_mixed_adapter_batch_equals_each_alone(omni, loras):
 
 
 def test_per_step_schedule_matches_diffusers_step_callback(omni, tiny_qwen_image_dir, loras):
-    from diffusers import QwenImagePipeline
-
     steps = [1.5, 0.25]
     got = _latents(omni, lora_requests=[LoRARequest("attn", 1, str(loras["attn"]))], lora_scales=[steps])
-    pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image_dir))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = diffusers_pipe(tiny_qwen_image_dir)
     load_peft_into_transformer(pipe.transformer, loras["attn"], "a")
     pipe.set_adapters(["a"], [steps[0]])
 
@@ -149,17 +157,7 @@ def test_per_step_schedule_matches_diffusers_step_callback(omni, tiny_qwen_image
             pipe.set_adapters(["a"], [steps[i + 1]])
         return {}
 
-    with torch.no_grad():
-        expected = pipe(
-            PROMPT,
-            negative_prompt=NEG,
-            true_cfg_scale=4.0,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(5),
-            output_type="latent",
-            callback_on_step_end=callback,
-            **SIZE,
-        ).images
+    expected = diffusers_latents(pipe, callback_on_step_end=callback)
     assert (got - expected).abs().max().item() <= TOL
     constant = _latents(omni, lora_requests=[LoRARequest("attn", 1, str(loras["attn"]))], lora_scales=[1.5])
     assert (got - constant).abs().max().item() > 50 * TOL  # the second step's scale mattered
@@ -187,28 +185,37 @@ def test_adapter_for_another_model_is_refused_and_changes_nothing(omni, tiny_z_i
 
 
 def test_distill_fuses_a_kohya_file_as_diffusers_fuse_lora(tiny_qwen_image_dir, loras, reference):
-    from diffusers import QwenImagePipeline
-
     from vllm_omni import Omni
 
-    pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image_dir))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = diffusers_pipe(tiny_qwen_image_dir)
     pipe.load_lora_weights(str(loras["attn_kohya"]), adapter_name="lightning")
     pipe.fuse_lora(lora_scale=0.7)
     pipe.unload_lora_weights()  # fused weights stay; the adapter layers go
-    with torch.no_grad():
-        expected = pipe(
-            PROMPT,
-            negative_prompt=NEG,
-            true_cfg_scale=4.0,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(5),
-            output_type="latent",
-            **SIZE,
-        ).images
+    expected = diffusers_latents(pipe)
     kwargs = dict(lora_backend="distill", lora_path=str(loras["attn_kohya"]), lora_scale=0.7)
     with Omni(model=str(tiny_qwen_image_dir), dtype="float32", enable_progress_bar=False, **kwargs) as omni:
         assert omni.list_loras() == set()  # fused at start-up, not cached
         got = _latents(omni)
     assert (got - expected).abs().max().item() <= TOL
     assert (expected - reference()).abs().max().item() > 50 * TOL
+
+
+def test_per_block_schedule_matches_peft_per_module_scaling(omni, tiny_qwen_image_dir, loras):
+    from peft.tuners.lora import LoraLayer
+
+    request = LoRARequest("attn", 1, str(loras["attn"]))
+    schedule = {"steps": 1.2, "blocks": {"transformer_blocks.1": 0.0, "transformer_blocks.0.attn": 0.5}}
+    got = _latents(omni, lora_requests=[request], lora_scales=[schedule])
+    pipe = diffusers_pipe(tiny_qwen_image_dir)
+    load_peft_into_transformer(pipe.transformer, loras["attn"], "a")
+    pipe.set_adapters(["a"], [1.2])
+    for name, module in pipe.transformer.named_modules():
+        if isinstance(module, LoraLayer) and "a" in module.scaling:
+            if name.startswith("transformer_blocks.1."):
+                module.scaling["a"] *= 0.0
+            elif name.startswith("transformer_blocks.0.attn."):
+                module.scaling["a"] *= 0.5
+    expected = diffusers_latents(pipe)
+    assert (got - expected).abs().max().item() <= TOL
+    flat = _latents(omni, lora_requests=[request], lora_scales=[1.2])
+    assert (got - flat).abs().max().item() > 50 * TOL  # the block multipliers mattered
