@@ -53,9 +53,11 @@ def browser(tmp_path_factory):
 def image_server(tmp_path_factory):
     port = free_port()
     adapters = DEMO / "adapters"
+    lora_dir = tmp_path_factory.mktemp("ui_lora_dirs")
+    shutil.copytree(adapters / "warm", lora_dir / "warm_dir")  # not registered: the page lists it by path
     cmd = serve_command(
         str(DEMO), port, "--served-model-name", "demo", "--max-loras", "2",
-        "--lora-modules", f"warm={adapters / 'warm'}", f"stripes={adapters / 'stripes'}",
+        "--lora-modules", f"warm={adapters / 'warm'}", f"stripes={adapters / 'stripes'}", "--lora-dirs", str(lora_dir),
     )  # fmt: skip
     srv = start_server(
         cmd, port, tmp_path_factory.mktemp("ui_img") / "server.log", server_env(), timeout=WAIT_S
@@ -138,7 +140,7 @@ def test_page_loads_the_adapters_and_a_generation_shows_its_image(browser, image
 
     open_page(browser, image_server)
     rows = browser.find_elements(By.CSS_SELECTOR, "#adapters .adapter")
-    assert [r.get_attribute("data-adapter") for r in rows] == ["warm", "stripes"]
+    assert [r.get_attribute("data-adapter") for r in rows] == ["warm", "stripes", "warm_dir"]
     assert "demo" in browser.find_element(By.ID, "model-info").text
     assert not browser.find_element(By.ID, "chat-mode").is_displayed()
     settings(browser, 32, 3)
@@ -173,6 +175,25 @@ def test_the_page_follows_the_server_limits_and_defaults(browser, image_server):
         image_server.url("/v1/images/generations"), json={"prompt": "x", "lora": three}, timeout=300
     )
     assert reply.status_code == 400 and "--max-loras N" in reply.json()["error"]["message"]
+
+
+def test_an_adapter_in_lora_dirs_is_listed_and_loaded_on_first_use(browser, image_server):
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, image_server)
+    path = browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm_dir]").get_attribute("data-path")
+    assert (
+        path.endswith("warm_dir")
+        and "warm_dir" not in httpx.get(image_server.url("/v1/models"), timeout=300).text
+    )
+    settings(browser, 32, 3)
+    browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm_dir] .use").click()
+    set_value(browser, "[data-adapter=warm_dir] .scale", 0.5)
+    browser.find_element(By.ID, "generate").click()
+    status = browser.find_element(By.ID, "status")
+    wait(browser, "the image of the folder's adapter", lambda d: status.text.startswith("done"))
+    img = browser.find_element(By.CSS_SELECTOR, "#result img")
+    assert shown_png(img) == api_image(image_server, 32, 3, 0, [{"name": "warm", "scale": 0.5}])  # same files
 
 
 def test_a_schedule_reaches_the_server_and_bad_ones_are_explained(browser, image_server):
@@ -262,6 +283,7 @@ def test_the_chat_box_answers_with_the_chosen_adapter(browser, llm_server):
     }  # fmt: skip
     api = httpx.post(llm_server.url("/v1/chat/completions"), json=body, timeout=300).json()
     assert reply[0].text.removeprefix("model: ") == api["choices"][0]["message"]["content"]
+    assert reply[0].get_attribute("data-by") == "adapter a"  # the page says who answered
     base = httpx.post(
         llm_server.url("/v1/chat/completions"), json={**body, "model": "tiny"}, timeout=300
     ).json()

@@ -16,6 +16,7 @@ Any query parameter these routes do not take is refused with 400 naming it.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
@@ -94,7 +95,8 @@ async def ui_page(request: Request) -> Response:
 async def ui_info(request: Request) -> JSONResponse:
     """What the page needs to know about the pipeline: ``{"model": served name, "pipeline",
     "is_llm": the entry stage is an LLM stage, "outputs": output kinds, "max_adapters": per request,
-    "default_scale": of start-up adapters}``."""
+    "default_scale": of start-up adapters, "dir_adapters": [{"name", "path"}] the adapters found in
+    ``--lora-dirs`` (a request names one by path; it loads on first use)}``."""
     check_query(request)
     state = get_state(request)
     info = state.info
@@ -106,8 +108,34 @@ async def ui_info(request: Request) -> JSONResponse:
             "outputs": sorted(info.output_kinds),
             "max_adapters": info.max_adapters_per_request,
             "default_scale": info.startup_lora_scale,
+            "dir_adapters": await asyncio.to_thread(dir_adapters, state.settings.lora_dirs),
         }
     )
+
+
+#: At most this many ``--lora-dirs`` adapters are listed for the page.
+MAX_DIR_ADAPTERS = 200
+
+
+def dir_adapters(roots: list[str]) -> list[dict[str, str]]:
+    """The adapters directly inside each ``--lora-dirs`` root: folders holding ``adapter_config.json``
+    and ``.safetensors`` files (names as the folder or file is named; nothing is read)."""
+    found: list[dict[str, str]] = []
+    for root in roots:
+        try:
+            entries = sorted(os.scandir(root), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir() and os.path.isfile(os.path.join(entry.path, "adapter_config.json")):
+                found.append({"name": entry.name, "path": entry.path})
+            elif entry.is_file() and entry.name.endswith(".safetensors"):
+                found.append({"name": entry.name.removesuffix(".safetensors"), "path": entry.path})
+            if len(found) >= MAX_DIR_ADAPTERS:
+                return found
+    return found
 
 
 @router.get("/ui/{name}")

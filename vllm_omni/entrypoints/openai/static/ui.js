@@ -4,7 +4,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { info: null, adapters: [] };
+const state = { info: null, adapters: [], paths: {} };
 const GRID_CONCURRENCY = 2;
 
 function setStatus(text, ok = false) {
@@ -54,7 +54,7 @@ function parseScale(text) {
 function renderAdapters() {
   const box = $("adapters");
   box.innerHTML = "";
-  if (!state.adapters.length) { box.innerHTML = "<em>no adapters (start the server with --lora-modules or --lora-path)</em>"; return; }
+  if (!state.adapters.length) { box.innerHTML = "<em>no adapters (start the server with --lora-modules, --lora-path or --lora-dirs)</em>"; return; }
   const scale = String(state.info.default_scale ?? 1);  // the server's --lora-scale
   for (const name of state.adapters) {
     const row = document.createElement("div");
@@ -65,6 +65,11 @@ function renderAdapters() {
       <output class="scale-value"></output>
       <input type="text" class="schedule" placeholder="schedule (optional)">`;
     row.querySelector("span").textContent = name;
+    if (name in state.paths) {
+      row.dataset.path = state.paths[name];
+      row.querySelector("label").title = `${state.paths[name]} (in --lora-dirs: loaded on first use)`;
+      row.querySelector("span").textContent = `${name} (--lora-dirs)`;
+    }
     const slider = row.querySelector(".scale");
     slider.value = scale;
     row.querySelector(".scale-value").textContent = slider.value;
@@ -99,7 +104,8 @@ function loraField(overrides = {}) {
     let scale = schedule === null ? Number(row.querySelector(".scale").value) : schedule;
     if (name in overrides) scale = overrides[name];
     else if (!row.querySelector(".use").checked) continue;
-    out.push({ name, scale });
+    // an adapter of --lora-dirs is named by its path: the server loads it on first use
+    out.push(row.dataset.path ? { path: row.dataset.path, scale } : { name, scale });
   }
   return out;
 }
@@ -235,10 +241,11 @@ async function runGrid() {
 
 const chat = [];
 
-function appendMessage(role, text) {
+function appendMessage(role, text, by = null) {
   const el = document.createElement("div");
   el.className = `msg ${role}`;
   el.textContent = text;
+  if (by !== null) el.dataset.by = el.title = by;  // which adapter (or the base model) answered
   $("chat-log").appendChild(el);
   $("chat-log").scrollTop = $("chat-log").scrollHeight;
 }
@@ -261,7 +268,7 @@ async function sendChat() {
     });
     const reply = data.choices[0].message.content || "";
     chat.push({ role: "assistant", content: reply });
-    appendMessage("assistant", reply);
+    appendMessage("assistant", reply, adapter ? `adapter ${data.model}` : `base model ${data.model}`);
     setStatus("", true);
   } catch (e) {
     chat.pop();
@@ -279,6 +286,10 @@ async function init() {
     state.info = await api("/ui/info");
     const models = await api("/v1/models");
     state.adapters = models.data.filter((m) => m.parent !== null).map((m) => m.id);
+    state.paths = {};  // adapters found in --lora-dirs and not registered under that name
+    for (const a of state.info.dir_adapters || []) {
+      if (!state.adapters.includes(a.name) && !(a.name in state.paths)) { state.paths[a.name] = a.path; state.adapters.push(a.name); }
+    }
   } catch (e) {
     setStatus(`cannot read the server: ${e.message}`);
     return;
@@ -291,7 +302,7 @@ async function init() {
     const select = $("chat-adapter");
     select.innerHTML = "";
     select.add(new Option("(base model)", ""));
-    for (const name of state.adapters) select.add(new Option(name, name));
+    for (const name of state.adapters) if (!(name in state.paths)) select.add(new Option(name, name));
   } else {
     renderAdapters();
     axisKinds();
