@@ -94,6 +94,28 @@ def test_outputs_equal_the_inline_backend(omni, reference, adapter_a):
     assert omni.list_loras() == {1}
 
 
+def test_an_adapter_in_memory_crosses_without_a_file(omni, reference, tiny_llm_assets):
+    """Issue 40: a ``TensorLoRARequest`` (adapter_a's config and tensors, keys without peft's prefix)
+    reaches the worker's vLLM engine through shared memory and serves adapter_a's tokens."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from vllm_omni.lora.request import TensorLoRARequest
+
+    folder = tiny_llm_assets.adapter_a
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    lora = TensorLoRARequest(
+        lora_name="a_in_memory",
+        lora_int_id=3,
+        peft_config=json.loads((folder / "adapter_config.json").read_text()),
+        lora_tensors={k.removeprefix("base_model.model."): v for k, v in tensors.items()},
+    )
+    assert omni.add_lora(lora)
+    assert _run(omni, lora) == reference
+    assert omni.remove_lora(3)
+
+
 def test_errors_keep_their_class_across_the_process(omni, tiny_llm_assets):
     with pytest.raises(
         InvalidAdapterError, match="rank"
