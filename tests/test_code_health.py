@@ -79,7 +79,12 @@ def test_layer_kind_checks_live_in_the_layer_classes():
 STAGE_METHODS = {"submit", "validate_request"}
 #: The request-adapter rules and the modules allowed to call them: their home, the one validation site,
 #: and the diffusion params type checking its own fields at construction (as ``SamplingParams`` does).
-ADAPTER_RULES = {"validate_request_adapters", "gather_request_adapters", "to_request_adapters", "llm_stage_adapter"}
+ADAPTER_RULES = {
+    "validate_request_adapters",
+    "gather_request_adapters",
+    "to_request_adapters",
+    "llm_stage_adapter",
+}
 ADAPTER_RULE_CALLERS = {"lora/request.py", "entrypoints/request_adapters.py", "inputs/data.py"}
 
 
@@ -93,7 +98,9 @@ def test_stage_runtimes_take_one_typed_request():
                 args = fn.args
                 names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
                 if names != ["self", "request"] or args.vararg or args.kwarg:
-                    found.append(f"{path.relative_to(PACKAGE.parent)}:{fn.lineno} {cls.name}.{fn.name}{tuple(names)}")
+                    found.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{fn.lineno} {cls.name}.{fn.name}{tuple(names)}"
+                    )
     assert not found, "stage methods that do not take (self, request: StageRequest):\n" + "\n".join(found)
 
 

@@ -348,7 +348,12 @@ def test_request_adapters_built_at_the_entry_reach_the_worker_unchanged(omni, re
     [per_stage] = request_adapters(omni.config, descriptions, 1, [params()], adapters=adapters)
     assert per_stage == {0: RequestAdapters(adapters)}
     [from_lists] = request_adapters(
-        omni.config, descriptions, 1, [params()], lora_requests=[reqs["attn"], reqs["qv"]], lora_scales=[0.5, 1.0]
+        omni.config,
+        descriptions,
+        1,
+        [params()],
+        lora_requests=[reqs["attn"], reqs["qv"]],
+        lora_scales=[0.5, 1.0],
     )
     assert [(a.lora, a.scale) for a in from_lists[0]] == [(reqs["attn"], 0.5), (reqs["qv"], 1.0)]
     via_adapters = omni._orchestrator.submit(PROMPT, [params()], per_stage).result(timeout=300)[0].latents

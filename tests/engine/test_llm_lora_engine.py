@@ -268,7 +268,9 @@ def test_request_cancelled_while_running_is_aborted_and_its_batch_mates_finish(o
     runtime = omni._orchestrator.runtimes[0]
     with runtime.hold():  # both start in one step
         doomed = runtime.submit(
-            StageRequest("the quick brown fox", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+            StageRequest(
+                "the quick brown fox", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            )
         )
         mate = runtime.submit(
             StageRequest("hello world", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
@@ -284,7 +286,9 @@ def test_request_cancelled_while_running_is_aborted_and_its_batch_mates_finish(o
 def test_request_submitted_while_others_run_joins_at_the_next_step(omni, tiny_llm_assets):
     """The driver steps without taking its lock while nothing else is pending; new work is still seen."""
     runtime = omni._orchestrator.runtimes[0]
-    long = runtime.submit(StageRequest("a b c", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)))
+    long = runtime.submit(
+        StageRequest("a b c", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    )
     _wait_running(runtime, long)
     short = runtime.submit(StageRequest("hello world", greedy()))
     assert short.result(timeout=600).outputs[0].token_ids == _ref(tiny_llm_assets, "hello world", None)

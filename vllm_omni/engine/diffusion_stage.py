@@ -82,7 +82,9 @@ def _batch_key(item: _Pending, mixed_lora: bool) -> tuple:
         repr(sorted(sp.extra_args.items())),
     )
     if not mixed_lora:
-        key += (tuple((a.lora.lora_int_id, a.scale, a.denoiser, a.text_encoder_scale) for a in item.adapters),)
+        key += (
+            tuple((a.lora.lora_int_id, a.scale, a.denoiser, a.text_encoder_scale) for a in item.adapters),
+        )
     return key
 
 

@@ -253,7 +253,9 @@ class Orchestrator:
         if getattr(run.stage_params[stage_id], "output_kind", None) != RequestOutputKind.DELTA:
             return None
         on_partial = run.on_partial
-        return lambda ro: on_partial(self._to_output(run.request_id, stage, run.prompts[stage_id], ro, run.raw))
+        return lambda ro: on_partial(
+            self._to_output(run.request_id, stage, run.prompts[stage_id], ro, run.raw)
+        )
 
     def prepare_params(self, stage_params: Sequence[Any]) -> list[Any]:
         """``stage_params`` made ready once for many :meth:`submit` calls.

@@ -240,7 +240,9 @@ class OmniBase:
                 continue
             index = [s.stage_id for s in self.config.stages].index(sid)
             try:
-                self._orchestrator.runtimes[index].validate_request(StageRequest(None, SamplingParams(), given))
+                self._orchestrator.runtimes[index].validate_request(
+                    StageRequest(None, SamplingParams(), given)
+                )
             except InvalidAdapterError as exc:  # name the entry and the stage it was meant for
                 raise restate(exc, f"lora_request[{sid}] for {self.config.stages[index].label}") from exc
         return out

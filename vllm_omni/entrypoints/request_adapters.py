@@ -76,7 +76,16 @@ def request_adapters(
     """
     try:
         return _request_adapters(
-            config, descriptions, n, stage_params, lora_request, lora_scale, lora_requests, lora_scales, adapters, field
+            config,
+            descriptions,
+            n,
+            stage_params,
+            lora_request,
+            lora_scale,
+            lora_requests,
+            lora_scales,
+            adapters,
+            field,
         )
     except InvalidRequestError as exc:  # the request field at fault (HTTP: the error's "param")
         if getattr(exc, "param", None) is None:
@@ -238,8 +247,11 @@ def entry_adapters(
     entry = config.entry_stage
     params_loras = _params_loras(entry_params)
     if adapters is not None:
-        if lora_scale is not None or lora_requests is not None or lora_scales is not None or any(
-            lr is not None for lr in loras
+        if (
+            lora_scale is not None
+            or lora_requests is not None
+            or lora_scales is not None
+            or any(lr is not None for lr in loras)
         ):
             raise InvalidRequestError(
                 "pass a request's adapters either as adapters or as lora_request / lora_requests, not both"
@@ -288,7 +300,9 @@ def _per_prompt_lists(n_prompts: int, lora_requests: Any, lora_scales: Any) -> l
         raise InvalidRequestError(f"got {len(lora_requests)} lora_requests lists for {n_prompts} prompts")
     scales = lora_scales if lora_scales is not None else [None] * n_prompts
     if len(scales) != n_prompts or not all(s is None or isinstance(s, list | tuple) for s in scales):
-        raise InvalidRequestError("with one lora_requests list per prompt, pass one lora_scales list per prompt")
+        raise InvalidRequestError(
+            "with one lora_requests list per prompt, pass one lora_scales list per prompt"
+        )
     return list(zip(lora_requests, scales, strict=True))
 
 

@@ -205,7 +205,9 @@ class RequestAdapters:
     items: tuple[RequestAdapter, ...] = ()
 
     @classmethod
-    def of(cls, lora_request: LoRARequest | None, scale: float | LoRAScaleSchedule | None = None) -> RequestAdapters:
+    def of(
+        cls, lora_request: LoRARequest | None, scale: float | LoRAScaleSchedule | None = None
+    ) -> RequestAdapters:
         """One adapter at ``scale`` (``None``: the stage default), or none for ``lora_request=None``."""
         return cls() if lora_request is None else cls((RequestAdapter(lora_request, scale),))
 
@@ -242,9 +244,7 @@ class RequestAdapters:
             InvalidRequestError: more than one adapter (only a diffusion stage composes adapters).
         """
         if len(self.items) > 1:
-            raise InvalidRequestError(
-                f"an LLM stage applies one adapter per request, got {len(self.items)}"
-            )
+            raise InvalidRequestError(f"an LLM stage applies one adapter per request, got {len(self.items)}")
         return self.items[0].lora if self.items else None
 
     @property

@@ -110,7 +110,9 @@ def test_llm_chain_stages_on_two_nodes_match_inline(cluster, tiny_llm_assets, tm
         delta = SamplingParams(
             temperature=0.0, max_tokens=N, ignore_eos=True, output_kind=RequestOutputKind.DELTA
         )
-        whole = stage1.submit(StageRequest(outs[0].prompt, delta, on_partial=pieces.append)).result(timeout=600)
+        whole = stage1.submit(StageRequest(outs[0].prompt, delta, on_partial=pieces.append)).result(
+            timeout=600
+        )
         assert [t for p in pieces for t in p.outputs[0].token_ids] == list(whole.outputs[0].token_ids)
         assert list(whole.outputs[0].token_ids) == outs[0].token_ids
         assert pieces[-1].finished and len(pieces) > 1
@@ -130,6 +132,22 @@ def test_llm_chain_stages_on_two_nodes_match_inline(cluster, tiny_llm_assets, tm
             hf_greedy(model, "hello world", N, tiny_llm_assets.adapter_b),
         ]
         assert omni.remove_lora(5)
+        # issue 40: an adapter in memory crosses to the actor through Ray's object store, no file
+        import json
+
+        from safetensors.torch import load_file
+
+        from vllm_omni.lora.request import TensorLoRARequest
+
+        folder = tiny_llm_assets.adapter_b
+        mem = TensorLoRARequest(
+            lora_name="b_in_memory",
+            lora_int_id=6,
+            peft_config=json.loads((folder / "adapter_config.json").read_text()),
+            lora_tensors=load_file(str(folder / "adapter_model.safetensors")),
+        )
+        (third,) = omni.generate(["hello world"], [params, params], lora_request=mem)
+        assert list(third.stage_outputs[0].outputs[0].token_ids) == got[1]
     _assert_nothing_left()
 
 

@@ -247,7 +247,9 @@ class TalkerStageEngine(LLMStageEngine):
         seq = torch.cat([ids[0], ids[1][:-1]]).tolist()
         run = _TalkerRun(self, prompt, ids, params, lora_request, done)
         pooled = self.states.submit(
-            StageRequest({"prompt_token_ids": seq}, PoolingParams(task="token_embed"), RequestAdapters.of(thinker_lora))
+            StageRequest(
+                {"prompt_token_ids": seq}, PoolingParams(task="token_embed"), RequestAdapters.of(thinker_lora)
+            )
         )
         run.current = pooled
         pooled.add_done_callback(run.on_hidden)

@@ -180,7 +180,12 @@ def stream_pipeline(
     """
     kwargs = {} if last_stage is None else {"last_stage": last_stage}
     return state.omni.generate(
-        prompt, params, request_id=f"req-{uuid.uuid4().hex}", adapters=adapters, adapters_field="lora", **kwargs
+        prompt,
+        params,
+        request_id=f"req-{uuid.uuid4().hex}",
+        adapters=adapters,
+        adapters_field="lora",
+        **kwargs,
     )
 
 
