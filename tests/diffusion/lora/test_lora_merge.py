@@ -87,3 +87,24 @@ def test_mixed_batches_are_never_merged(pair):
             got = merged_model(x, c)
         want = _run(plain_model, plain, requests, scales, x, c)
         assert (got - want).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_a_merge_failing_half_way_leaves_the_base(pair, monkeypatch):
+    merged_model, merged, _, _, r = pair
+    x, c = inputs(batch=1, seed=5)
+    merged_model(x, c)  # whatever was merged is restored
+    base_weights = _weights(merged_model)
+    calls = []
+    real = merged.merged._merge_layer
+
+    def flaky(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise MemoryError("simulated")
+        return real(*args)
+
+    monkeypatch.setattr(merged.merged, "_merge_layer", flaky)
+    with pytest.raises(MemoryError), merged.activate([r["a"]], [1.0]):
+        pass
+    assert merged.merged.key is None and _same(merged_model, base_weights)

@@ -74,21 +74,26 @@ class MergedWeights:
         if self.key == key:
             return
         self.restore(wrappers)
-        scale = float(key[1])
-        for name, wrapper in wrappers.items():
-            held = wrapper.slot_weights(slot)
-            if held is None:
-                continue
-            weight = dense_weight(wrapper)
-            self._saved[name] = weight.detach().clone()
-            merged = weight.detach().to(torch.float32)
-            a = held.a.to(device=weight.device, dtype=torch.float32)
-            for (h_start, rank, offset, size), bt in zip(held.parts, held.bt, strict=True):
-                delta = bt.to(device=weight.device, dtype=torch.float32).t() @ a[h_start : h_start + rank]
-                merged[offset : offset + size].add_(delta, alpha=scale)
-            weight.copy_(merged)
-        self.key = key
+        self.key = key  # before any write: restore() undoes a merge that fails half-way
+        try:
+            for name, wrapper in wrappers.items():
+                if wrapper.slot_weights(slot) is not None:
+                    self._merge_layer(name, wrapper, wrapper.slot_weights(slot), float(key[1]))
+        except BaseException:
+            self.restore(wrappers)
+            raise
         self.merges += 1
+
+    def _merge_layer(self, name: str, wrapper: nn.Module, held, scale: float) -> None:
+        """``W += scale * sum_parts bt^T A_part`` on one layer (float32, one rounding), saving ``W`` first."""
+        weight = dense_weight(wrapper)
+        self._saved[name] = weight.detach().clone()
+        merged = weight.detach().to(torch.float32)
+        a = held.a.to(device=weight.device, dtype=torch.float32)
+        for (h_start, rank, offset, size), bt in zip(held.parts, held.bt, strict=True):
+            delta = bt.to(device=weight.device, dtype=torch.float32).t() @ a[h_start : h_start + rank]
+            merged[offset : offset + size].add_(delta, alpha=scale)
+        weight.copy_(merged)
 
     @torch.no_grad()
     def restore(self, wrappers: Mapping[str, nn.Module]) -> None:
