@@ -95,19 +95,22 @@ def build_lycoris_adapter(
     seed: int,
     targets: list[str] | str,
     std: float = 0.3,
+    *,
+    model_class: str = "ZImageTransformer2DModel",
     **config,
 ) -> Path:
-    """A peft LoHa (``kind="loha"``) or LoKr (``"lokr"``) directory on the tiny Z-Image transformer.
+    """A peft LoHa (``kind="loha"``) or LoKr (``"lokr"``) directory on the tiny transformer (the diffusers
+    ``model_class``, Z-Image by default).
 
     ``config`` goes to peft's ``LoHaConfig`` / ``LoKrConfig`` (``r``, ``alpha``, ``decompose_both`` ...);
     every ``hada_*`` / ``lokr_*`` factor is overwritten with seeded normal values of ``std``. Not part of
     the shared assets: tests write these into their own temporary directories.
     """
+    import diffusers
     import peft
-    from diffusers import ZImageTransformer2DModel
 
     cls = {"loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}[kind]
-    base = ZImageTransformer2DModel.from_pretrained(str(transformer_dir)).eval()
+    base = getattr(diffusers, model_class).from_pretrained(str(transformer_dir)).eval()
     model = peft.get_peft_model(base, cls(target_modules=targets, **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -219,3 +219,31 @@ def test_per_block_schedule_matches_peft_per_module_scaling(omni, tiny_qwen_imag
     assert (got - expected).abs().max().item() <= TOL
     flat = _latents(omni, lora_requests=[request], lora_scales=[1.2])
     assert (got - flat).abs().max().item() > 50 * TOL  # the block multipliers mattered
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_lycoris_adapters_match_peft_merged_into_diffusers(omni, tiny_qwen_image_dir, tmp_path, kind):
+    import copy
+
+    from peft import PeftModel
+
+    from tools.make_tiny_diffusion_lora import build_lycoris_adapter
+
+    targets = ["to_q", "add_k_proj", "to_out.0", "img_mlp.net.2", "txt_mod.1"]
+    folder = build_lycoris_adapter(
+        tiny_qwen_image_dir / "transformer", tmp_path / kind, kind, 21, targets, std=0.2,
+        model_class="QwenImageTransformer2DModel", r=4, alpha=6.0,
+    )  # fmt: skip
+    request = LoRARequest(kind, 30 if kind == "loha" else 31, str(folder))
+    got = _latents(omni, lora_requests=[request], lora_scales=[0.8])
+    pipe = diffusers_pipe(tiny_qwen_image_dir)
+    base = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    model = PeftModel.from_pretrained(copy.deepcopy(pipe.transformer), str(folder)).eval()
+    for module in model.modules():
+        if hasattr(module, "set_scale") and "default" in getattr(module, "scaling", {}):
+            module.set_scale("default", 0.8)
+    merged = model.merge_and_unload().state_dict()
+    pipe.transformer.load_state_dict({k: base[k] + (merged[k] - base[k]) for k in base})
+    expected = diffusers_latents(pipe)
+    assert (got - expected).abs().max().item() <= TOL
+    assert (expected - diffusers_latents(diffusers_pipe(tiny_qwen_image_dir))).abs().max().item() > 50 * TOL
