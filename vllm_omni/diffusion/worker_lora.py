@@ -4,11 +4,15 @@ Built by :class:`~vllm_omni.diffusion.worker.DiffusionWorker` right after the pi
 loaded, in this order:
 
 1. ``lora_backend="distill"``: the ``lora_path`` file(s) are fused into the base weights once
-   (``fuse_lora_files_into_pipeline``: the i-th file into the i-th denoiser, scaled by
-   ``lora_scale``).
+   (``fuse_lora_files_into_pipeline``: the i-th file into the i-th denoiser, its text-encoder
+   parts into the text encoders, scaled by ``lora_scale``).
 2. A :class:`~vllm_omni.diffusion.lora.DiffusionLoRAManager` per denoiser patches it with
    ``max_loras`` device slots, ``max_lora_rank`` and a ``max_cpu_loras`` host cache. This
-   happens for both backends, so request adapters add on top of a distilled model too.
+   happens for both backends, so request adapters add on top of a distilled model too. The
+   pipeline's text encoders get one manager each
+   (:class:`~vllm_omni.diffusion.lora.text_encoder_lora.TextEncoderLoRA`): an adapter file's
+   text-encoder parts act there, at each adapter's ``text_encoder_scale``, while the pipeline
+   encodes its prompts (``lora_context(rows, component="text_encoder")``).
 3. ``lora_backend="peft"``: every ``lora_path`` adapter is loaded and pinned, under the id
    ``stable_lora_int_id(path)`` (on a two-denoiser stage the i-th on the i-th denoiser, as the
    distill backend fuses it); a request that names it without a scale gets ``lora_scale``.
@@ -172,6 +176,7 @@ class WorkerLoRA:
         for manager in holders:
             manager.remove_lora(lora_int_id)
         self.default_scales.pop(lora_int_id, None)
+        self.text_encoders.components.pop(lora_int_id, None)
         if holders:
             self._events.append(("unloaded", self._names.get(lora_int_id, str(lora_int_id)), 0, lora_int_id))
         return bool(holders)
