@@ -262,3 +262,24 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_culprit(omni, tmp_path)
         with pytest.raises(LoRAFormatError, match=match):
             omni.add_lora(LoRARequest(name, 50, str(path)))
     assert omni.list_loras() == before
+
+
+def test_the_diffusers_fallback_still_runs_wan(wan_moe_dir, files, loras):
+    """``pipeline_backend="diffusers"`` keeps diffusers' own ``WanPipeline`` (the fallback that served Wan
+    before the in-tree port): the pair with ``attention_kwargs={"scale": 0.5}`` equals diffusers there too,
+    and its ``pil`` output is one list of frames per video."""
+    from vllm_omni import Omni
+    from vllm_omni.diffusion.pipelines.diffusers_fallback import DiffusersFallbackPipeline
+
+    pair = [loras["high"], loras["low"]]
+    want = _diffusers(
+        wan_moe_dir, [files["high"]], [files["low"]], weights=[1.0, 1.0], attention_kwargs={"scale": 0.5}
+    )
+    with Omni(str(wan_moe_dir), max_loras=2, dtype="float32", pipeline_backend="diffusers") as omni:
+        assert isinstance(omni._orchestrator.runtimes[0]._engine.pipeline, DiffusersFallbackPipeline)
+        [out] = omni.generate(
+            [PROMPT], _sp(attention_kwargs={"scale": 0.5}), lora_requests=pair, use_tqdm=False
+        )
+        [video] = omni.generate([PROMPT], _sp("pil"), use_tqdm=False)
+    assert _err(out.latents, want) <= TOL
+    assert len(video.videos) == 1 and len(video.videos[0]) == NUM_FRAMES
