@@ -78,8 +78,8 @@ def _non_diffusers(sd: Mapping[str, torch.Tensor]) -> bool:
 
 
 #: Families whose diffusers converter we run, mirroring each pipeline's ``lora_state_dict`` trigger.
-#: Only Z-Image has an in-tree model here and is covered by parity tests; the others apply to
-#: diffusers denoisers of those families loaded through the fallback path.
+#: Z-Image, Qwen-Image and Wan have in-tree models (their converters are covered by parity tests against
+#: diffusers); the others apply to diffusers denoisers of those families loaded through the fallback path.
 FAMILY_CONVERTERS: list[FamilyConverter] = [
     FamilyConverter(
         "Z-Image",
