@@ -1,4 +1,4 @@
-"""`vllm-omni serve <tiny Wan>`: ``POST /v1/videos/generations`` through the diffusers fallback, over real HTTP.
+"""`vllm-omni serve <tiny Wan>`: ``POST /v1/videos/generations`` (the in-tree Wan pipeline), over real HTTP.
 
 The frames are checked against diffusers' ``WanPipeline`` run directly on the same
 directory and seed (lossless ``video_format="png"``, uint8, within 2 levels); the
