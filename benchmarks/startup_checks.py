@@ -54,7 +54,8 @@ def main() -> None:
     adapter = tmp / "rank64"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 64}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"")  # never read: the rank is refused first
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    (adapter / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     cases = {
         "lora_modules_missing": ["--lora-modules", f"a={tmp / 'missing'}"],
         "lora_path_missing": ["--lora-path", "missing.safetensors"],

@@ -11,6 +11,7 @@ message prove the refusal came first. How long a refusal takes is a benchmark
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -98,6 +99,12 @@ def _cases(tmp: Path, assets) -> list[tuple[list[str], str, str]]:
     """(argv after ``serve``, the cache, the message's distinctive part), one mistake each."""
     model, rank64 = str(assets.model_dir), str(assets.adapter_rank64)
     (tmp / "empty").mkdir(exist_ok=True)
+    bad_config, truncated = tmp / "bad_config", tmp / "truncated"
+    for folder in (bad_config, truncated):
+        shutil.copytree(assets.adapter_a, folder, dirs_exist_ok=True)
+    (bad_config / "adapter_config.json").write_text('{"r": 8,')
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
     return [
         (["/no/such/model"], "cold", "model /no/such/model: no such directory"),
         ([str(tmp / "empty")], "cold", "holds neither config.json (transformers model) nor model_index.json"),
@@ -110,6 +117,9 @@ def _cases(tmp: Path, assets) -> list[tuple[list[str], str, str]]:
         ([model, "--enable-lora", "--max-lora-rank", "32", "--lora-modules", f"r={rank64}"], "warm",
          "rank 64, above --max-lora-rank 32"),
         ([model, "--enable-lora", "--lora-modules", f"m={model}"], "cold", "is a model folder, not a LoRA adapter"),
+        ([model, "--enable-lora", "--lora-modules", f"c={bad_config}"], "cold", "adapter_config.json cannot be read as JSON"),
+        ([model, "--enable-lora", "--lora-modules", f"t={truncated}"], "cold",
+         "adapter_model.safetensors is not a safetensors file (its header length"),
         ([model, "--max-lora-rank", "abc"], "warm", "argument --max-lora-rank: invalid int value 'abc'"),
         ([model, "--max-lora-rank", "7"], "warm", "argument --max-lora-rank: invalid choice '7': choose from 1, 8"),
         ([model, "--dtype", "fp8x"], "warm", "argument --dtype: invalid choice 'fp8x'"),

@@ -13,7 +13,9 @@ the fix:
   without ``--enable-lora``,
   and a start-up adapter whose rank (``adapter_config.json``: ``r``, ``rank_pattern``) is above
   ``--max-lora-rank`` (vLLM's default when the flag is not given);
-* a ``--lora-modules`` / ``--lora-path`` folder that is a model, not an adapter;
+* a ``--lora-modules`` / ``--lora-path`` folder that is a model, not an adapter, an
+  ``adapter_config.json`` that is not a JSON object, a weights file without a safetensors header
+  that declares a tensor;
 * and :func:`~vllm_omni.entrypoints.cli.preflight.check_argv`'s checks of the adapter, folder
   and deploy files and of the port (before the LoRA checks: a missing file is named first).
 
@@ -109,10 +111,9 @@ def check(
     overrides = _stage_overrides(scan.last("--stage-overrides"))
     kind = _model_kind(scan.model) if scan.model is not None else None
     check_argv(argv, bind=False)  # adapter, folder and deploy files exist and can be read; the port
-    for value in scan.values.get("--lora-modules", []):
-        _check_not_a_model("--lora-modules", value, parse_lora_module(value)[1])
-    for value in scan.values.get("--lora-path", []):
-        _check_not_a_model("--lora-path", value, value)
+    for flag, value, path in _startup_adapters(scan):
+        _check_not_a_model(flag, value, path)
+        _check_adapter_files(flag, value, path)
     plain = kind == "llm" and "--pipeline" not in scan.values and "--deploy-config" not in scan.values
     if plain and "0" not in overrides:  # one LLM stage, configured by these flags only
         _check_llm_lora(scan, defaults)
@@ -213,6 +214,60 @@ def _check_not_a_model(flag: str, value: str, path: str) -> None:
             f"{flag} {value}: is a model folder, not a LoRA adapter; pass the folder peft's "
             "save_pretrained wrote (adapter_config.json and adapter_model.safetensors)"
         )
+
+
+def _startup_adapters(scan: Scan) -> list[tuple[str, str, str]]:
+    """``(flag, value as given, local path)`` of every ``--lora-modules`` / ``--lora-path`` adapter."""
+    out = [("--lora-modules", v, parse_lora_module(v)[1]) for v in scan.values.get("--lora-modules", [])]
+    return out + [("--lora-path", v, v) for v in scan.values.get("--lora-path", [])]
+
+
+#: A safetensors header larger than this is not one (the format's own readers refuse 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def _check_adapter_files(flag: str, value: str, path: str) -> None:
+    """What a read of the adapter's small files tells: ``adapter_config.json`` is a JSON object, and
+    the weights file starts with a safetensors header that declares a tensor (the tensors and peft's
+    rules for the config are checked later, before any engine starts)."""
+    path = os.path.expanduser(path)
+    config = os.path.join(path, "adapter_config.json")
+    weights = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{flag} {value}: adapter_config.json cannot be read as JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{flag} {value}: adapter_config.json must hold a JSON object")
+    if weights.endswith(".safetensors") and os.path.isfile(weights):
+        why = _safetensors_header_problem(weights)
+        if why is not None:
+            raise ConfigError(
+                f"{flag} {value}: {os.path.basename(weights)} is not a safetensors file ({why}); save the "
+                "adapter again (peft's save_pretrained writes adapter_model.safetensors)"
+            )
+
+
+def _safetensors_header_problem(path: str) -> str | None:
+    """Why ``path`` does not start with a safetensors header declaring a tensor, else ``None``."""
+    try:
+        with open(path, "rb") as f:
+            size = f.read(8)
+            if len(size) < 8:
+                return "shorter than its 8-byte header length"
+            length = int.from_bytes(size, "little")
+            if length > min(_MAX_HEADER, os.fstat(f.fileno()).st_size - 8):
+                return f"its header length {length} does not fit the file"
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror}"
+    except (UnicodeDecodeError, ValueError):
+        return "its header is not JSON"
+    if not isinstance(header, dict) or not any(k != "__metadata__" for k in header):
+        return "its header declares no tensor"
+    return None
 
 
 def adapter_rank(path: str) -> int | None:
