@@ -236,7 +236,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory to write tiny-wan/ (or tiny-wan-moe/) into")
     parser.add_argument("--moe", action="store_true", help="the Wan2.2 two-denoiser form (transformer_2)")
-    parser.add_argument("--i2v", action="store_true", help="the image-to-video form (WanImageToVideoPipeline)")
+    parser.add_argument(
+        "--i2v", action="store_true", help="the image-to-video form (WanImageToVideoPipeline)"
+    )
     args = parser.parse_args()
     print(ensure_tiny_wan(args.out, moe=args.moe, i2v=args.i2v))
 
