@@ -83,4 +83,30 @@ def test_an_llm_stage_with_its_engine_core_elsewhere_refuses_in_memory_adapters(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(InvalidAdapterError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
         tensor_lora.remember(lora, object(), "Stage 0 (llm)")
-    assert tensor_lora.held(1) is None
+    assert tensor_lora.held(lora.lora_path) is None
+
+
+def test_two_engines_in_one_process_keep_their_own_contents(monkeypatch):
+    """Two stages (two ``Omni`` in one process) may both use id 1 for other weights: the table is keyed
+    by the content-naming path of the engine form, and each stage releases only what it held."""
+    from vllm_omni.engine import tensor_lora
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    x, y = (
+        TensorLoRARequest(
+            lora_name="p", lora_int_id=1, peft_config=CONFIG, lora_tensors=_tensors(s)
+        ).engine_form("p", 1)
+        for s in (1, 2)
+    )
+    assert x.lora_path != y.lora_path and x.lora_path.startswith("tensors://p#")
+    first, second = object.__new__(type("Stage", (), {})), object.__new__(type("Stage", (), {}))
+    tensor_lora.remember(x, first, "stage a")
+    tensor_lora.remember(y, second, "stage b")
+    assert tensor_lora.held(x.lora_path) is x and tensor_lora.held(y.lora_path) is y
+    tensor_lora.forget(1, first)
+    assert tensor_lora.held(x.lora_path) is None and tensor_lora.held(y.lora_path) is y
+    del second  # a stage that goes away releases what it held
+    import gc
+
+    gc.collect()
+    assert tensor_lora.held(y.lora_path) is None

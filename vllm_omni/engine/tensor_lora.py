@@ -5,13 +5,15 @@ vLLM 0.32's ``LoRARequest`` carries no tensors: its worker (``vllm/lora/worker_m
 and the weights with ``LoRAModel.from_local_checkpoint``, which itself ends in
 ``LoRAModel.from_lora_tensors``. An LLM stage's vLLM engine core runs in the stage's own process
 (:func:`vllm_omni.engine.vllm_process.engine_core_in_stage_process`), so the stage keeps the adapters
-handed over in memory in a process-local table (:func:`remember`, keyed by the per-version
-``lora_int_id`` the registry issues) and :func:`install` wraps ``_load_adapter``: a request whose
+handed over in memory in a process-local table (:func:`remember`, keyed by the request's
+``lora_path``, which names the content: ``tensors://<name>#<hash>``, see
+:meth:`~vllm_omni.lora.tensor_request.TensorLoRARequest.engine_form`) and :func:`install` wraps
+``_load_adapter``: a request whose
 ``lora_path`` starts with ``tensors://`` is built with ``PEFTHelper.from_dict`` and
 ``LoRAModel.from_lora_tensors`` from that table, the same calls vLLM makes after reading files; any
 other request takes vLLM's own path. No file is written. vLLM may load an adapter again whenever its
-own LRU cache evicted it, so an entry stays until the stage removes that id from the engine
-(:func:`forget`).
+own LRU cache evicted it, so an entry stays until every stage holding it removed it from its engine
+(:func:`forget`) or was garbage-collected.
 
 The tensors reach the stage's process with the request: by reference (``inline``), through shared
 memory (``mp``: torch's ``ForkingPickler``), or Ray's object store (``ray``).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
 from vllm_omni.errors import InvalidAdapterError
@@ -29,15 +32,18 @@ from vllm_omni.lora.tensor_request import TENSOR_SCHEME, TensorLoRARequest
 __all__ = ["forget", "held", "install", "remember"]
 
 _lock = threading.Lock()
-#: engine lora_int_id -> (the request, the stages holding it: ``id(stage)``)
-_held: dict[int, tuple[TensorLoRARequest, set[int]]] = {}
+#: lora_path -> (the request, the stages holding it: ``id(stage)``)
+_held: dict[str, tuple[TensorLoRARequest, set[int]]] = {}
+#: (id(stage), lora_int_id) -> lora_path: what each stage holds under which of its ids
+_owned: dict[tuple[int, int], str] = {}
+_owners: set[int] = set()
 _installed = False
 
 
-def held(lora_int_id: int) -> TensorLoRARequest | None:
-    """The in-memory adapter this process holds under ``lora_int_id``, or ``None``."""
+def held(lora_path: str) -> TensorLoRARequest | None:
+    """The in-memory adapter this process holds under ``lora_path``, or ``None``."""
     with _lock:
-        entry = _held.get(lora_int_id)
+        entry = _held.get(lora_path)
     return None if entry is None else entry[0]
 
 
@@ -57,31 +63,52 @@ def remember(lora: Any, owner: object, stage_label: str) -> None:
             "(stages are processes already with worker_backend='mp' or 'ray')"
         )
     install()
+    key = (id(owner), lora.lora_int_id)
     with _lock:
-        entry = _held.setdefault(lora.lora_int_id, (lora, set()))
-        if entry[0].content_sha256 != lora.content_sha256:
+        entry = _held.setdefault(lora.lora_path, (lora, set()))
+        if (
+            entry[0].content_sha256 != lora.content_sha256
+            or _owned.get(key, lora.lora_path) != lora.lora_path
+        ):
             raise InvalidAdapterError(
-                f"{lora.source}: lora_int_id {lora.lora_int_id} holds other in-memory weights on {stage_label}; "
-                "give the new weights another id"
+                f"{lora.source}: {lora.lora_path!r} / lora_int_id {lora.lora_int_id} holds other in-memory "
+                f"weights on {stage_label}; give the new weights another id"
             )
         entry[1].add(id(owner))
+        _owned[key] = lora.lora_path
+        if id(owner) not in _owners:
+            _owners.add(id(owner))
+            weakref.finalize(owner, _drop_owner, id(owner))
 
 
 def forget(lora_int_id: int, owner: object) -> None:
     """``owner`` no longer holds ``lora_int_id`` in its engine; the tensors go when no stage does."""
     with _lock:
-        entry = _held.get(lora_int_id)
-        if entry is not None:
-            entry[1].discard(id(owner))
-            if not entry[1]:
-                del _held[lora_int_id]
+        _release(id(owner), lora_int_id)
+
+
+def _release(owner: int, lora_int_id: int) -> None:
+    path = _owned.pop((owner, lora_int_id), None)
+    entry = None if path is None else _held.get(path)
+    if entry is not None:
+        entry[1].discard(owner)
+        if not entry[1]:
+            del _held[path]
+
+
+def _drop_owner(owner: int) -> None:
+    """A stage was garbage-collected: what it held goes with it."""
+    with _lock:
+        for key in [k for k in _owned if k[0] == owner]:
+            _release(*key)
+        _owners.discard(owner)
 
 
 def _load_from_tensors(manager: Any, lora_request: Any) -> Any:
     """``WorkerLoRAManager._load_adapter`` for an in-memory adapter (vLLM's steps, from the table)."""
     from vllm.lora.peft_helper import PEFTHelper
 
-    lora = held(lora_request.lora_int_id)
+    lora = held(str(lora_request.lora_path))
     if lora is None:
         raise ValueError(
             f"in-memory adapter {lora_request.lora_name!r} (id {lora_request.lora_int_id}) is not held "

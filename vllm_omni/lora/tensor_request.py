@@ -132,11 +132,16 @@ class TensorLoRARequest(LoRARequest, kw_only=True):
         super().__post_init__()
 
     def engine_form(self, lora_name: str, lora_int_id: int) -> TensorLoRARequest:
-        """This adapter under another name / id, sharing the (already copied) tensors: no copy, no hash."""
+        """This adapter under another name / id, sharing the (already copied) tensors: no copy, no hash.
+
+        Its ``lora_path`` names the content (``tensors://<name>#<first 16 hex of the hash>``): what the
+        stages key in-memory adapters by, so two engines in one process never mix two contents.
+        """
+        base = self.lora_path.split("#", 1)[0]
         return TensorLoRARequest(
             lora_name=lora_name,
             lora_int_id=lora_int_id,
-            lora_path=self.lora_path,
+            lora_path=f"{base}#{self.content_sha256[:16]}",
             peft_config=self.peft_config,
             lora_tensors=self.lora_tensors,
             content_sha256=self.content_sha256,
