@@ -28,11 +28,9 @@ prints the largest difference of the final latents (float32) and the wall time o
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 from pathlib import Path
 
-from benchmarks.timing import Timer, paired
+from benchmarks.denoiser_pair import add_common_flags, compare, emit, write_random_adapter
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
@@ -42,7 +40,6 @@ def _assets(heads: int, layers: int, rank: int) -> tuple[Path, Path]:
     """The transformer folder and the PEFT adapter folder (written once, seeded)."""
     import torch
     from diffusers import WanTransformer3DModel
-    from peft import LoraConfig, get_peft_model
 
     root = REPO / ".cache" / "bench_assets" / f"wan_h{heads}_l{layers}"
     model_dir, lora_dir = root / "transformer", root / f"lora_r{rank}"
@@ -58,28 +55,16 @@ def _assets(heads: int, layers: int, rank: int) -> tuple[Path, Path]:
             num_layers=layers,
             rope_max_seq_len=256,
         ).save_pretrained(model_dir, safe_serialization=True)
-    if not (lora_dir / "adapter_config.json").is_file():
-        base = WanTransformer3DModel.from_pretrained(str(model_dir))
-        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS))
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, param in sorted(model.named_parameters()):
-                if "lora_" in name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-        model.save_pretrained(str(lora_dir))
+    write_random_adapter(WanTransformer3DModel, model_dir, lora_dir, rank, TARGETS)
     return model_dir, lora_dir
 
 
 def run(args) -> dict:
     import torch
     from diffusers import WanTransformer3DModel as Reference
-    from safetensors.torch import load_file
 
-    from tools.make_tiny_diffusion_lora import adapter_config_metadata
     from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
-    from vllm_omni.diffusion.lora import DiffusionLoRAManager
     from vllm_omni.diffusion.models.wan import WanTransformer3DModel
-    from vllm_omni.lora.request import LoRARequest
 
     torch.set_num_threads(1)
     model_dir, lora_dir = _assets(args.heads, args.layers, args.rank)
@@ -91,51 +76,16 @@ def run(args) -> dict:
     x = torch.randn(2, 16, latent_frames, side, side, generator=g)
     text = torch.randn(2, 512, 256, generator=g)
     t = torch.tensor([700.0, 700.0])
-
-    manager = DiffusionLoRAManager(ours, max_loras=1, max_rank=args.rank, max_cpu_loras=2)
-    request = LoRARequest("bench", 1, str(lora_dir))
-    manager.add_lora(request)
-    state = load_file(str(lora_dir / "adapter_model.safetensors"))
-    state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
-    ref.load_lora_adapter(
-        state, prefix=None, adapter_name="bench", metadata=adapter_config_metadata(lora_dir)
+    result = compare(
+        ours,
+        lambda: ours(x, t, text),
+        ref,
+        lambda: ref(x, t, text, return_dict=False)[0],
+        lora_dir,
+        args.rank,
+        args.repeats,
     )
-    sides = {
-        "in_tree": (
-            lambda: ours(x, t, text),
-            manager.deactivate,
-            lambda: manager.set_active_adapters([request], [1.0]),
-        ),
-        "diffusers": (
-            lambda: ref(x, t, text, return_dict=False)[0],
-            ref.disable_adapters,
-            lambda: (ref.enable_adapters(), ref.set_adapters(["bench"], [1.0])),
-        ),
-    }
-    with torch.inference_mode():
-        errs = {}
-        for lora in (False, True):
-            for _, base, with_lora in sides.values():
-                (with_lora if lora else base)()
-            errs["lora" if lora else "base"] = (
-                (sides["in_tree"][0]() - sides["diffusers"][0]()).abs().max().item()
-            )
-        scale = sides["in_tree"][0]().abs().mean().item()
-        stats = paired(Timer("cpu", "cpu"), sides, args.repeats, warm_base=True)
-    return {
-        "config": vars(args) | {"tokens_per_sample": latent_frames * (side // 2) ** 2},
-        "host": platform.processor() or platform.machine(),
-        "max_abs_diff": errs,
-        "output_abs_mean": scale,
-        "in_tree_s": stats["in_tree"]["base_s"],
-        "diffusers_s": stats["diffusers"]["base_s"],
-        "in_tree_lora_s": stats["in_tree"]["lora_s"],
-        "diffusers_lora_s": stats["diffusers"]["lora_s"],
-        "in_tree_over_diffusers": stats["in_tree"]["base_s"] / stats["diffusers"]["base_s"],
-        "lora_cost_in_tree": stats["in_tree"]["ratio"],
-        "lora_cost_diffusers_peft": stats["diffusers"]["ratio"],
-        "lora_step_in_tree_over_diffusers_peft": stats["in_tree"]["lora_s"] / stats["diffusers"]["lora_s"],
-    }
+    return {"config": vars(args) | {"tokens_per_sample": latent_frames * (side // 2) ** 2}, **result}
 
 
 def compile_check() -> dict:
@@ -187,19 +137,12 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--frames", type=int, default=9, help="video frames (1 + 4k)")
     p.add_argument("--size", type=int, default=128, help="frame side in pixels (multiple of 16)")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    add_common_flags(p)
     p.add_argument("--compile-check", action="store_true", help="compiled stage vs eager on the tiny model")
     args = p.parse_args(argv)
     if args.quick:
         args.heads, args.layers, args.frames, args.size, args.repeats = 2, 2, 5, 64, 3
-    result = compile_check() if args.compile_check else run(args)
-    text = json.dumps(result, indent=2, default=str)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(compile_check() if args.compile_check else run(args), args.out)
 
 
 if __name__ == "__main__":
