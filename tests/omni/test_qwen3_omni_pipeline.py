@@ -232,6 +232,23 @@ def test_bad_requests_are_refused_naming_the_stage(omni, assets, kwargs, error, 
     assert len(text.token_ids) == THINK and audio.audio.size > 0
 
 
+def test_talker_refuses_multimodal_placeholders(omni):
+    """The talker builds its input from token embeddings, which is transformers' layout for text only."""
+    from vllm_omni.engine.connectors import StagePayload
+    from vllm_omni.inputs.stage_request import StageRequest
+
+    talker = omni._orchestrator.runtimes[1]
+    tokenizer = omni._orchestrator.runtimes[0].tokenizer
+    prompt = tokenizer.encode(
+        _chat(omni, "<|audio_start|><|audio_pad|><|audio_end|>hi"), add_special_tokens=False
+    )
+    payload = StagePayload(
+        {"prompt_token_ids": torch.tensor(prompt), "output_token_ids": torch.tensor([5, 6])}, {}
+    )
+    with pytest.raises(InvalidRequestError, match=r"Stage 1 .*audio/image/video placeholders"):
+        talker.validate_request(StageRequest(payload, None))
+
+
 def test_global_lora_options_are_refused_naming_the_llm_stages(assets):
     from vllm_omni.entrypoints.omni_base import build_omni_config
 

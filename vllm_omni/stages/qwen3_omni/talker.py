@@ -108,6 +108,7 @@ class TalkerIds:
     codec_head: tuple[int, ...]  # nothink, think_bos, think_eos, (speaker), pad, bos
     codec_eos: int
     speakers: dict[str, int]
+    placeholders: tuple[int, ...]  # the thinker's audio / image / video tokens
 
     @classmethod
     def from_config(cls, config: Any) -> TalkerIds:
@@ -122,6 +123,7 @@ class TalkerIds:
             (t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id, t.codec_pad_id, t.codec_bos_id),
             t.codec_eos_token_id,
             {str(k).lower(): int(v) for k, v in (t.speaker_id or {}).items()},
+            tuple(getattr(config.thinker_config, f"{m}_token_id") for m in ("audio", "image", "video")),
         )
 
 
@@ -241,6 +243,11 @@ class TalkerStageEngine(ModelStageDriver):
                 f"{self.stage.label}: the thinker's reply has {reply.numel()} token(s); the talker needs at least 2"
             )
         ids = prompt.tensor("prompt_token_ids", consumer=self.stage.label)
+        if bool(torch.isin(ids, torch.tensor(self.ids.placeholders)).any()):
+            raise InvalidRequestError(
+                f"{self.stage.label}: the prompt holds audio/image/video placeholders; the talker stage takes "
+                "text prompts only (it reads the thinker's token embeddings, not its hidden states)"
+            )
         if not bool(((ids[:-1] == self.ids.im_start) & (ids[1:] == self.ids.assistant)).any()):
             raise InvalidRequestError(
                 f"{self.stage.label}: the prompt has no '<|im_start|>assistant' turn (use the chat template)"
