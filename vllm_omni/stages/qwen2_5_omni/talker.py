@@ -81,7 +81,8 @@ class TalkerOutput:
     """The talker's result for one request.
 
     Attributes:
-        codes: codec tokens before the stop token, int64 ``[N]``.
+        codes: codec tokens before the stop token, int64 ``[N]`` (Qwen3-Omni's talker, which shares
+            this type: ``[num_code_groups, N]``).
         finish_reason: ``"stop"`` (a stop token) or ``"length"`` (``max_tokens``).
         payload: what code2wav receives: ``{"codes": codes}`` and the request's ``voice`` in ``meta``.
     """
