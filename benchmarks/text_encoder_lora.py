@@ -27,6 +27,7 @@ import tempfile
 import types
 from pathlib import Path
 
+from benchmarks.denoiser_pair import emit
 from benchmarks.timing import Timer, paired
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -135,11 +136,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.tokens, args.repeats = 256, 2, 64, 3
-    text = json.dumps(run(args), indent=2, default=str)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(run(args), args.out)
 
 
 if __name__ == "__main__":
