@@ -65,16 +65,15 @@ def remember(lora: Any, owner: object, stage_label: str) -> None:
     install()
     key = (id(owner), lora.lora_int_id)
     with _lock:
-        entry = _held.setdefault(lora.lora_path, (lora, set()))
-        if (
-            entry[0].content_sha256 != lora.content_sha256
-            or _owned.get(key, lora.lora_path) != lora.lora_path
-        ):
+        entry = _held.get(lora.lora_path)
+        if (entry is not None and entry[0].content_sha256 != lora.content_sha256) or _owned.get(
+            key, lora.lora_path
+        ) != lora.lora_path:
             raise InvalidAdapterError(
                 f"{lora.source}: {lora.lora_path!r} / lora_int_id {lora.lora_int_id} holds other in-memory "
                 f"weights on {stage_label}; give the new weights another id"
             )
-        entry[1].add(id(owner))
+        _held.setdefault(lora.lora_path, (lora, set()))[1].add(id(owner))
         _owned[key] = lora.lora_path
         if id(owner) not in _owners:
             _owners.add(id(owner))
