@@ -237,14 +237,27 @@ def make_tiny_qwen2_5_omni(path: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, OMNI_SPECIAL_TOKENS, {"extra_special_tokens": dict(NAMED_TOKENS)})
     cfg = Qwen2_5OmniConfig(**omni_config_dict(ids))
-    cfg.architectures = ["Qwen2_5OmniForConditionalGeneration"]
+    write_random_model(out, Qwen2_5OmniForConditionalGeneration, cfg, ids, MODEL_SEED, WEIGHT_STD)
+    torch.save(_speakers(ids), out / "spk_dict.pt")
+    _write_json(out / "preprocessor_config.json", preprocessor_config("Qwen2_5OmniProcessor"))
+    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    return out
+
+
+def write_random_model(out: Path, model_cls, cfg, ids: dict[str, int], seed: int, std: float) -> None:
+    """Save ``model_cls(cfg)`` into ``out``: float32, seeded Gaussian noise of std ``std`` (norm
+    weights 1), greedy generation config stopping at ``<|im_end|>`` / ``<|endoftext|>``
+    (``ids``: token ids), ``architectures`` = the class name."""
+    import torch
+
+    cfg.architectures = [model_cls.__name__]
     cfg.dtype = "float32"
-    torch.manual_seed(MODEL_SEED)
-    model = Qwen2_5OmniForConditionalGeneration(cfg).to(torch.float32).eval()
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
     params = list(model.named_parameters())
     norms = [(n, p) for n, p in params if "norm" in n.rsplit(".", 2)[-2] and n.endswith("weight")]
     norm_names = {n for n, _ in norms}
-    _fill_random_([(n, p) for n, p in params if n not in norm_names], MODEL_SEED, WEIGHT_STD)
+    _fill_random_([(n, p) for n, p in params if n not in norm_names], seed, std)
     with torch.no_grad():
         for _, p in norms:
             p.fill_(1.0)
@@ -252,16 +265,13 @@ def make_tiny_qwen2_5_omni(path: str | os.PathLike) -> Path:
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
-    torch.save(_speakers(ids), out / "spk_dict.pt")
-    _write_json(out / "preprocessor_config.json", _preprocessor_config())
-    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    return out
 
 
-def _preprocessor_config() -> dict:
-    """Feature extractor (Whisper, 128 mel bins) and image processor settings of the processor."""
+def preprocessor_config(processor_class: str, **image: object) -> dict:
+    """Feature extractor (Whisper, 128 mel bins) and image processor settings of the processor
+    (``image``: image-processor entries that differ from Qwen2.5-Omni's)."""
     return {
-        "processor_class": "Qwen2_5OmniProcessor",
+        "processor_class": processor_class,
         "feature_extractor_type": "WhisperFeatureExtractor",
         "feature_size": 128,
         "sampling_rate": 16000,
@@ -283,7 +293,7 @@ def _preprocessor_config() -> dict:
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
-    }
+    } | image
 
 
 # --------------------------------------------------------------------------------------
@@ -339,11 +349,20 @@ def make_thinker_adapter(
         raise RuntimeError("no LoRA parameters were created")
     # Names sort alike in both layouts (one common prefix): both get the same weights.
     _fill_random_(lora, seed, WEIGHT_STD)
+    return save_adapter(peft_model, out_dir, "tiny-qwen2_5-omni")
+
+
+def save_adapter(peft_model, out_dir: str | os.PathLike, base_name: str) -> Path:
+    """Save ``peft_model``'s adapter into ``out_dir`` with ``base_model_name_or_path`` set to
+    ``base_name``, config keys (and a list of target modules) sorted, no README (byte-identical
+    across runs)."""
     out = Path(out_dir)
     peft_model.save_pretrained(out, safe_serialization=True)
     cfg_path = out / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["base_model_name_or_path"] = "tiny-qwen2_5-omni"
+    cfg["base_model_name_or_path"] = base_name
+    if isinstance(cfg.get("target_modules"), list):  # peft writes a set's order
+        cfg["target_modules"] = sorted(cfg["target_modules"])
     _write_json(cfg_path, dict(sorted(cfg.items())))
     (out / "README.md").unlink(missing_ok=True)
     return out

@@ -30,12 +30,12 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.make_tiny_llm import BPE_VOCAB_SIZE, _atomic_build, _fill_random_, _write_json, write_tokenizer
+from tools.make_tiny_qwen2_5_omni import preprocessor_config, save_adapter, write_random_model
 
 #: Bump when the output changes, so that stale cached assets get rebuilt.
 QWEN3_OMNI_ASSETS_VERSION = "1"
@@ -256,7 +256,6 @@ def make_tiny_qwen3_omni(path: str | os.PathLike) -> Path:
         ``model.safetensors`` (float32), tokenizer files, ``preprocessor_config.json``,
         ``chat_template.json``.
     """
-    import torch
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     from tools.make_tiny_llm import CHAT_TEMPLATE
@@ -265,52 +264,14 @@ def make_tiny_qwen3_omni(path: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, SPECIAL_TOKENS, {"extra_special_tokens": dict(NAMED_TOKENS)})
     cfg = Qwen3OmniMoeConfig(**omni_config_dict(ids))
-    cfg.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
-    cfg.dtype = "float32"
-    torch.manual_seed(MODEL_SEED)
-    model = Qwen3OmniMoeForConditionalGeneration(cfg).to(torch.float32).eval()
-    params = list(model.named_parameters())
-    norms = [(n, p) for n, p in params if "norm" in n.rsplit(".", 2)[-2] and n.endswith("weight")]
-    norm_names = {n for n, _ in norms}
-    _fill_random_([(n, p) for n, p in params if n not in norm_names], MODEL_SEED, WEIGHT_STD)
-    with torch.no_grad():
-        for _, p in norms:
-            p.fill_(1.0)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.do_sample = False
-    model.save_pretrained(out, safe_serialization=True)
-    _write_json(out / "preprocessor_config.json", _preprocessor_config())
+    write_random_model(out, Qwen3OmniMoeForConditionalGeneration, cfg, ids, MODEL_SEED, WEIGHT_STD)
+    # the image processor: patch 16 (Qwen3-Omni's vision encoder), mean / std 0.5
+    image = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "min_pixels": 4096, "max_pixels": 1048576}
+    _write_json(
+        out / "preprocessor_config.json", preprocessor_config("Qwen3OmniMoeProcessor", patch_size=16, **image)
+    )
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     return out
-
-
-def _preprocessor_config() -> dict:
-    """Feature extractor (Whisper, 128 mel bins) and image processor (patch 16) of the processor."""
-    return {
-        "processor_class": "Qwen3OmniMoeProcessor",
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "feature_size": 128,
-        "sampling_rate": 16000,
-        "hop_length": 160,
-        "chunk_length": 300,
-        "n_fft": 400,
-        "padding_side": "right",
-        "padding_value": 0.0,
-        "return_attention_mask": True,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "min_pixels": 4096,
-        "max_pixels": 1048576,
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-    }
 
 
 # --------------------------------------------------------------------------------------
@@ -364,16 +325,7 @@ def make_thinker_adapter(
     if not lora:
         raise RuntimeError(f"no LoRA parameters were created for target_modules {targets}")
     _fill_random_(lora, seed, WEIGHT_STD)
-    out = Path(out_dir)
-    peft_model.save_pretrained(out, safe_serialization=True)
-    cfg_path = out / "adapter_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["base_model_name_or_path"] = "tiny-qwen3-omni"
-    if isinstance(cfg.get("target_modules"), list):
-        cfg["target_modules"] = sorted(cfg["target_modules"])
-    _write_json(cfg_path, dict(sorted(cfg.items())))
-    (out / "README.md").unlink(missing_ok=True)
-    return out
+    return save_adapter(peft_model, out_dir, "tiny-qwen3-omni")
 
 
 # --------------------------------------------------------------------------------------
