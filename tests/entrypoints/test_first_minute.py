@@ -174,3 +174,20 @@ def test_our_flag_choices_are_the_configs():
     from vllm_omni.config.omni_config import WORKER_BACKENDS
 
     assert (flags.WORKER_BACKEND_CHOICES, flags.LORA_BACKEND_CHOICES) == (WORKER_BACKENDS, LORA_BACKENDS)
+
+
+def test_start_up_adapters_count_toward_the_host_cache(tiny_llm_assets):
+    """Without --max-cpu-loras the LLM stage's host cache holds every --lora-modules adapter (at least
+    --max-loras); a value given is kept."""
+    from vllm_omni.entrypoints.cli.serve import parse_serve_argv
+
+    model, a, b = str(tiny_llm_assets.model_dir), tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
+    modules = ["--lora-modules", f"a={a}", f"b={b}"]
+    assert parse_serve_argv([model, "--enable-lora", *modules])[0].options["max_cpu_loras"] == 2
+    assert (
+        parse_serve_argv([model, "--enable-lora", "--max-loras", "3", *modules])[0].options["max_cpu_loras"]
+        == 3
+    )
+    given = parse_serve_argv([model, "--enable-lora", "--max-cpu-loras", "5", *modules])[0]
+    assert given.options["max_cpu_loras"] == 5
+    assert "max_cpu_loras" not in parse_serve_argv([model, "--enable-lora"])[0].options

@@ -134,6 +134,8 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
         (m.name, _startup_adapter("--lora-modules", f"{m.name}={m.path}", m.path))
         for m in args.lora_modules or []
     ]
+    if not args.deploy_config:
+        _host_cache_for_startup_adapters(options, len(lora_modules))
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("VLLM_API_KEY"):
         api_keys = [os.environ["VLLM_API_KEY"]]
@@ -155,6 +157,14 @@ def split_serve_args(args: argparse.Namespace) -> tuple[OmniLaunch, ServerSettin
     deploy = os.path.abspath(os.path.expanduser(args.deploy_config)) if args.deploy_config else None
     launch = OmniLaunch(model=model, pipeline=args.pipeline, deploy_config=deploy, options=options)
     return launch, settings
+
+
+def _host_cache_for_startup_adapters(options: dict[str, Any], count: int) -> None:
+    """``--lora-modules`` adapters count toward the LLM stage's host (CPU) adapter cache: without
+    ``--max-cpu-loras`` it holds them all (at least ``--max-loras``), so switching between them never
+    reads their files again (vLLM's default, ``max_loras``, evicted one at every switch)."""
+    if count and options.get("enable_lora") and "max_cpu_loras" not in options:
+        options["max_cpu_loras"] = max(count, int(options.get("max_loras") or 1))
 
 
 def _startup_adapter(flag: str, value: str, path: str) -> str:
