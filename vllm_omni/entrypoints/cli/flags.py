@@ -66,7 +66,8 @@ def _add_frontend_args(parser: argparse.ArgumentParser, lora_modules_action: Any
         default=None,
         help="Adapters registered at start-up, 'name=path' or JSON "
         '\'{"name": "a", "path": "/dir"}\'. Requests select them with model=<name>. '
-        "LLM stages need --enable-lora.",
+        "LLM stages need --enable-lora; --max-cpu-loras defaults to the number of these adapters (at least "
+        "--max-loras), so switching between them never rereads their files.",
         **extra,
     )
     g.add_argument("--chat-template", default=None, help="Chat template file or inline Jinja template.")
