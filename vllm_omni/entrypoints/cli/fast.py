@@ -31,6 +31,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from vllm_omni import log_noise
 from vllm_omni.entrypoints.cli import argv_checks, flags, preflight
 from vllm_omni.errors import ConfigError, did_you_mean
 
@@ -227,6 +228,7 @@ def _serve_help(data: dict[str, Any] | None, full_parser: Callable[[], Any]) -> 
     sys.stdout.flush()
     groups = (data or {}).get("engine_groups")
     if groups is None:
+        log_noise.install()  # vLLM's import-time notes would follow the help text
         parser = full_parser()
         save(parser, parser.serve_parser)
         groups = flags.engine_groups(parser.serve_parser)
