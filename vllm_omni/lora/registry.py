@@ -50,8 +50,6 @@ from vllm_omni.errors import (
     InvalidAdapterError,
     InvalidRequestError,
     LoRACacheError,
-    OmniError,
-    restate,
 )
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
 from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, refuse_unreadable
@@ -66,16 +64,12 @@ from vllm_omni.lora.records import (
 )
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, canonical_denoiser
 from vllm_omni.lora.restarts import RestartLosses, expected_on, failed_on_stages
+from vllm_omni.lora.stage_fanout import StageCall, StageFanOut
 from vllm_omni.lora.tensor_request import TensorLoRARequest, tensor_identity
 
 __all__ = ["AdapterRecord", "AdapterRegistry", "StageCall", "StageState"]
 
 logger = logging.getLogger(__name__)
-
-#: ``call(method, *args, stage_id=None) -> {stage_id: result}``: a LoRA method on one stage (or on every
-#: stage with LoRA when ``stage_id`` is ``None``); raises ``LoRANotEnabledError`` when no such stage takes
-#: adapters (``Orchestrator.lora_call``).
-StageCall = Callable[..., dict[int, Any]]
 
 
 class AdapterRegistry:
@@ -99,10 +93,10 @@ class AdapterRegistry:
         denoisers: Callable[[int], Sequence[str] | None] | None = None,
     ):
         self._call = call
-        self._check = check
+        #: add / pin / roll back / drop one version on its target stages
+        self._stages = StageFanOut(call, check, stage_labels)
         self._denoisers = denoisers  # stage id -> the denoisers adapters bind to there (diffusion stages)
         self.entry_stage_id = entry_stage_id
-        self._labels = dict(stage_labels or {})
         self._lock = threading.RLock()  # the tables below; never held across a stage call
         self._name_locks: dict[str, threading.Lock] = {}
         self._by_id: dict[int, AdapterRecord] = {}
@@ -329,7 +323,7 @@ class AdapterRegistry:
             self._by_id[lora.lora_int_id] = new
         if record is not None and record.engine.lora_int_id != new.engine.lora_int_id:
             try:  # the stages drop the old version's tensors (best effort: a running batch may hold it)
-                self._unload(record.engine, record.targets)
+                self._stages.unload(record.engine, record.targets)
             except Exception as exc:
                 logger.info("old version of %s stays until evicted: %s", describe_adapter(lora), exc)
         return new.engine
@@ -433,7 +427,7 @@ class AdapterRegistry:
             if have is not None and name not in have:
                 given = repr(denoiser) if denoiser == name else f"{denoiser!r} ({name})"
                 raise denoiser_error(
-                    f"{describe_adapter(lora)}: denoiser {given} is not one of {self._labels.get(stage, f'stage {stage}')}'s "
+                    f"{describe_adapter(lora)}: denoiser {given} is not one of {self._stages.label(stage)}'s "
                     f"denoisers {list(have)}; name one of them, or leave denoiser unset"
                 )
         return name
@@ -470,7 +464,7 @@ class AdapterRegistry:
             record = self._new_record(lora, identity, denoiser=denoiser, source="add_lora")
         pinned = {s for s, st in (old.stages.items() if old else ()) if st.state == "pinned" or st.pinned}
         try:
-            states = self._load_on(record, targets, pinned, repin=same is None)
+            states = self._stages.load(record, targets, pinned, repin=same is None)
         except LoRACacheError as exc:
             if old is None or same is not None:
                 raise
@@ -497,62 +491,8 @@ class AdapterRegistry:
             self._names[lora.lora_name] = record.int_id
             self._by_id[record.int_id] = record
         if old is not None and same is None and old.engine.lora_int_id != record.engine.lora_int_id:
-            self._unload(old.engine, old.targets)
+            self._stages.unload(old.engine, old.targets)
         return changed
-
-    def _load_on(
-        self, record: AdapterRecord, targets: tuple[int, ...], pinned: set[int], repin: bool
-    ) -> dict[int, StageState]:
-        """``check`` on every target, then ``add_lora`` of ``record.engine`` on each, in order, and ``pin_lora`` on the ``pinned``
-        ones (where it was loaded anew, or everywhere with ``repin``); on a refusal the stages already done
-        drop what this call loaded, and the error is raised prefixed with the adapter and the stage.
-        Returns the stage states."""
-        done: list[tuple[int, bool]] = []
-        states: dict[int, StageState] = {}
-        engine = record.engine
-        for stage in targets if self._check is not None else ():
-            try:
-                self._check(stage, engine)
-            except OmniError as exc:
-                raise restate(exc, self._where(record, stage)) from exc
-        for stage in targets:
-            try:
-                new = bool(self._call("add_lora", engine, stage_id=stage).get(stage, False))
-                done.append((stage, new))
-                if stage in pinned and (new or repin):
-                    self._call("pin_lora", engine.lora_int_id, stage_id=stage)
-                states[stage] = StageState("pinned" if stage in pinned else "loaded")
-            except Exception as exc:
-                self._roll_back(engine, done)
-                if isinstance(exc, OmniError):
-                    raise restate(exc, self._where(record, stage)) from exc
-                exc.add_note(self._where(record, stage))
-                raise
-        return states
-
-    def _where(self, record: AdapterRecord, stage: int) -> str:
-        return f"adapter {record.name!r} ({record.location}) on {self._labels.get(stage, f'stage {stage}')}"
-
-    def _roll_back(self, engine: LoRARequest, done: list[tuple[int, bool]]) -> None:
-        for stage, new in reversed(done):
-            if new:
-                try:
-                    self._call("remove_lora", engine.lora_int_id, stage_id=stage)
-                except Exception:
-                    logger.exception("rolling back %s on stage %d failed", engine.lora_name, stage)
-
-    def _unload(self, engine: LoRARequest, targets: tuple[int, ...]) -> bool:
-        """Best effort: drop an engine id from ``targets`` (every LoRA stage when empty)."""
-        removed = False
-        for stage in targets or (None,):
-            try:
-                removed |= any(self._call("remove_lora", engine.lora_int_id, stage_id=stage).values())
-            except Exception:
-                if targets:
-                    logger.exception("dropping %s from stage %s failed", engine.lora_name, stage)
-                else:
-                    raise
-        return removed
 
     def adopt(
         self, lora: LoRARequest, stage_id: int, *, pinned: bool = True, source: str = "lora_path"
