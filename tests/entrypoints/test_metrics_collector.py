@@ -154,8 +154,8 @@ def test_vllm_adapter_lists_name_adapters_as_clients_do():
     """Issue 35 item 6: vLLM's ``vllm:lora_requests_info`` lists the names an LLM stage gave vLLM
     (``"<name>@<engine id>"``); the stage reports clients' names, two versions of one name as one, and
     one sample (the latest) per resulting label set."""
-    from vllm_omni.engine.llm_stage import vllm_lora_request
-    from vllm_omni.engine.vllm_stats import public_adapter_name, public_lora_families
+    from vllm_omni.engine.vllm_adapter_names import public_adapter_name, vllm_lora_request
+    from vllm_omni.engine.vllm_stats import public_lora_families
     from vllm_omni.lora.request import LoRARequest
 
     for name in ("p", "a@b", "v@2", "x@"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.lora.fake_stages import FakeStages
-from vllm_omni.engine.llm_stage import vllm_lora_request
+from vllm_omni.engine.vllm_adapter_names import vllm_lora_request
 from vllm_omni.errors import InvalidAdapterError, LoRANotEnabledError
 from vllm_omni.lora.registry import AdapterRegistry
 from vllm_omni.lora.request import LoRARequest

@@ -25,7 +25,6 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry
 from vllm import ModelRegistry, SamplingParams
 from vllm.outputs import RequestOutput
@@ -34,10 +33,11 @@ from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine import tensor_lora
-from vllm_omni.engine.lora_validation import LLMAdapterValidator
+from vllm_omni.engine.lora_validation import LLMAdapterValidator, lora_compute_dtype
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
+from vllm_omni.engine.vllm_adapter_names import vllm_lora_request
 from vllm_omni.engine.vllm_process import (
     compile_cache_that_loads,
     engine_core_in_stage_process,
@@ -70,17 +70,6 @@ _DRIVER_JOIN_S = 30.0
 _ALL_PINNED = "All items are pinned"  # vLLM's LRU adapter caches (utils/cache.py), a bare RuntimeError
 
 
-def vllm_lora_request(lora: LoRARequest) -> LoRARequest:
-    """The form of ``lora`` handed to vLLM: named ``"<name>@<lora_int_id>"``.
-
-    vLLM keys prefix-cache blocks by an adapter's name and path (``vllm/v1/core/kv_cache_utils.py``)
-    and compares ``LoRARequest`` s by name; the registry issues a new id for every version of a name
-    (:mod:`vllm_omni.lora.registry`), so the id in the name keeps two versions from sharing KV blocks.
-    :func:`~vllm_omni.engine.vllm_stats.public_adapter_name` is the inverse (for vLLM's metrics).
-    """
-    return LoRARequest(f"{lora.lora_name}@{lora.lora_int_id}", lora.lora_int_id, lora.lora_path)
-
-
 def check_model_class(stage: LLMStageConfig) -> None:
     """Fail early when vLLM has no implementation of the stage's model class.
 
@@ -97,13 +86,6 @@ def check_model_class(stage: LLMStageConfig) -> None:
             f"(vllm.ModelRegistry has no such architecture); install the package that registers it or "
             f"choose a pipeline whose stages use available classes"
         )
-
-
-def lora_compute_dtype(vllm_config: Any) -> Any:
-    """The dtype vLLM computes LoRA in: the resolved ``lora_dtype``, else the model's dtype."""
-    lora_config = getattr(vllm_config, "lora_config", None)
-    dtype = getattr(lora_config, "lora_dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else vllm_config.model_config.dtype
 
 
 @dataclass(slots=True)

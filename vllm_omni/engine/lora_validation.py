@@ -43,6 +43,7 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 import transformers
@@ -349,3 +350,11 @@ class LLMAdapterValidator:
 def _summary(problems: list[str]) -> str:
     """The first 8 problems, joined, with a count of the rest."""
     return "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+
+
+def lora_compute_dtype(vllm_config: Any) -> Any:
+    """The dtype vLLM computes LoRA in: the resolved ``lora_dtype``, else the model's dtype (what the
+    validator checks an adapter's values against)."""
+    lora_config = getattr(vllm_config, "lora_config", None)
+    dtype = getattr(lora_config, "lora_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else vllm_config.model_config.dtype

@@ -20,6 +20,7 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.perf import PerfMetricsProm
 from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
+from vllm_omni.engine.vllm_adapter_names import public_adapter_name
 from vllm_omni.stats import MetricFamily
 
 
@@ -66,13 +67,6 @@ def collect_families(registry: CollectorRegistry) -> list[MetricFamily]:
 
 #: Labels of vLLM's ``vllm:lora_requests_info`` that list adapters by the name the stage gave vLLM.
 _ADAPTER_LIST_LABELS = ("running_lora_adapters", "waiting_lora_adapters")
-
-
-def public_adapter_name(vllm_name: str) -> str:
-    """The name clients use for an adapter an LLM stage handed vLLM as ``"<name>@<engine id>"``
-    (:func:`~vllm_omni.engine.llm_stage.vllm_lora_request`); a name without that suffix as is."""
-    name, at, version = vllm_name.rpartition("@")
-    return name if at and version.isdigit() else vllm_name
 
 
 def public_lora_families(families: list[MetricFamily]) -> list[MetricFamily]:

@@ -14,7 +14,7 @@ Identity and versions
     name with an engine id, the public id for the first version issued under it and a fresh id for any
     other content (vLLM and the diffusion host cache key adapters by id). An engine id is never reused
     for other content while the registry lives. An LLM stage hands vLLM the name ``"<name>@<engine id>"``
-    (:func:`vllm_omni.engine.llm_stage.vllm_lora_request`: vLLM keys its prefix cache by lora name and
+    (:func:`vllm_omni.engine.vllm_adapter_names.vllm_lora_request`: vLLM keys its prefix cache by lora name and
     path, and compares ``LoRARequest`` s by name), so versions never share KV blocks either. Registering
     a name again with the same files and content is a no-op; other content (new files at the same path,
     another path, ``reload=True`` after a rewrite) is a new version: it is loaded on the stages first,
