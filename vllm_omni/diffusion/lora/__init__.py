@@ -20,7 +20,8 @@ from vllm_omni.diffusion.forward_context import rows_per_sample as lora_rows_per
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights, LoRAModuleWeights
 from vllm_omni.diffusion.lora.fuse import fuse_lora_files_into_pipeline, fuse_lora_into_model
 from vllm_omni.diffusion.lora.loading import load_lora_adapter, register_lora_format
-from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager, find_denoisers
+from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
+from vllm_omni.diffusion.lora.targets import find_denoisers
 from vllm_omni.errors import LoRACacheError, LoRAFormatError
 from vllm_omni.lora.schedule import LoRAScaleSchedule, ScaleRange
 

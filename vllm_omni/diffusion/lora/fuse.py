@@ -25,9 +25,15 @@ import torch.nn as nn
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.text_encoders import fit_part_to_encoder, text_encoder_parts_refusal
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
-from vllm_omni.diffusion.lora.manager import DEFAULT_DENOISER_ATTRS, _mapping_from_models, find_denoisers
 from vllm_omni.diffusion.lora.safetensors_format import adapter_from_state_dict
-from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+from vllm_omni.diffusion.lora.targets import (
+    DEFAULT_DENOISER_ATTRS,
+    StackedParamsMapping,
+    TargetIndex,
+    bind_adapter,
+    find_denoisers,
+    mapping_from_models,
+)
 from vllm_omni.diffusion.lora.text_encoder_lora import find_text_encoders
 from vllm_omni.errors import ConfigError, LoRAFormatError, OmniUserError, restate
 
@@ -70,7 +76,7 @@ def fuse_lora_into_model(
     """Add ``scale * s * B @ A`` of every adapter module into the model's weights.
 
     Args:
-        model: a denoiser module or a pipeline (see :func:`.manager.find_denoisers`).
+        model: a denoiser module or a pipeline (see :func:`.targets.find_denoisers`).
         adapter: a ``.safetensors`` file, a PEFT directory, a state dict (diffusers / PEFT keys,
             optional ``.alpha`` tensors, ``metadata`` as in the file header) or parsed weights.
         scale: the user's ``lambda``.
@@ -87,7 +93,7 @@ def fuse_lora_into_model(
     if isinstance(scale, bool) or not math.isfinite(float(scale)):
         raise ConfigError(f"LoRA fuse scale must be finite, got {scale!r}")
     denoisers = find_denoisers(model, denoiser_attrs)
-    mapping = _mapping_from_models(denoisers) if stacked_params_mapping is None else stacked_params_mapping
+    mapping = mapping_from_models(denoisers) if stacked_params_mapping is None else stacked_params_mapping
     index = TargetIndex(denoisers, mapping)
     adapter = _as_adapter(adapter, metadata)
     if adapter.text_encoders:  # never dropped silently

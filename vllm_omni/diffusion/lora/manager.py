@@ -25,7 +25,7 @@ leaves the cache and slots as they were; argument errors are raised before any w
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -39,51 +39,22 @@ from vllm_omni.diffusion.lora.formats.text_encoders import text_encoder_parts_re
 from vllm_omni.diffusion.lora.layers import BaseLayerWithLoRA
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.merge import MergedWeights, single_adapter
-from vllm_omni.diffusion.lora.targets import StackedParamsMapping, TargetIndex, bind_adapter
+from vllm_omni.diffusion.lora.targets import (
+    DEFAULT_DENOISER_ATTRS,
+    StackedParamsMapping,
+    TargetIndex,
+    bind_adapter,
+    find_denoisers,
+    mapping_from_models,
+)
 from vllm_omni.diffusion.lora.tensor_adapter import adapter_from_tensors
 from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 from vllm_omni.lora.tensor_request import TensorLoRARequest
 
-DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
 #: Names of a denoiser's main block list, tried in order when it declares no ``lora_block_list``.
 BLOCK_LIST_NAMES: tuple[str, ...] = ("transformer_blocks", "layers", "blocks")
-
-
-def find_denoisers(model_or_pipeline: object, denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS) -> dict:
-    """The denoiser modules of a model or pipeline, ``{name: module}``, first one primary.
-
-    A module that declares ``stacked_params_mapping`` is a denoiser itself; otherwise the attributes
-    named in ``denoiser_attrs`` that hold modules are used; otherwise a bare ``nn.Module`` is taken
-    as the denoiser.
-
-    Raises:
-        TypeError: nothing usable was found.
-    """
-    if isinstance(model_or_pipeline, nn.Module) and hasattr(model_or_pipeline, "stacked_params_mapping"):
-        return {"": model_or_pipeline}
-    found = {
-        attr: getattr(model_or_pipeline, attr)
-        for attr in denoiser_attrs
-        if isinstance(getattr(model_or_pipeline, attr, None), nn.Module)
-    }
-    if found:
-        return found
-    if isinstance(model_or_pipeline, nn.Module):
-        return {"": model_or_pipeline}
-    raise TypeError(
-        f"{type(model_or_pipeline).__name__} is neither an nn.Module nor a pipeline with one of {list(denoiser_attrs)}"
-    )
-
-
-def _mapping_from_models(denoisers: Mapping[str, nn.Module]) -> list[tuple[str, str, str | int]]:
-    mapping: list[tuple[str, str, str | int]] = []
-    for module in denoisers.values():
-        for entry in getattr(module, "stacked_params_mapping", None) or ():
-            if tuple(entry) not in mapping:
-                mapping.append(tuple(entry))
-    return mapping
 
 
 class DiffusionLoRAManager:
@@ -139,7 +110,7 @@ class DiffusionLoRAManager:
         self.max_cpu_loras = int(max_cpu_loras)
         self.denoisers = find_denoisers(model_or_pipeline, denoiser_attrs)
         if stacked_params_mapping is None:
-            stacked_params_mapping = _mapping_from_models(self.denoisers)
+            stacked_params_mapping = mapping_from_models(self.denoisers)
         self.stacked_params_mapping = list(stacked_params_mapping)
         self._index = TargetIndex(self.denoisers, self.stacked_params_mapping, target_modules)
         self._state = LoRABatchState()
@@ -199,7 +170,9 @@ class DiffusionLoRAManager:
 
     def _load_entry(self, request: LoRARequest) -> CacheEntry:
         lora_id, path = check_request(request)
-        adapter = adapter_from_tensors(request) if isinstance(request, TensorLoRARequest) else self._loader(path)
+        adapter = (
+            adapter_from_tensors(request) if isinstance(request, TensorLoRARequest) else self._loader(path)
+        )
         if getattr(adapter, "text_encoders", None):  # never ignored silently (a stage applies them itself)
             why = "this LoRA manager patches the denoiser only"
             raise LoRAFormatError(text_encoder_parts_refusal(adapter, why))

@@ -361,3 +361,42 @@ def _check_shape(
             f"{tuple(weights.lora_b.shape)} but the layer expects inputs {in_features} and outputs {out_features}, "
             f"i.e. lora_A {(r, in_features)} / lora_B {(out_features, r)} (adapter trained for another model or size?)"
         )
+
+
+DEFAULT_DENOISER_ATTRS: tuple[str, ...] = ("transformer", "transformer_2")
+
+
+def find_denoisers(model_or_pipeline: object, denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS) -> dict:
+    """The denoiser modules of a model or pipeline, ``{name: module}``, first one primary.
+
+    A module that declares ``stacked_params_mapping`` is a denoiser itself; otherwise the attributes
+    named in ``denoiser_attrs`` that hold modules are used; otherwise a bare ``nn.Module`` is taken
+    as the denoiser.
+
+    Raises:
+        TypeError: nothing usable was found.
+    """
+    if isinstance(model_or_pipeline, nn.Module) and hasattr(model_or_pipeline, "stacked_params_mapping"):
+        return {"": model_or_pipeline}
+    found = {
+        attr: getattr(model_or_pipeline, attr)
+        for attr in denoiser_attrs
+        if isinstance(getattr(model_or_pipeline, attr, None), nn.Module)
+    }
+    if found:
+        return found
+    if isinstance(model_or_pipeline, nn.Module):
+        return {"": model_or_pipeline}
+    raise TypeError(
+        f"{type(model_or_pipeline).__name__} is neither an nn.Module nor a pipeline with one of {list(denoiser_attrs)}"
+    )
+
+
+def mapping_from_models(denoisers: Mapping[str, nn.Module]) -> list[tuple[str, str, str | int]]:
+    """The packed-layer mappings the denoisers declare (``stacked_params_mapping``), each entry once."""
+    mapping: list[tuple[str, str, str | int]] = []
+    for module in denoisers.values():
+        for entry in getattr(module, "stacked_params_mapping", None) or ():
+            if tuple(entry) not in mapping:
+                mapping.append(tuple(entry))
+    return mapping
