@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_omni.lora.request import LoRARequest, RequestAdapter
+from vllm_omni.lora.request import LoRARequest, RequestAdapter, RequestAdapters
 
 TE_TARGETS = ["q_proj", "v_proj", "down_proj"]
 R, ALPHA = 4, 8.0
@@ -103,7 +103,7 @@ def test_encoder_output_equals_peft(te_setup, layout):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, base.config.vocab_size, (2, 9), generator=gen)
     mask = torch.ones_like(ids)
-    with te.activate([[(lora, 0.7)], []], [0, 1]):
+    with te.activate([RequestAdapters.of(lora, 0.7), RequestAdapters()], [0, 1]):
         got = _hidden(ours, ids, mask)
     want0 = _hidden(_peft_scaled(peft_te, 0.7), ids[:1], mask[:1])
     want1 = _hidden(base, ids[1:], mask[1:])
@@ -318,7 +318,9 @@ def test_kohya_two_encoder_file_reads_as_the_diffusers_file(tiny_sd3_dir, sd3_fi
         te.done_loading()
     assert all(te.users(lora) == ["text_encoder", "text_encoder_2"] for lora in loras)
     ids = torch.randint(0, 99, (1, 6), generator=torch.Generator().manual_seed(1)).repeat(2, 1)
-    with te.activate([[(loras[0], 0.9)], [(loras[1], 0.9)]], [0, 1]):  # row 0: diffusers file, row 1: kohya
+    with te.activate(
+        [RequestAdapters.of(loras[0], 0.9), RequestAdapters.of(loras[1], 0.9)], [0, 1]
+    ):  # row 0: diffusers file, row 1: kohya
         outs = {c: m(input_ids=ids).text_embeds for c, m in encoders.items()}
     for c, out in outs.items():
         assert (out[0] - out[1]).abs().max().item() <= 1e-5

@@ -23,6 +23,7 @@ Every rank runs the same calls with the same arguments, so the caches of all ran
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -327,20 +328,8 @@ class WorkerLoRA:
         Raises (from the callback):
             ValueError: ``None`` layout but the prompts' sets differ.
         """
-        per_prompt = []
-        for adapters in sets:
-            targets = self.targets(adapters) if adapters else []
-            scales = self.resolve_scales(adapters)
-            per_prompt.append(
-                {
-                    name: (
-                        [a.lora for a, t in zip(adapters, targets, strict=True) if t == name],
-                        [s for s, t in zip(scales, targets, strict=True) if t == name],
-                    )
-                    for name in self.denoisers
-                }
-            )
-        used = [name for name in self.denoisers if any(p[name][0] for p in per_prompt)]
+        per_prompt = [self._per_denoiser(adapters) for adapters in sets]
+        used = [name for name in self.denoisers if any(p[name] for p in per_prompt)]
 
         def make(
             sample_prompts: list[int] | None, lora_scale: float = 1.0, component: str = "transformer"
@@ -355,26 +344,32 @@ class WorkerLoRA:
                 return contextlib.nullcontext()
             table = per_prompt
             if lora_scale != 1.0:  # a call-wide LoRA scale multiplies every adapter's
-                table = [
-                    {n: (reqs, [_times(v, lora_scale) for v in scales]) for n, (reqs, scales) in p.items()}
-                    for p in per_prompt
-                ]
+                table = [{n: _scaled(s, lora_scale) for n, s in p.items()} for p in per_prompt]
             if sample_prompts is None:
-                keys = {
-                    tuple((n, tuple(r.lora_int_id for r in p[n][0]), tuple(p[n][1])) for n in used)
-                    for p in table
-                }
-                if len(keys) != 1:
+                if len({tuple((n, _key(p[n])) for n in used) for p in table}) != 1:
                     raise ValueError(
                         "this pipeline runs one LoRA set per call; got prompts with different sets"
                     )
-                return _activate_all([(self.managers[n], *table[0][n]) for n in used])
-            chosen = {n: [table[i][n] for i in sample_prompts] for n in used}
-            return _activate_all(
-                [(self.managers[n], [c[0] for c in chosen[n]], [c[1] for c in chosen[n]]) for n in used]
-            )
+                return _activate_all([(self.managers[n], table[0][n]) for n in used])
+            return _activate_all([(self.managers[n], [table[i][n] for i in sample_prompts]) for n in used])
 
         return make
+
+    def _per_denoiser(self, adapters: LoRASet) -> dict[str, RequestAdapters]:
+        """``{denoiser: its adapters of this request}``, each at the scale that applies (stage defaults
+        resolved, :meth:`resolve_scales`)."""
+        targets = self.targets(adapters) if adapters else []
+        scales = self.resolve_scales(adapters)
+        return {
+            name: RequestAdapters(
+                tuple(
+                    dataclasses.replace(a, scale=s)
+                    for a, s, t in zip(adapters, scales, targets, strict=True)
+                    if t == name
+                )
+            )
+            for name in self.denoisers
+        }
 
     def _text_encoder_context(
         self, sets: Sequence[LoRASet], rows: list[int] | None, lora_scale: float
@@ -387,25 +382,36 @@ class WorkerLoRA:
         prompts = []
         for adapters in sets:
             scales = self.resolve_scales(adapters)
-            pairs = []
+            items = []
             for a, scale in zip(adapters, scales, strict=True):
                 if a.text_encoder_scale is not None:
                     scale = a.text_encoder_scale
                 elif isinstance(scale, LoRAScaleSchedule):
                     scale = self.default_scales.get(a.lora.lora_int_id, 1.0)
-                pairs.append((a.lora, float(scale) * lora_scale))
-            prompts.append(pairs)
+                items.append(dataclasses.replace(a, scale=float(scale) * lora_scale))
+            prompts.append(RequestAdapters(tuple(items)))
         return self.text_encoders.activate(prompts, rows)
 
 
 @contextlib.contextmanager
-def _activate_all(parts: Sequence[tuple[Any, Any, Any]]) -> Iterator[None]:
-    """Activate ``(manager, requests, scales)`` on each denoiser for the block; a failure on one
-    deactivates those already activated."""
+def _activate_all(parts: Sequence[tuple[Any, Any]]) -> Iterator[None]:
+    """Activate ``(manager, adapters)`` on each denoiser for the block (``adapters``: one
+    ``RequestAdapters`` for every sample, or one per sample); a failure on one deactivates those already
+    activated."""
     with contextlib.ExitStack() as stack:
-        for manager, requests, scales in parts:
-            stack.enter_context(manager.activate(requests, scales))
+        for manager, adapters in parts:
+            stack.enter_context(manager.activate_adapters(adapters))
         yield
+
+
+def _key(adapters: RequestAdapters) -> tuple:
+    """What makes two prompts' adapters on one denoiser the same activation: ids and scales."""
+    return tuple((a.lora.lora_int_id, a.scale) for a in adapters)
+
+
+def _scaled(adapters: RequestAdapters, factor: float) -> RequestAdapters:
+    """``adapters`` with every scale multiplied by ``factor`` (:func:`_times`)."""
+    return RequestAdapters(tuple(dataclasses.replace(a, scale=_times(a.scale, factor)) for a in adapters))
 
 
 def _times(value: float | LoRAScaleSchedule, factor: float) -> float | LoRAScaleSchedule:

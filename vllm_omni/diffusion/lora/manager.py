@@ -49,7 +49,7 @@ from vllm_omni.diffusion.lora.targets import (
 )
 from vllm_omni.diffusion.lora.tensor_adapter import adapter_from_tensors
 from vllm_omni.errors import ConfigError, InvalidRequestError, LoRACacheError, LoRAFormatError
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 from vllm_omni.lora.schedule import LoRAScaleSchedule
 from vllm_omni.lora.tensor_request import TensorLoRARequest
 
@@ -553,6 +553,27 @@ class DiffusionLoRAManager:
             with self._lock:
                 self._cache.release(ids)
                 self.deactivate()
+
+    @contextmanager
+    def activate_adapters(self, adapters: RequestAdapters | Sequence[RequestAdapters]) -> Iterator[None]:
+        """:meth:`activate` with the typed value a request's adapters travel in from the entry point.
+
+        Args:
+            adapters: one :class:`~vllm_omni.lora.request.RequestAdapters` for every sample of the forward
+                batch, or one per sample (its leading dimension, CFG copies included). Each adapter's
+                ``scale`` is the one that applies: a number or a schedule (the worker resolved the stage
+                defaults; ``None`` is refused like any non-number).
+
+        Raises:
+            as :meth:`set_active_adapters`.
+        """
+        if isinstance(adapters, RequestAdapters):
+            reqs, scales = [a.lora for a in adapters], [a.scale for a in adapters]
+        else:
+            reqs = [[a.lora for a in sample] for sample in adapters]
+            scales = [[a.scale for a in sample] for sample in adapters]
+        with self.activate(reqs, scales):
+            yield
 
     def sync_step(self) -> None:
         """Bring a per-step schedule's scales to the forward context's step (what a compiled region,

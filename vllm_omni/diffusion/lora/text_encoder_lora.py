@@ -33,10 +33,7 @@ from vllm_omni.diffusion.lora.formats.text_encoders import (
 from vllm_omni.diffusion.lora.loading import load_lora_adapter
 from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
 from vllm_omni.errors import LoRAFormatError
-from vllm_omni.lora.request import LoRARequest
-
-#: per prompt, the ``(adapter, text-encoder scale)`` pairs of its request
-PromptAdapters = Sequence[tuple[LoRARequest, float]]
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 
 
 def find_text_encoders(pipeline: object) -> dict[str, nn.Module]:
@@ -126,24 +123,21 @@ class TextEncoderLoRA:
         return [c for c in self.components.get(lora.lora_int_id, ()) if c in self.managers]
 
     @contextlib.contextmanager
-    def activate(self, prompts: Sequence[PromptAdapters], rows: list[int] | None) -> Iterator[None]:
+    def activate(self, prompts: Sequence[RequestAdapters], rows: list[int] | None) -> Iterator[None]:
         """A context activating, on every text encoder, each encoded sequence's adapters.
 
         Args:
-            prompts: per prompt its ``(adapter, text-encoder scale)`` pairs.
+            prompts: per prompt its adapters, each ``scale`` the one its text-encoder parts apply at.
             rows: the prompt index of each sequence of the encoder batch (leading dimension of the
                 encoder's layer inputs, negative prompts included), or ``None``: one set for every row
                 (all ``prompts`` must then share it; the caller checks).
         """
         with contextlib.ExitStack() as stack:
             for name, manager in self.managers.items():
-                chosen = [[(lora, s) for lora, s in p if name in self.users(lora)] for p in prompts]
+                chosen = [RequestAdapters(tuple(a for a in p if name in self.users(a.lora))) for p in prompts]
                 if not any(chosen):
                     continue
-                if rows is None:
-                    reqs, scales = [lora for lora, _ in chosen[0]], [s for _, s in chosen[0]]
-                else:
-                    reqs = [[lora for lora, _ in chosen[r]] for r in rows]
-                    scales = [[s for _, s in chosen[r]] for r in rows]
-                stack.enter_context(manager.activate(reqs, scales))
+                stack.enter_context(
+                    manager.activate_adapters(chosen[0] if rows is None else [chosen[r] for r in rows])
+                )
             yield
