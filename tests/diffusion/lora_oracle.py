@@ -161,3 +161,69 @@ def save_random_diffusers_lora(
         out, transformer_lora_layers=get_peft_model_state_dict(model), weight_name="lora.safetensors"
     )
     return Path(out) / "lora.safetensors"
+
+
+def text_encoder_lora_files(z_image_dir, z_loras: dict, out: Path, targets: list[str], r: int, alpha: float):
+    """Adapter files with a denoiser part and a text-encoder part, in the two layouts users have, holding the
+    same tensors: the tiny ``attn`` denoiser adapter (``z_loras["attn_file"]``, bare diffusers keys) and a
+    random encoder adapter (``r``, ``alpha`` on ``targets`` of the tiny Z-Image's Qwen3 encoder).
+
+    Returns:
+        ``(base encoder, peft encoder (transformers+peft, the reference), paths)`` with paths
+        ``"diffusers"`` (``transformer.*`` + ``text_encoder.*``, both configurations in the
+        ``lora_adapter_metadata`` header as ``save_lora_weights`` writes them), ``"kohya"`` (``lora_unet_*`` +
+        ``lora_te_*`` with ``.alpha``), ``"kohya_te2"`` (also a ``lora_te2_*`` part) and ``"denoiser"`` (the
+        PEFT folder of the denoiser part alone).
+    """
+    import copy
+    import json
+
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from safetensors.torch import save_file
+    from transformers import Qwen3Model
+
+    base = Qwen3Model.from_pretrained(str(Path(z_image_dir) / "text_encoder")).eval()
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    peft_te = inject_adapter_in_model(config, copy.deepcopy(base)).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_te.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    te_sd = get_peft_model_state_dict(peft_te)  # layers.0.self_attn.q_proj.lora_A.weight, ...
+    den_sd = load_file(str(z_loras["attn_file"]))  # bare diffusers keys, r 4 alpha 8
+    meta = {"r": r, "lora_alpha": alpha}
+    header = {f"{c}.{k}": v for c in ("transformer", "text_encoder") for k, v in meta.items()}
+    paths = {"diffusers": out / "diffusers.safetensors", "kohya": out / "kohya.safetensors"}
+    diffusers_sd = {f"transformer.{k}": v for k, v in den_sd.items()}
+    diffusers_sd.update({f"text_encoder.{k}": v for k, v in te_sd.items()})
+    save_file(diffusers_sd, str(paths["diffusers"]), metadata={"lora_adapter_metadata": json.dumps(header)})
+    kohya: dict[str, torch.Tensor] = {}
+    for prefix, sd in (("lora_unet_", den_sd), ("lora_te_", te_sd)):
+        for key, tensor in sd.items():
+            module, kind = key.rsplit(".lora_", 1)
+            name = prefix + module.replace(".", "_")
+            kohya[f"{name}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = tensor
+            kohya[f"{name}.alpha"] = torch.tensor(alpha)
+    save_file(kohya, str(paths["kohya"]))
+    te2 = dict(kohya)
+    te2.update(
+        {k.replace("lora_te_", "lora_te2_"): v.clone() for k, v in kohya.items() if k.startswith("lora_te_")}
+    )
+    paths["kohya_te2"] = out / "kohya_te2.safetensors"
+    save_file(te2, str(paths["kohya_te2"]))
+    paths["denoiser"] = z_loras["attn"]
+    return base, peft_te, paths
+
+
+def peft_scaled(peft_te, scale: float):
+    """A copy of a peft-injected encoder whose adapter applies at ``scale`` (peft's ``set_scale``)."""
+    import copy
+
+    from peft.tuners.lora import LoraLayer
+
+    model = copy.deepcopy(peft_te)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.set_scale("default", scale)
+    return model

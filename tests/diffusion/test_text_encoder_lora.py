@@ -10,13 +10,13 @@ and a random encoder adapter (r 4, alpha 8 on q/v/down projections).
 from __future__ import annotations
 
 import copy
-import json
 import types
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.diffusion.lora_oracle import peft_scaled, text_encoder_lora_files
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, RequestAdapters
 
 TE_TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -24,59 +24,12 @@ R, ALPHA = 4, 8.0
 PROMPTS = ["a red square", "two blue circles"]
 
 
-def _flat(module: str) -> str:
-    return module.replace(".", "_")
-
-
 @pytest.fixture(scope="module")
 def te_setup(tiny_z_image_dir, tiny_z_image_loras, tmp_path_factory):
     """``(base encoder, peft encoder, {"diffusers", "kohya", "kohya_te2", "denoiser"}: path)``."""
-    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
-    from transformers import Qwen3Model
-
-    base = Qwen3Model.from_pretrained(str(tiny_z_image_dir / "text_encoder")).eval()
-    config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TE_TARGETS, init_lora_weights=False)
-    peft_te = inject_adapter_in_model(config, copy.deepcopy(base)).eval()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in peft_te.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    te_sd = get_peft_model_state_dict(peft_te)  # layers.0.self_attn.q_proj.lora_A.weight, ...
-    den_sd = load_file(str(tiny_z_image_loras["attn_file"]))  # bare diffusers keys, r 4 alpha 8
-    out = tmp_path_factory.mktemp("te_lora")
-    meta = {"r": R, "lora_alpha": ALPHA}
-    header = {f"{c}.{k}": v for c in ("transformer", "text_encoder") for k, v in meta.items()}
-    paths = {"diffusers": out / "diffusers.safetensors", "kohya": out / "kohya.safetensors"}
-    diffusers_sd = {f"transformer.{k}": v for k, v in den_sd.items()}
-    diffusers_sd.update({f"text_encoder.{k}": v for k, v in te_sd.items()})
-    save_file(diffusers_sd, str(paths["diffusers"]), metadata={"lora_adapter_metadata": json.dumps(header)})
-    kohya: dict[str, torch.Tensor] = {}
-    for prefix, sd in (("lora_unet_", den_sd), ("lora_te_", te_sd)):
-        for key, tensor in sd.items():
-            module, kind = key.rsplit(".lora_", 1)
-            name = prefix + _flat(module)
-            kohya[f"{name}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = tensor
-            kohya[f"{name}.alpha"] = torch.tensor(ALPHA)
-    save_file(kohya, str(paths["kohya"]))
-    te2 = dict(kohya)
-    te2.update(
-        {k.replace("lora_te_", "lora_te2_"): v.clone() for k, v in kohya.items() if k.startswith("lora_te_")}
+    return text_encoder_lora_files(
+        tiny_z_image_dir, tiny_z_image_loras, tmp_path_factory.mktemp("te_lora"), TE_TARGETS, R, ALPHA
     )
-    paths["kohya_te2"] = out / "kohya_te2.safetensors"
-    save_file(te2, str(paths["kohya_te2"]))
-    paths["denoiser"] = tiny_z_image_loras["attn"]
-    return base, peft_te, paths
-
-
-def _peft_scaled(peft_te, scale: float):
-    from peft.tuners.lora import LoraLayer
-
-    model = copy.deepcopy(peft_te)
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module.set_scale("default", scale)
-    return model
 
 
 def _hidden(encoder, ids, mask) -> torch.Tensor:
@@ -105,7 +58,7 @@ def test_encoder_output_equals_peft(te_setup, layout):
     mask = torch.ones_like(ids)
     with te.activate([RequestAdapters.of(lora, 0.7), RequestAdapters()], [0, 1]):
         got = _hidden(ours, ids, mask)
-    want0 = _hidden(_peft_scaled(peft_te, 0.7), ids[:1], mask[:1])
+    want0 = _hidden(peft_scaled(peft_te, 0.7), ids[:1], mask[:1])
     want1 = _hidden(base, ids[1:], mask[1:])
     errs = [(got[:1] - want0).abs().max().item(), (got[1:] - want1).abs().max().item()]
     assert max(errs) <= 1e-5, errs
@@ -157,9 +110,9 @@ def test_in_tree_z_image_equals_hand_reference_and_mixed_batch(engine, te_setup)
     alone = _run(engine, PROMPTS[:1], [[kohya]]) + _run(engine, PROMPTS[1:], [[diffusers]])
     original = pipe.text_encoder
     try:
-        pipe.text_encoder = _peft_scaled(peft_te, 1.5)
+        pipe.text_encoder = peft_scaled(peft_te, 1.5)
         reference = _run(engine, PROMPTS[:1], [[RequestAdapter(denoiser, 0.8)]])
-        pipe.text_encoder = _peft_scaled(peft_te, 0.6)
+        pipe.text_encoder = peft_scaled(peft_te, 0.6)
         reference += _run(engine, PROMPTS[1:], [[RequestAdapter(denoiser, 0.6)]])
     finally:
         pipe.text_encoder = original
@@ -300,7 +253,7 @@ def test_kohya_two_encoder_file_reads_as_the_diffusers_file(tiny_sd3_dir, sd3_fi
         prefix = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}[
             component
         ]
-        flat = prefix + _flat(module)
+        flat = prefix + module.replace(".", "_")
         kohya[f"{flat}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = tensor
         kohya[f"{flat}.alpha"] = torch.tensor(alphas[component])
     save_file(kohya, str(tmp_path / "kohya.safetensors"))

@@ -209,6 +209,51 @@ def test_peer_spellings_give_byte_identical_images(client, paths):
     assert "lora.scale is an empty schedule" in str(info.value)
 
 
+@pytest.fixture(scope="module")
+def te_files(tiny_z_image_dir, z_loras, paths):
+    """Files with a denoiser and a text-encoder part, inside ``--lora-dirs`` (kohya and diffusers layouts)."""
+    from tests.diffusion.lora_oracle import text_encoder_lora_files
+
+    folder = paths["root"] / "with_text_encoder"
+    folder.mkdir(exist_ok=True)
+    return text_encoder_lora_files(tiny_z_image_dir, z_loras, folder, ["q_proj", "v_proj"], 4, 8.0)
+
+
+def test_text_encoder_parts_and_their_scale_over_http(client, te_files, tiny_z_image_dir):
+    """Issue 35 item 3 over HTTP: a kohya file's encoder part applies at ``text_encoder_scale`` (ComfyUI's
+    ``strength_clip`` gives the same PNG bytes), its denoiser part at ``scale``: equal to diffusers'
+    ``ZImagePipeline`` with the denoiser part through peft at 0.8 and the encoder replaced by
+    transformers+peft at 1.5; the diffusers-keyed file gives the same image."""
+    import torch
+
+    from tests.diffusion.lora_oracle import peft_scaled, reference_pipeline
+
+    _, peft_te, files = te_files
+    kohya = {"path": str(files["kohya"]), "scale": 0.8}
+    got = generate(client, lora=[{**kohya, "text_encoder_scale": 1.5}])
+    assert np.array_equal(generate(client, lora=[{**kohya, "strength_clip": 1.5}]), got)
+    diffusers_keyed = generate(
+        client, lora=[{"path": str(files["diffusers"]), "scale": 0.8, "text_encoder_scale": 1.5}]
+    )
+    assert close(diffusers_keyed, got, 1)
+    pipe = reference_pipeline(tiny_z_image_dir, [(files["denoiser"], 0.8)])
+    pipe.text_encoder = peft_scaled(peft_te, 1.5)
+    with torch.no_grad():
+        image = pipe(
+            PROMPT,
+            num_inference_steps=GEN["num_inference_steps"],
+            guidance_scale=GEN["guidance_scale"],
+            generator=torch.Generator().manual_seed(GEN["seed"]),
+            height=SIZE,
+            width=SIZE,
+        ).images[0]
+    want = np.asarray(image.convert("RGB"), dtype=np.int16)
+    assert close(got, want), int(np.abs(got - want).max())
+    assert not close(
+        generate(client, lora=[{**kohya, "text_encoder_scale": 0.0}]), want
+    )  # the encoder part acts
+
+
 def test_a1111_prompt_tokens_select_registered_adapters(client):
     """``--prompt-lora-syntax``: ``<lora:ff:0.7>`` in the prompt is ``lora={"name": "ff", "scale": 0.7}``
     on the prompt without the token (the same PNG bytes); an unknown name is a 404, a bad weight a 400."""
