@@ -74,7 +74,8 @@ def test_config_path_errors(tmp_path, tiny_z_image_dir, tiny_sd3_dir):
         OmniDiffusionConfig(model=str(broken))
     # Unknown pipeline class for the in-tree backend.
     with pytest.raises(
-        ValueError, match=r"unknown pipeline class 'StableDiffusion3Pipeline'.*\['ZImagePipeline'\]"
+        ValueError,
+        match=r"unknown pipeline class 'StableDiffusion3Pipeline'.*in-tree pipelines: \['ZImagePipeline', 'QwenImagePipeline'",
     ):
         OmniDiffusionConfig(model=str(tiny_sd3_dir), pipeline_backend="in_tree")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs an in-tree pipeline"):

@@ -239,6 +239,8 @@ class OmniBase:
             if sid == entry_id or not given:
                 continue
             index = [s.stage_id for s in self.config.stages].index(sid)
+            if not self.config.stages[index].is_llm:  # a later diffusion stage's own params: no gate
+                continue
             try:
                 self._orchestrator.runtimes[index].validate_request(
                     StageRequest(None, SamplingParams(), given)
