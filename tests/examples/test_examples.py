@@ -5,8 +5,8 @@
   image the way the adapter is meant to (warm: redder, less blue; stripes: more texture).
 * ``llm_lora.py``: each adapter changes the greedy text of the tiny LLM.
 * ``qwen2_5_omni.py``: text and a WAV from the tiny Qwen2.5-Omni (thinker -> talker -> code2wav).
-* ``rl_rollouts.py``: peft optimizer steps, each adapter handed over in memory; every rollout equals
-  transformers+peft on that step's weights.
+* ``rl_rollouts.py``: peft optimizer steps (the tiny LLM, the demo DiT), each adapter handed over in memory;
+  every rollout equals transformers+peft / diffusers+peft on that step's weights.
 * the demo model itself: a few MB, loads in diffusers' ``ZImagePipeline`` in fp32.
 """
 
@@ -224,7 +224,10 @@ def test_qwen2_5_omni_example(tiny_omni_assets, tmp_path):
 
 
 def test_rl_rollouts_example(tiny_llm_assets):
-    out = _run(RL, "--steps", "2", "--max-tokens", "4")
+    out = _run(RL, "--steps", "2", "--max-tokens", "4", "--diffusion-steps", "2")
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and all(line.endswith("equals transformers+peft: True") for line in lines)
     assert "version 2" in lines[1]
+    dit = [line for line in out.splitlines() if line.startswith("diffusion step ")]
+    assert len(dit) == 2, out
+    assert all("adapter acts: True, rollout equals diffusers+peft: True" in line for line in dit), dit
