@@ -216,9 +216,38 @@ def test_llm_to_diffusion_on_two_nodes_matches_inline_and_survives_actor_deaths(
         (third,) = omni.generate("hello world", [llm_params, sp], lora_request=adapter)
         assert third.latents.equal(expected.latents)
         assert omni.list_loras(stage_id=0) == {1, 2}
+        _diffusion_tensors_reach_the_actor(omni, [llm_params, sp], adapter, z_image_dir, expected.latents)
     finally:
         omni.shutdown()
     _assert_nothing_left()
+
+
+def _diffusion_tensors_reach_the_actor(omni, params, llm_adapter, z_image_dir, base_latents) -> None:
+    """Issue 40 on a diffusion stage behind a Ray actor: an adapter handed over in memory (no file) serves
+    the weights of its PEFT folder (equal latents; the folder's path equals diffusers+peft elsewhere), on
+    stage 1 of the same request that gives stage 0 ``llm_adapter``."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file
+
+    from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+    from vllm_omni.lora.request import TensorLoRARequest
+
+    folder = ensure_tiny_z_image_loras(z_image_dir, z_image_dir.parent)["attn"]
+    mem = TensorLoRARequest(
+        lora_name="attn_in_memory",
+        lora_int_id=7,
+        peft_config=json.loads((folder / "adapter_config.json").read_text()),
+        lora_tensors=load_file(str(folder / "adapter_model.safetensors")),
+    )
+    by = {}
+    for name, lora in (("file", LoRARequest("attn", 8, str(folder))), ("tensors", mem)):
+        with_lora = [params[0], dataclasses.replace(params[1], lora_requests=[lora])]
+        (out,) = omni.generate("hello world", with_lora, lora_request=llm_adapter)
+        by[name] = out.latents
+    assert (by["tensors"] - by["file"]).abs().max().item() <= 1e-5
+    assert not by["file"].equal(base_latents)  # the adapter acted
 
 
 def test_stage_no_node_can_host_fails_naming_the_stage_and_leaves_nothing(cluster, z_image_dir, monkeypatch):
