@@ -131,22 +131,27 @@ def reference(tiny_z_image_dir, adapters=(), merged: bool = False) -> np.ndarray
     (:func:`~tests.diffusion.lora_oracle.merged_reference_pipeline`, for LoHa / LoKr)."""
     key = (tuple((str(p), s) for p, s in adapters), merged)
     if key not in _REF:
-        import torch
-
         from tests.diffusion.lora_oracle import merged_reference_pipeline, reference_pipeline
 
         pipe = (merged_reference_pipeline if merged else reference_pipeline)(tiny_z_image_dir, list(adapters))
-        with torch.no_grad():
-            image = pipe(
-                PROMPT,
-                num_inference_steps=GEN["num_inference_steps"],
-                guidance_scale=GEN["guidance_scale"],
-                generator=torch.Generator().manual_seed(GEN["seed"]),
-                height=SIZE,
-                width=SIZE,
-            ).images[0]
-        _REF[key] = np.asarray(image.convert("RGB"), dtype=np.int16)
+        _REF[key] = render(pipe)
     return _REF[key]
+
+
+def render(pipe) -> np.ndarray:
+    """The diffusers pipeline's image for ``PROMPT`` with this module's settings (uint8 pixels as int16)."""
+    import torch
+
+    with torch.no_grad():
+        image = pipe(
+            PROMPT,
+            num_inference_steps=GEN["num_inference_steps"],
+            guidance_scale=GEN["guidance_scale"],
+            generator=torch.Generator().manual_seed(GEN["seed"]),
+            height=SIZE,
+            width=SIZE,
+        ).images[0]
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
 
 
 def close(a: np.ndarray, b: np.ndarray, levels: int = 2) -> bool:
@@ -224,7 +229,6 @@ def test_text_encoder_parts_and_their_scale_over_http(client, te_files, tiny_z_i
     ``strength_clip`` gives the same PNG bytes), its denoiser part at ``scale``: equal to diffusers'
     ``ZImagePipeline`` with the denoiser part through peft at 0.8 and the encoder replaced by
     transformers+peft at 1.5; the diffusers-keyed file gives the same image."""
-    import torch
 
     from tests.diffusion.lora_oracle import peft_scaled, reference_pipeline
 
@@ -238,16 +242,7 @@ def test_text_encoder_parts_and_their_scale_over_http(client, te_files, tiny_z_i
     assert close(diffusers_keyed, got, 1)
     pipe = reference_pipeline(tiny_z_image_dir, [(files["denoiser"], 0.8)])
     pipe.text_encoder = peft_scaled(peft_te, 1.5)
-    with torch.no_grad():
-        image = pipe(
-            PROMPT,
-            num_inference_steps=GEN["num_inference_steps"],
-            guidance_scale=GEN["guidance_scale"],
-            generator=torch.Generator().manual_seed(GEN["seed"]),
-            height=SIZE,
-            width=SIZE,
-        ).images[0]
-    want = np.asarray(image.convert("RGB"), dtype=np.int16)
+    want = render(pipe)
     assert close(got, want), int(np.abs(got - want).max())
     assert not close(
         generate(client, lora=[{**kohya, "text_encoder_scale": 0.0}]), want
