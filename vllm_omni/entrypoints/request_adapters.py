@@ -121,7 +121,7 @@ def _request_adapters(
     entry_id = config.entry_stage.stage_id
     fields = {entry_id: field if entry_given is not None else "lora_requests"}
     own = {  # later diffusion stages' adapters in their own params (e.g. llm_to_diffusion's image stage)
-        i: gather_request_adapters(_params_loras(p))
+        i: gather_request_adapters(_params_loras(p), validate=False)
         for i, p in enumerate(stage_params)
         if i != entry_id and _params_loras(p)[0]
     }
@@ -275,7 +275,12 @@ def entry_adapters(
     per = _per_prompt_lists(n_prompts, lora_requests, lora_scales)
     return [
         gather_request_adapters(
-            params_loras, lr, lora_scale if lr is not None or scale_needs_adapter else None, reqs, scales
+            params_loras,
+            lr,
+            lora_scale if lr is not None or scale_needs_adapter else None,
+            reqs,
+            scales,
+            validate=False,  # check_stage_adapters runs the list rules once, per stage
         )
         for lr, (reqs, scales) in zip(loras, per, strict=True)
     ]

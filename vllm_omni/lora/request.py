@@ -389,7 +389,12 @@ def _text_encoder_scale(value: Any, where: str) -> float | None:
 
 
 def to_request_adapters(
-    lora_requests: Any, lora_scales: Any = None, max_loras: int | None = None, *, num_steps: int | None = None
+    lora_requests: Any,
+    lora_scales: Any = None,
+    max_loras: int | None = None,
+    *,
+    num_steps: int | None = None,
+    validate: bool = True,
 ) -> tuple[RequestAdapter, ...]:
     """``lora_requests`` + ``lora_scales`` (the public list form) as validated :class:`RequestAdapter`.
 
@@ -398,6 +403,8 @@ def to_request_adapters(
         lora_scales: ``None`` / empty (every scale takes its default), or one entry per adapter: a
             number, a per-step list, or a schedule (:class:`LoRAScaleSchedule` or its dict form).
         max_loras, num_steps: see :func:`validate_request_adapters`.
+        validate: ``False`` only pairs the lists (their shape is still checked) and leaves the list
+            rules to the caller (the request converter checks each stage's adapters once).
 
     Raises:
         InvalidRequestError: not lists, unequal lengths, or a rule of :func:`validate_request_adapters`.
@@ -417,11 +424,10 @@ def to_request_adapters(
             f"({len(lora_requests)}), got {len(lora_scales)}"
         )
     scales = list(lora_scales) or [None] * len(lora_requests)
-    return validate_request_adapters(
-        [RequestAdapter(r, s) for r, s in zip(lora_requests, scales, strict=True)],
-        max_loras,
-        num_steps=num_steps,
-    )
+    paired = tuple(RequestAdapter(r, s) for r, s in zip(lora_requests, scales, strict=True))
+    if not validate:
+        return paired
+    return validate_request_adapters(paired, max_loras, num_steps=num_steps)
 
 
 def gather_request_adapters(
@@ -431,6 +437,8 @@ def gather_request_adapters(
     lora_requests: Sequence[LoRARequest] | None = None,
     lora_scales: Sequence[float] | None = None,
     max_loras: int | None = None,
+    *,
+    validate: bool = True,
 ) -> tuple[RequestAdapter, ...]:
     """One request's adapters from whichever public shape carried them.
 
@@ -439,6 +447,7 @@ def gather_request_adapters(
         lora_request / lora_scale: one adapter and its scale (``generate`` convenience).
         lora_requests / lora_scales: several composed adapters (``generate`` convenience).
         max_loras: see :func:`validate_request_adapters`.
+        validate: see :func:`to_request_adapters`.
 
     Raises:
         InvalidRequestError: adapters given in two places, ``lora_request`` together with
@@ -455,7 +464,9 @@ def gather_request_adapters(
     if lora_scales and not lora_requests:
         raise InvalidRequestError("lora_scales needs lora_requests")
     if lora_request is not None:
-        return to_request_adapters([lora_request], None if lora_scale is None else [lora_scale], max_loras)
-    if lora_requests:
-        return to_request_adapters(lora_requests, lora_scales, max_loras)
-    return to_request_adapters(params_loras[0], params_loras[1], max_loras)
+        requests, scales = [lora_request], None if lora_scale is None else [lora_scale]
+    elif lora_requests:
+        requests, scales = lora_requests, lora_scales
+    else:
+        requests, scales = params_loras
+    return to_request_adapters(requests, scales, max_loras, validate=validate)
