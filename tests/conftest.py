@@ -36,6 +36,7 @@ def test_assets_root() -> Path:
 test_assets_root.__test__ = False  # not a test
 
 _CPU_AT_SETUP = pytest.StashKey[tuple[float, float]]()
+_DISPATCH_AT_SETUP = pytest.StashKey[object]()
 
 #: The suite's cost record (``tools/test_durations.py`` writes it): orders the work of ``-n 2``.
 DURATIONS_RECORD = REPO_ROOT / "benchmarks" / "results" / "test_durations.json"
@@ -98,6 +99,7 @@ def _cpu_now() -> tuple[float, float]:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item):
     item.stash[_CPU_AT_SETUP] = _cpu_now()
+    item.stash[_DISPATCH_AT_SETUP] = _dispatch_tls_state()
     return (yield)
 
 
@@ -115,6 +117,39 @@ def pytest_runtest_makereport(item, call):
         item.user_properties.append(("cpu_s", f"{own1 - own0:.3f}"))
         item.user_properties.append(("child_cpu_s", f"{kids1 - kids0:.3f}"))
     return (yield)
+
+
+def _dispatch_tls_state():
+    """The calling thread's torch dispatch-key TLS (include, exclude sets), or None before torch is imported."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch._C, "_dispatch_tls_local_exclude_set"):
+        return None
+    return str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A test must leave torch's dispatch TLS as it found it.
+
+    A leaked guard (e.g. the Python key left excluded, as ``no_dispatch()`` does) makes every
+    later ``torch.compile`` in the same worker fail with "you set no_dispatch()", far from its
+    cause. This names the test that leaked and repairs the state for the tests after it.
+    """
+    before = item.stash.get(_DISPATCH_AT_SETUP, None)
+    result = yield
+    after = _dispatch_tls_state()
+    if before is not None and after is not None and after != before:
+        import torch
+
+        key = torch._C.DispatchKey.Python
+        leaked_python = torch._C._dispatch_tls_local_exclude_set().has(key)
+        if leaked_python:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        raise AssertionError(
+            f"{item.nodeid} changed torch's dispatch TLS: before {before}, after {after}"
+            + (" (repaired: Python key re-included)" if leaked_python else "")
+        )
+    return result
 
 
 @pytest.fixture(scope="session")
