@@ -53,10 +53,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 class Ready(msgspec.Struct, tag="ready"):
     """The worker started in process ``pid``, whose torch intra-op pool has ``torch_threads``
-    threads (``torch.get_num_threads()`` once started; 0: unknown)."""
+    threads (``torch.get_num_threads()`` once started; 0: unknown); ``preloaded``: vLLM was
+    already imported when the worker began (forked from a preloaded interpreter)."""
 
     pid: int
     torch_threads: int = 0
+    preloaded: bool = False
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -11,10 +11,21 @@
   :class:`~vllm_omni.engine.protocols.StageRuntime` of the ``mp`` backend (the pipe transport).
 - :mod:`~vllm_omni.engine.workers.ray_backend`: ``RayStageRuntime`` (the Ray transport).
 - :mod:`~vllm_omni.engine.workers.lora_journal`: adapters and pins replayed into a restarted worker.
+- :mod:`~vllm_omni.engine.workers.start`: how ``mp`` workers start (forked from a preloaded
+  interpreter, or spawned); imports neither torch nor vLLM, so the command line can start the
+  preloaded interpreter before its own imports (this package's ``WORKER_BACKENDS`` is lazy for that).
 """
 
 from __future__ import annotations
 
-from vllm_omni.config.omni_config import WORKER_BACKENDS
+from typing import Any
 
 __all__ = ["WORKER_BACKENDS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WORKER_BACKENDS":  # imports vLLM (the config module): on first use only
+        from vllm_omni.config.omni_config import WORKER_BACKENDS
+
+        return WORKER_BACKENDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,9 +29,8 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.utils.system_utils import set_env_var
-
 from vllm_omni.engine.workers import protocol as P
+from vllm_omni.engine.workers import start
 from vllm_omni.engine.workers.mp import worker_main
 from vllm_omni.engine.workers.supervisor import Pending, SupervisedStageRuntime
 from vllm_omni.errors import StageDeadError, StageEngineError
@@ -47,8 +46,6 @@ SHUTDOWN_WAIT_S = 120.0
 
 #: Seconds between "still starting" log lines while a worker loads its stage.
 PROGRESS_EVERY_S = 30.0
-#: Held while a worker is spawned with its env in this process's environment.
-_SPAWN_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet[WorkerStageRuntime] = weakref.WeakSet()
 _atexit_registered = False
 
@@ -106,6 +103,10 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         self.factory = factory
         #: ``torch.get_num_threads()`` in the worker once its runtime started (0: unknown)
         self.torch_threads = 0
+        #: how the serving worker started: ``"forkserver"`` or ``"spawn"`` (``start.process_for``)
+        self.start_method = ""
+        #: whether the serving worker found vLLM already imported when it began (forked preloaded)
+        self.preloaded = False
         self._ids = itertools.count()
         self._generation = 0
         self._dispatch = ThreadPoolExecutor(1, thread_name_prefix=f"omni-stage-{stage.stage_id}-dispatch")
@@ -260,22 +261,19 @@ class WorkerStageRuntime(SupervisedStageRuntime):
     def _start_worker(self) -> _Worker:
         """Start a worker and wait for its runtime (raises its start-up error; nothing is left running).
 
-        The worker's ``env`` is in this process's environment while the child is spawned: the
-        child imports torch (unpickling its arguments) before ``worker_main`` runs, and OpenMP
-        reads ``OMP_NUM_THREADS`` when it loads, so setting it in the child would be too late.
+        The worker is forked from the preloaded worker interpreter, or spawned as a fresh one
+        (:mod:`~vllm_omni.engine.workers.start`: which, and how its ``env`` takes effect).
         """
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=worker_main,
-            args=(child, self.stage, self.env, self.config, self.factory),
+        parent, child = multiprocessing.Pipe()
+        proc, how = start.process_for(
+            self.stage.label,
+            worker_main,
+            (child, self.stage, self.env, self.config, self.factory),
+            self.env,
             name=f"omni-stage-{self.stage.stage_id}",
-            daemon=False,  # a stage's engine may start processes of its own
         )
-        with _SPAWN_LOCK, contextlib.ExitStack() as env:
-            for key, value in self.env.items():
-                env.enter_context(set_env_var(key, value))
-            proc.start()
+        start.start_process(proc, how, self.env)
+        self.start_method = how
         child.close()
         self._generation += 1
         worker = _Worker(proc, parent, self._generation, threading.Lock())
@@ -329,13 +327,14 @@ class WorkerStageRuntime(SupervisedStageRuntime):
                     f"({describe_exit(worker.proc.exitcode)})"
                 ) from None
             if isinstance(msg, P.Ready):
-                self.torch_threads = msg.torch_threads
+                self.torch_threads, self.preloaded = msg.torch_threads, msg.preloaded
                 logger.info(
-                    "%s: worker %d ready in %.1f s (%d torch thread(s))",
+                    "%s: worker %d ready in %.1f s (%d torch thread(s); %s)",
                     label,
                     msg.pid,
                     time.monotonic() - started,
                     msg.torch_threads,
+                    "forked preloaded" if msg.preloaded else "fresh interpreter",
                 )
                 return
             if isinstance(msg, P.Failed):

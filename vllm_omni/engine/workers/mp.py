@@ -1,8 +1,8 @@
 """The stage worker process of the ``mp`` backend.
 
-:func:`worker_main` runs in a spawned process, started with its env dict (device visibility,
-CPU threads) already in its environment (the parent sets it around the spawn: unpickling the
-arguments imports torch before this function runs); it sets the dict again, starts the parent watch of
+:func:`worker_main` runs in a process forked from the preloaded worker interpreter or in a
+spawned one (:mod:`~vllm_omni.engine.workers.start`), with its env dict (device visibility, CPU
+threads) already applied; it sets the dict again, starts the parent watch of
 :mod:`vllm_omni.process_guard` (the worker exits when the orchestrator's process is gone,
 SIGKILL included), builds the stage's ordinary inline runtime and serves the messages of
 :mod:`~vllm_omni.engine.workers.protocol` until :class:`~.protocol.Shutdown` or the end of the pipe.
@@ -26,6 +26,7 @@ from typing import Any
 from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime, worker_process_defaults
 from vllm_omni.engine.vllm_process import exit_follows_shutdown
 from vllm_omni.engine.workers import protocol as P
+from vllm_omni.engine.workers import start
 from vllm_omni.process_guard import watch_parent
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ def worker_main(
         return
     worker = _Worker(conn, runtime)
     torch = sys.modules.get("torch")  # imported by every runtime; not imported here otherwise
-    worker.send(P.Ready(os.getpid(), torch.get_num_threads() if torch is not None else 0))
+    threads = torch.get_num_threads() if torch is not None else 0
+    worker.send(P.Ready(os.getpid(), threads, start.preloaded_at_entry))
     timeout = worker.serve()
     worker.close(timeout)
     # the runtime released everything it started; skip the interpreter's teardown (seconds of

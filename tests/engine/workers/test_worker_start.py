@@ -1,0 +1,111 @@
+"""How ``mp`` workers start (``vllm_omni/engine/workers/start.py``): forked from the preloaded
+fork server, vLLM not imported again, the worker's env in effect; the spawn fallback and opt-out.
+
+The workers here run a probe runtime (a registered-style factory, no model): what is measured is
+the start path, not a stage.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from tests.waiting import wait_until
+from vllm_omni.engine.workers import start
+from vllm_omni.entrypoints.omni_base import build_omni_config
+
+pytestmark = [pytest.mark.engine]
+
+
+class _Probe:
+    """A stage runtime that reports what its worker process sees."""
+
+    def probe(self) -> dict:
+        import torch
+
+        return {
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "cwd": os.getcwd(),
+            "owner": os.environ.get("OMNI_STAGE_OWNER_PID"),
+        }
+
+    def shutdown(self, timeout=None) -> None:
+        pass
+
+
+def probe_factory(stage, config):
+    return _Probe()
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_llm_assets):
+    return build_omni_config(str(tiny_llm_assets.model_dir), dtype="float32").stages[0]
+
+
+def _worker(stage, env=None):
+    from vllm_omni.engine.workers.client import WorkerStageRuntime
+
+    return WorkerStageRuntime(stage, env=env, factory=probe_factory)
+
+
+def test_workers_fork_from_one_preloaded_server_with_their_env(stage, monkeypatch):
+    monkeypatch.delenv(start.START_ENV, raising=False)
+    first = _worker(stage, {"OMP_NUM_THREADS": "1"})
+    try:
+        second = _worker(stage, {"OMP_NUM_THREADS": "2"})
+        try:
+            a, b = first._call("probe"), second._call("probe")
+            # both forked from the same fork server, which had imported vLLM before either began
+            assert (first.start_method, second.start_method) == ("forkserver", "forkserver")
+            assert first.preloaded and second.preloaded
+            server = psutil.Process(a["pid"]).ppid()
+            assert server == psutil.Process(b["pid"]).ppid() == start._server_pid != os.getpid()
+            # the worker's env took effect: libgomp was loaded before it, torch's pool was resized
+            assert (a["omp"], a["threads"], first.torch_threads) == ("1", 1, 1)
+            assert (b["omp"], b["threads"]) == ("2", 2)
+            # the driver's state, not the fork server's
+            assert a["cwd"] == os.getcwd() and a["owner"] == str(os.getpid())
+            # a crash is reported with its signal (the fork server relays the exit status) and the
+            # worker restarts from the same server
+            second._handle.proc.kill()
+            wait_until(lambda: second.restarts == 1 and second.health() == "ready", "the restart", cap_s=300)
+            assert "killed by signal SIGKILL" in second._last_death
+            assert second.preloaded and second.pid != b["pid"] and second._call("probe")["threads"] == 2
+        finally:
+            second.shutdown(30)
+    finally:
+        first.shutdown(30)
+    assert not psutil.pid_exists(a["pid"]) or psutil.Process(a["pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_env_read_at_import_or_the_opt_out_spawns(stage, monkeypatch):
+    monkeypatch.delenv(start.START_ENV, raising=False)
+    start.start_preloaded()
+    # only variables read after import (or applied by the child) may differ from the server's
+    assert start._differences({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}) == []
+    assert start._differences(
+        {"HF_HUB_OFFLINE": "1" if os.environ.get("HF_HUB_OFFLINE") != "1" else "0"}
+    ) == ["HF_HUB_OFFLINE"]
+    proc, how = start.process_for("s", print, (), {"PYTHONHASHSEED": "7"}, "p")
+    assert how == "spawn" and proc._start_method == "spawn"
+    monkeypatch.setenv(start.START_ENV, "spawn")
+    assert start.process_for("s", print, (), {}, "p")[1] == "spawn"
+    monkeypatch.setenv(start.START_ENV, "fork")
+    with pytest.raises(ValueError, match="VLLM_OMNI_WORKER_START='fork'"):
+        start.process_for("s", print, (), {}, "p")
+
+
+def test_the_command_line_starts_the_server_before_importing_vllm(monkeypatch):
+    from vllm_omni.entrypoints.cli import main as cli
+
+    calls = []
+    monkeypatch.setattr(start, "start_preloaded", lambda: calls.append(1))
+    cli._start_worker_server(["serve", "m", "--worker-backend", "inline"])
+    cli._start_worker_server(["serve", "m", "--worker-backend=ray"])
+    assert calls == []
+    cli._start_worker_server(["serve", "m"])
+    assert calls == [1]

@@ -1,0 +1,229 @@
+"""How ``mp`` stage workers start: forked from a preloaded interpreter, or spawned fresh.
+
+Why: a spawned worker is a new interpreter that imports torch and vLLM again before it loads
+its stage (about 8-16 s of CPU on a 2-core machine), once per stage, per replica and per
+restart. The default (:data:`START_ENV` unset or ``forkserver``) starts the worker from
+``multiprocessing``'s *fork server*: a process started once per driver process that imports
+:data:`PRELOAD` (the worker module, hence torch and vLLM) and then forks one child per worker.
+Every later worker of the process (each stage, replica, restart, each ``Omni`` a test builds)
+pays no import; ``vllm-omni serve`` starts the fork server first thing
+(:func:`start_preloaded`), so its import runs on another core while the command imports vLLM
+to parse its flags.
+
+Why a fork server rather than forking the driver itself: the driver has run torch ops and runs
+threads (engine, HTTP server, stage drivers) when it starts workers; ``fork`` of such a process
+copies locks held by other threads and libgomp's thread pool, which the child cannot use. The
+fork server has run no torch op and runs one Python thread when it forks (as the test suite's
+zygote, ``tests/preload.py``).
+
+Fidelity (what a spawned worker would have):
+
+- environment: the child gets the driver's environment at the time of the start plus the
+  worker's ``env``, set before the stage is built. ``OMP_NUM_THREADS`` is applied with
+  ``torch.set_num_threads`` (libgomp read it when the fork server imported torch);
+  ``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, after the fork. Any other variable that
+  differs from the fork server's environment and is not in :data:`READ_AFTER_IMPORT` may have
+  been read at import time: that worker is spawned instead (the reason logged at DEBUG);
+- stdout / stderr: the driver's current ones (passed as file descriptors), not the fork
+  server's; working directory, ``sys.path``, ``sys.argv`` and the main module as for spawn
+  (``multiprocessing`` sends them to every child);
+- lifetime: the worker closes its copy of the fork server's "alive" pipe, so the fork server
+  exits when the driver does (SIGKILL included); the worker's parent watch
+  (:mod:`vllm_omni.process_guard`) then sees its parent gone and exits.
+
+``VLLM_OMNI_WORKER_START=spawn`` starts every worker as a fresh interpreter (as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable choosing how workers start: ``forkserver`` (default) or ``spawn``.
+START_ENV = "VLLM_OMNI_WORKER_START"
+START_METHODS = ("forkserver", "spawn")
+#: Modules the fork server imports before it forks workers.
+PRELOAD = ("vllm_omni.engine.workers.start", "vllm_omni.engine.workers.mp")
+#: Variables no import reads (or that the child applies itself): a worker's environment may
+#: differ from the fork server's in these and still be forked.
+READ_AFTER_IMPORT = frozenset({
+    "OMP_NUM_THREADS",  # applied with torch.set_num_threads
+    "CUDA_VISIBLE_DEVICES",  # read when CUDA initialises
+    "OMNI_STAGE_OWNER_PID",  # process_guard, read by watch_parent
+    "OMNI_DEMOTE_KNOWN_LOG_NOISE",  # log_noise, installed again in the child
+    "VLLM_CPU_OMP_THREADS_BIND", "VLLM_USE_AOT_COMPILE", "VLLM_DIST_IDENT",
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_OMNI_CACHE_ROOT", "VLLM_OMNI_MAX_REQUEST_BODY_MB", START_ENV,
+    "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
+})  # fmt: skip
+
+#: Held while a worker is started (the spawn path puts the worker's env in this process's environment).
+START_LOCK = threading.Lock()
+_server_env: dict[str, str] | None = None  # the environment the running fork server started with
+_server_pid: int | None = None
+_started_by: int | None = None  # the process that started it (a fork of it has none)
+#: In a worker: whether ``vllm`` was imported before the worker's entry point ran (it was preloaded).
+preloaded_at_entry = False
+
+
+def start_method() -> str:
+    """The start method of this process's workers (:data:`START_ENV`, default ``forkserver``).
+
+    Raises:
+        ValueError: :data:`START_ENV` is set to something else than :data:`START_METHODS`.
+    """
+    value = os.environ.get(START_ENV, "forkserver").strip().lower() or "forkserver"
+    if value not in START_METHODS:
+        raise ValueError(f"{START_ENV}={value!r}: expected one of {', '.join(START_METHODS)}")
+    return value
+
+
+def start_preloaded() -> bool:
+    """Start this process's fork server now, if workers fork (idempotent; imports neither torch
+    nor vLLM here: the fork server imports them in its own process).
+
+    Returns:
+        True when a fork server runs (started now or before).
+    """
+    global _server_env, _server_pid, _started_by
+    if start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    with START_LOCK:
+        server = forkserver._forkserver
+        if _started_by not in (None, os.getpid()):  # inherited through fork(): its parent's, not ours
+            server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        forkserver.set_forkserver_preload(list(PRELOAD))
+        env = dict(os.environ)
+        forkserver.ensure_running()  # starts it with ``env``; restarts one that died
+        if server._forkserver_pid != _server_pid or _started_by != os.getpid():
+            _server_env, _server_pid, _started_by = env, server._forkserver_pid, os.getpid()
+            logger.debug("worker fork server %d started (preloads %s)", _server_pid, ", ".join(PRELOAD))
+    return True
+
+
+def _differences(env: Mapping[str, str]) -> list[str]:
+    """Variables the worker's environment (this one plus ``env``) has unlike the fork server's,
+    that an import may have read."""
+    target = {**os.environ, **env}
+    base = _server_env or {}
+    keys = {k for k in set(base) | set(target) if base.get(k) != target.get(k)}
+    bad = sorted(k for k in keys if k not in READ_AFTER_IMPORT)
+    if "OMP_NUM_THREADS" in keys and "OMP_NUM_THREADS" not in target:
+        bad.append("OMP_NUM_THREADS")  # the server's value would stay: only a spawn drops it
+    return bad
+
+
+def process_for(label: str, target: Any, args: tuple, env: Mapping[str, str], name: str) -> tuple[Any, str]:
+    """An unstarted ``multiprocessing`` process running ``target(*args)`` as the worker of
+    ``label``, and how it starts (``"forkserver"`` or ``"spawn"``).
+
+    Start it with :func:`start_process` (the spawn path needs ``env`` in this process's
+    environment while it starts). Raises ValueError for a bad :data:`START_ENV`.
+    """
+    how = start_method()
+    if how == "forkserver":
+        start_preloaded()
+        bad = _differences(env)
+        if bad:
+            logger.debug(
+                "%s: worker spawned as a fresh interpreter: %s differ(s) from the worker fork server's "
+                "environment and may be read at import",
+                label,
+                ", ".join(bad),
+            )
+            how = "spawn"
+    ctx = multiprocessing.get_context(how)
+    if how == "forkserver":
+        environ = {**os.environ, **env}
+        args = (target, (_StdFd(1), _StdFd(2)), environ, *args)
+        target = preloaded_main
+    proc = ctx.Process(target=target, args=args, name=name, daemon=False)  # a stage may start processes
+    return proc, how
+
+
+def start_process(proc: Any, how: str, env: Mapping[str, str]) -> None:
+    """``proc.start()``; for ``spawn``, with ``env`` in this process's environment meanwhile (the
+    child imports torch while unpickling its arguments, and OpenMP reads ``OMP_NUM_THREADS`` when
+    it loads, so setting it in the child would be too late)."""
+    with START_LOCK:
+        if how != "spawn":
+            proc.start()
+            return
+        saved = {key: os.environ.get(key) for key in env}
+        try:
+            os.environ.update(env)
+            proc.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+class _StdFd:
+    """A file descriptor of the driver (its stdout / stderr) handed to a fork-server child;
+    unpickled there as a descriptor number of the child's own."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        try:
+            os.fstat(self.fd)
+        except OSError:  # closed in the driver: the child keeps the fork server's
+            return (_none, ())
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _none() -> None:
+    return None
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def preloaded_main(
+    target: Any, stdio: tuple[int | None, int | None], environ: dict[str, str], *args: Any
+) -> None:
+    """Entry point of a worker forked by the fork server: make the process look like a spawned
+    worker of the driver (module docstring), then run ``target(*args)``."""
+    global preloaded_at_entry
+    preloaded_at_entry = "vllm" in sys.modules
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:  # the fork server must end with the driver
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    for fd, std, stream in zip(stdio, (1, 2), (sys.stdout, sys.stderr), strict=True):
+        if fd is None:
+            continue
+        with contextlib.suppress(Exception):
+            stream.flush()
+        os.dup2(fd, std)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    from vllm_omni.log_noise import install_if_asked
+
+    install_if_asked()
+    torch = sys.modules.get("torch")
+    threads = environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.strip().isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    target(*args)
