@@ -232,6 +232,48 @@ def ensure_tiny_wan_loras(root: str | os.PathLike) -> dict[str, Path]:
     return files
 
 
+def write_lightx2v_style_lora(model_dir: Path, subfolder: str, seed: int, out: Path, rank: int = 4) -> Path:
+    """A distill-style LoRA file for one denoiser of a tiny Wan directory, in the layout of lightx2v's Wan
+    distill files (ComfyUI names under ``diffusion_model.``), random weights from ``seed``, float32.
+
+    Per block, on ``self_attn.{q,k,v,o}``, ``cross_attn.{q,k,v,o}``, ``ffn.0`` and ``ffn.2``:
+    ``lora_down.weight`` ``[rank, in]``, ``lora_up.weight`` ``[out, rank]``, ``alpha`` (``2 * rank``) and a
+    bias delta ``diff_b`` ``[out]``; plus deltas of the kinds diffusers' converter drops (``norm3.diff`` /
+    ``norm3.diff_b``, ``cross_attn.norm_q.diff``, ``modulation.diff``), and the output head as a full
+    weight delta with its bias delta (``head.head.diff`` ``[out, dim]``, ``head.head.diff_b``), which it
+    keeps. Returns ``out``.
+    """
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / subfolder / "config.json").read_text())
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    head_out = config["out_channels"] * int(torch.tensor(config["patch_size"]).prod())
+    shapes = {f"{a}.{p}": (dim, dim) for a in ("self_attn", "cross_attn") for p in "qkvo"}
+    shapes |= {"ffn.0": (dim, config["ffn_dim"]), "ffn.2": (config["ffn_dim"], dim)}
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    tensors: dict[str, torch.Tensor] = {}
+    for block in range(config["num_layers"]):
+        b = f"diffusion_model.blocks.{block}"
+        for name, (d_in, d_out) in shapes.items():
+            tensors[f"{b}.{name}.lora_down.weight"] = rand(rank, d_in, std=0.4)
+            tensors[f"{b}.{name}.lora_up.weight"] = rand(d_out, rank, std=0.4)
+            tensors[f"{b}.{name}.alpha"] = torch.tensor(float(2 * rank))
+            tensors[f"{b}.{name}.diff_b"] = rand(d_out, std=0.3)
+        tensors[f"{b}.norm3.diff"] = rand(dim, std=0.3)
+        tensors[f"{b}.norm3.diff_b"] = rand(dim, std=0.3)
+        tensors[f"{b}.cross_attn.norm_q.diff"] = rand(dim, std=0.3)
+        tensors[f"{b}.modulation.diff"] = rand(1, 6, dim, std=0.3)
+    tensors["diffusion_model.head.head.diff"] = rand(head_out, dim, std=0.1)
+    tensors["diffusion_model.head.head.diff_b"] = rand(head_out, std=0.1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory to write tiny-wan/ (or tiny-wan-moe/) into")

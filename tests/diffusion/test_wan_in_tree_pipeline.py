@@ -233,7 +233,8 @@ def test_single_expert_distill_file_equals_diffusers(tmp_path):
 
 def test_adapters_that_do_not_fit_are_refused_naming_the_culprit(omni, tmp_path):
     """A file for another model size names the module and both shapes; a lightx2v-style file with bias
-    deltas (``diff_b``, which this runtime does not apply) names the keys; nothing is registered."""
+    deltas (``diff_b``: request-time LoRA does not apply them, the distill backend does,
+    ``test_wan_lightx2v_deltas``) names the keys and the backend; nothing is registered."""
     from safetensors.torch import save_file
 
     from vllm_omni.errors import LoRAFormatError
@@ -254,7 +255,7 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_culprit(omni, tmp_path)
         (
             "biased",
             biased,
-            r"bias terms are not supported.*'diffusion_model\.blocks\.0\.self_attn\.q\.diff_b'",
+            r"distill backend only \(lora_backend='distill'.*'diffusion_model\.blocks\.0\.self_attn\.q\.diff_b'",
         ),
     ]:
         path = tmp_path / f"{name}.safetensors"

@@ -53,12 +53,17 @@ class LoRAModuleWeights:
         scaling: ``s`` (already including the rsLoRA / alpha-pattern rules of the source format).
         kind: ``"lora"``, or ``"loha"`` / ``"lokr"`` for a LyCORIS module stored as its exact
             LoRA-equivalent factors (:mod:`.formats.lycoris`; their rank is not bound by ``max_rank``).
+        lora_bias: ``b``, shape ``[d_out]``, float32, CPU, or ``None``: a bias delta read as peft's
+            ``lora_B.bias`` (``y = W x + s * (B (A x) + b)``); only Wan ``diff_b`` tensors (converted
+            by diffusers) produce one, and only the distill backend applies it
+            (:func:`~.targets.bind_adapter`).
     """
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
     kind: str = "lora"
+    lora_bias: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -99,6 +104,9 @@ class LoRAAdapterWeights:
         text_encoders: the file's text-encoder parts, per pipeline component (``"text_encoder"``,
             ``"text_encoder_2"``, ...; :mod:`.formats.text_encoders`), each parsed like a file of its own
             (module keys relative to that encoder); empty for a denoiser-only adapter.
+        deltas: the file's ``diffusion_model.*.diff`` / ``*.diff_b`` keys (lightx2v distill files), set
+            aside when read: only a model family converter that reads them (Wan) turns them into
+            ``lora_bias`` / LoRA factors at bind time; any other model refuses them, naming these keys.
     """
 
     modules: dict[str, LoRAModuleWeights] = field(default_factory=dict)
@@ -109,13 +117,17 @@ class LoRAAdapterWeights:
     base_model_name_or_path: str | None = None
     untargeted: list[str] = field(default_factory=list)
     text_encoders: dict[str, LoRAAdapterWeights] = field(default_factory=dict, repr=False)
+    deltas: list[str] = field(default_factory=list)
 
     @property
     def max_rank(self) -> int:
         return max((m.rank for m in self.modules.values()), default=0)
 
     def nbytes(self) -> int:
-        return sum(m.lora_a.numel() * 4 + m.lora_b.numel() * 4 for m in self.modules.values())
+        return sum(
+            (m.lora_a.numel() + m.lora_b.numel() + (0 if m.lora_bias is None else m.lora_bias.numel())) * 4
+            for m in self.modules.values()
+        )
 
 
 def candidate_module_keys(key: str, strip_prefixes: Iterable[str] = DEFAULT_STRIP_PREFIXES) -> list[str]:

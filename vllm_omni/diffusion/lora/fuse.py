@@ -1,6 +1,7 @@
 """Distill backend: fuse LoRA weights into the base weights once, at start-up.
 
     W <- W + lambda * s * B A          (peft's ``merge``: ``W + scaling * B @ A``)
+    bias <- bias + lambda * s * b      (a bias delta, lightx2v ``diff_b``: peft's ``lora_B.bias`` merge)
 
 computed in float32 and written back in the weight's dtype, into the matching rows of packed layers
 (``to_q`` -> the q rows of ``to_qkv``) and only this rank's shard under tensor parallelism.
@@ -64,6 +65,17 @@ def _plain_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> torch
     return weight
 
 
+def _plain_bias(module: nn.Module, name: str, rows: int) -> torch.Tensor:
+    bias = getattr(module, "bias", None)
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (rows,):
+        got = None if not isinstance(bias, torch.Tensor) else tuple(bias.shape)
+        raise LoRAFormatError(
+            f"cannot fuse a LoRA bias delta into {name!r}: its bias has shape {got}, expected ({rows},) "
+            "(a layer built with bias=False has none to add to)"
+        )
+    return bias
+
+
 def fuse_lora_into_model(
     model: object,
     adapter: AdapterSource,
@@ -73,7 +85,9 @@ def fuse_lora_into_model(
     metadata: Mapping[str, str] | None = None,
     denoiser_attrs: Sequence[str] = DEFAULT_DENOISER_ATTRS,
 ) -> list[str]:
-    """Add ``scale * s * B @ A`` of every adapter module into the model's weights.
+    """Add ``scale * s * B @ A`` of every adapter module into the model's weights, and ``scale * s * b``
+    of a module's bias delta (lightx2v ``diff_b``, :attr:`~.adapter.LoRAModuleWeights.lora_bias`) into
+    the layer's bias, as peft's ``merge`` does for ``lora_B.bias``.
 
     Args:
         model: a denoiser module or a pipeline (see :func:`.targets.find_denoisers`).
@@ -87,7 +101,8 @@ def fuse_lora_into_model(
 
     Raises:
         ConfigError: non-finite ``scale``.
-        LoRAFormatError: unreadable adapter, unmatched module names, shape mismatch.
+        LoRAFormatError: unreadable adapter, unmatched module names, shape mismatch, a bias delta for a
+            layer without a bias.
         RuntimeError: a target weight was already processed / repacked, or is quantised.
     """
     if isinstance(scale, bool) or not math.isfinite(float(scale)):
@@ -99,7 +114,7 @@ def fuse_lora_into_model(
     if adapter.text_encoders:  # never dropped silently
         why = "this call fuses into denoisers; fuse_lora_files_into_pipeline fuses text-encoder parts too"
         raise LoRAFormatError(text_encoder_parts_refusal(adapter, why))
-    bound = bind_adapter(adapter, index)
+    bound = bind_adapter(adapter, index, biases=True)
 
     plan: list[tuple[str, torch.Tensor, list[tuple[slice, torch.Tensor]]]] = []
     for name, weights in bound.items():
@@ -107,22 +122,28 @@ def fuse_lora_into_model(
         g = target.geometry
         weight = _plain_weight(target.module, name, (g.out_local, g.in_local))
         updates: list[tuple[slice, torch.Tensor]] = []
-        for sl, pair in zip(g.slices, weights.slices, strict=True):
+        bias_updates: list[tuple[slice, torch.Tensor]] = []
+        biases = weights.biases or (None,) * len(g.slices)
+        for sl, pair, bias in zip(g.slices, weights.slices, biases, strict=True):
             if pair is None:
                 continue
             lora_a, scaled_b = pair
             start, length = sl.rows_within_slice()
+            rows = slice(sl.local_offset, sl.local_offset + length)
             a_local = lora_a[:, g.in_start : g.in_start + g.in_local].double()
-            delta = (scaled_b[start : start + length].double() @ a_local) * float(scale)
-            updates.append((slice(sl.local_offset, sl.local_offset + length), delta))
+            updates.append((rows, (scaled_b[start : start + length].double() @ a_local) * float(scale)))
+            if bias is not None:
+                bias_updates.append((rows, bias[start : start + length].double() * float(scale)))
         plan.append((name, weight, updates))
+        if bias_updates:
+            plan.append((name, _plain_bias(target.module, name, g.out_local), bias_updates))
 
     with torch.no_grad():
-        for _, weight, updates in plan:
+        for _, param, updates in plan:
             for rows, delta in updates:
-                part = weight.data[rows]
-                weight.data[rows] = (part.double() + delta.to(part.device)).to(weight.dtype)
-    return [name for name, _, _ in plan]
+                part = param.data[rows]
+                param.data[rows] = (part.double() + delta.to(part.device)).to(param.dtype)
+    return list(dict.fromkeys(name for name, _, _ in plan))
 
 
 def fuse_lora_files_into_pipeline(

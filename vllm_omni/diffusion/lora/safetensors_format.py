@@ -29,6 +29,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -36,8 +37,10 @@ from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.layouts import (
     canonical_flat_prefix,
     detect_layout,
+    key_refusal,
     normalize_lora_keys,
     screen_state_dict,
+    split_deltas,
 )
 from vllm_omni.diffusion.lora.formats.lycoris import (
     lycoris_module_weights,
@@ -109,6 +112,7 @@ def adapter_from_state_dict(
     metadata: Mapping[str, str] | None = None,
     source: str = "<state dict>",
     config: object | None = None,
+    lora_biases: bool = False,
 ) -> LoRAAdapterWeights:
     """Parse a single-file LoRA state dict in any supported key layout.
 
@@ -118,6 +122,12 @@ def adapter_from_state_dict(
         metadata: the safetensors header metadata, if any.
         source: name for error messages.
         config: a peft ``LoraConfig`` that belongs to these tensors (sibling ``adapter_config.json``).
+        lora_biases: read ``<module>.lora_B.bias`` tensors (``[d_out]``) as the module's ``lora_bias``
+            (what diffusers' Wan converter makes of lightx2v ``diff_b`` keys); refused otherwise.
+
+    A configuration-less ComfyUI-layout file's ``.diff`` / ``.diff_b`` tensors are set aside
+    (:attr:`~.adapter.LoRAAdapterWeights.deltas`, kept in ``raw_state_dict``) for the model family's
+    converter at bind time (:mod:`.formats.model_keys`).
 
     Raises:
         LoRAFormatError: refused tensors (DoRA, bias, modules_to_save, quantised, ...), unknown keys,
@@ -130,11 +140,16 @@ def adapter_from_state_dict(
             denoiser_part, text_parts, metadata=metadata, source=source, config=config
         )
     state_dict = canonical_flat_prefix(state_dict, source)
+    raw = state_dict
+    state_dict, deltas = split_deltas(state_dict) if config is None else (state_dict, {})
+    state_dict, biases = _split_biases(state_dict) if lora_biases else (state_dict, {})
     screen_state_dict(state_dict, source)
     lycoris, rest = split_lycoris(state_dict)
+    meta_raw = _config_from_metadata(metadata, source)
+    if deltas and (lycoris or meta_raw is not None):  # only a configuration-less LoRA file is converted
+        raise key_refusal(deltas, source)
     if lycoris or type(config).__name__ in ("LoHaConfig", "LoKrConfig"):
         return _lycoris_adapter(state_dict, lycoris, rest, metadata=metadata, source=source, config=config)
-    meta_raw = _config_from_metadata(metadata, source)
     if meta_raw is not None:
         meta_config = lora_config_from_dict(meta_raw, source)
         if config is None:
@@ -145,7 +160,9 @@ def adapter_from_state_dict(
             )
     layout = detect_layout(state_dict)
     pairs, alphas = pair_lora_tensors(normalize_lora_keys(state_dict, source), source, allow_alpha_keys=True)
-    modules = build_module_weights(pairs, config=config, module_alphas=alphas, source=source)
+    modules = _attach_biases(
+        build_module_weights(pairs, config=config, module_alphas=alphas, source=source), biases, source
+    )
     if config is not None and alphas:
         from_config = build_module_weights(pairs, config=config, module_alphas=None, source=source)
         stale = sorted(k for k in alphas if not math.isclose(modules[k].scaling, from_config[k].scaling))
@@ -158,13 +175,46 @@ def adapter_from_state_dict(
         modules=modules,
         source=source,
         layout=layout,
-        raw_state_dict=dict(state_dict) if config is None else None,
+        raw_state_dict=dict(raw) if config is None else None,
         has_config=config is not None,
         base_model_name_or_path=getattr(config, "base_model_name_or_path", None)
         if config is not None
         else None,
         untargeted=untargeted_modules(config, modules) if config is not None else [],
+        deltas=sorted(deltas),
     )
+
+
+_BIAS_SUFFIX = ".lora_B.bias"
+
+
+def _split_biases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    rest = {k: v for k, v in state_dict.items() if not k.endswith(_BIAS_SUFFIX)}
+    return rest, {k[: -len(_BIAS_SUFFIX)]: v for k, v in state_dict.items() if k.endswith(_BIAS_SUFFIX)}
+
+
+def _attach_biases(modules: dict, biases: Mapping[str, torch.Tensor], source: str) -> dict:
+    """``modules`` with each ``biases[module]`` (``[d_out]``, finite) as its ``lora_bias``, float32.
+
+    Raises:
+        LoRAFormatError: a bias for a module without LoRA weights, of another length than ``B``'s rows,
+            or not finite (the key is named).
+    """
+    for module, bias in biases.items():
+        key = module + _BIAS_SUFFIX
+        weights = modules.get(module)
+        if weights is None:
+            raise LoRAFormatError(f"{source}: {key!r} is a LoRA bias for a module without lora_A / lora_B")
+        if bias.dim() != 1 or bias.shape[0] != weights.out_features or not bias.is_floating_point():
+            raise LoRAFormatError(
+                f"{source}: {key!r} has shape {tuple(bias.shape)} ({bias.dtype}); expected "
+                f"({weights.out_features},), the rows of its lora_B"
+            )
+        bias = bias.detach().to("cpu", torch.float32)
+        if not torch.isfinite(bias).all():
+            raise LoRAFormatError(f"{source}: {key!r} holds NaN or inf")
+        modules[module] = replace(weights, lora_bias=bias)
+    return modules
 
 
 def _with_text_encoder_parts(

@@ -280,7 +280,7 @@ def _resolve_modules(
 
 
 def bind_adapter(
-    adapter: LoRAAdapterWeights, index: TargetIndex, max_rank: int | None = None
+    adapter: LoRAAdapterWeights, index: TargetIndex, max_rank: int | None = None, *, biases: bool = False
 ) -> dict[str, LayerLoRAWeights]:
     """Bind an adapter's modules to the indexed layers.
 
@@ -288,13 +288,15 @@ def bind_adapter(
         target name -> :class:`~.weights.LayerLoRAWeights` with ``s * B`` folded in (float32, CPU).
         A sub-layer adapter fills only its slice; the other slices of the packed layer stay ``None``
         (exactly zero). An adapter keyed by the packed layer's own name fills every slice from the
-        row-split ``B`` with one shared ``A``.
+        row-split ``B`` with one shared ``A``. With ``biases`` (the distill backend) a module's
+        ``lora_bias`` is bound beside it as ``s * b`` per slice; without, such an adapter is refused.
 
     Raises:
         LoRAFormatError: an adapter without modules (it would change nothing); names of modules that
             bind to nothing, each with what the model offers instead (:mod:`.diagnostics`); a LoRA rank above ``max_rank`` (module,
             its rank and the limit); shape mismatches; a packed layer targeted both whole and per
-            slice, or one slice targeted twice.
+            slice, or one slice targeted twice; bias deltas (lightx2v ``diff_b``) without ``biases``
+            (the keys are named).
     """
     adapter = prepare_adapter_for_model(
         adapter,
@@ -304,6 +306,8 @@ def bind_adapter(
     )
     source = adapter.source
     resolved = _resolve_modules(adapter, index)
+    if not biases:
+        _refuse_bias_deltas(adapter, resolved)
     too_big = [
         (k, w.rank)
         for k, (_, _, w) in resolved.items()
@@ -328,22 +332,50 @@ def bind_adapter(
         if None in entries:
             key, weights = entries[None]
             _check_shape(key, weights, geometry.in_features, geometry.out_features, source)
-            scaled_b = weights.scaled_b()
-            for i, sl in enumerate(geometry.slices):
-                part = scaled_b[sl.global_offset : sl.global_offset + sl.global_size].contiguous()
-                slices[i] = (weights.lora_a, part)
+            scaled_b, bias = weights.scaled_b(), _scaled_bias(weights)
+            cuts = [slice(sl.global_offset, sl.global_offset + sl.global_size) for sl in geometry.slices]
+            slices = [(weights.lora_a, scaled_b[cut].contiguous()) for cut in cuts]
             bound[target] = LayerLoRAWeights(
-                tuple(slices), shared_a=len(slices) > 1, rank_limited=weights.kind == "lora"
+                tuple(slices),
+                shared_a=len(slices) > 1,
+                rank_limited=weights.kind == "lora",
+                biases=None if bias is None else tuple(bias[cut].contiguous() for cut in cuts),
             )
             continue
+        slice_biases: list[torch.Tensor | None] = [None] * len(geometry.slices)
         for slice_index, (key, weights) in entries.items():
             assert slice_index is not None
             sl = geometry.slices[slice_index]
             _check_shape(key, weights, geometry.in_features, sl.global_size, source)
             slices[slice_index] = (weights.lora_a, weights.scaled_b())
+            slice_biases[slice_index] = _scaled_bias(weights)
         limited = all(weights.kind == "lora" for _, weights in entries.values())
-        bound[target] = LayerLoRAWeights(tuple(slices), shared_a=False, rank_limited=limited)
+        has_bias = any(b is not None for b in slice_biases)
+        bound[target] = LayerLoRAWeights(
+            tuple(slices),
+            shared_a=False,
+            rank_limited=limited,
+            biases=tuple(slice_biases) if has_bias else None,
+        )
     return bound
+
+
+def _refuse_bias_deltas(adapter: LoRAAdapterWeights, resolved: Mapping[str, tuple]) -> None:
+    """Raise :class:`LoRAFormatError` naming the file's ``diff_b`` keys when a module has a bias delta."""
+    with_bias = sorted(k for k, (_, _, w) in resolved.items() if w.lora_bias is not None)
+    if with_bias:
+        named = [k for k in adapter.deltas if k.endswith(".diff_b")] or [
+            k + ".lora_B.bias" for k in with_bias
+        ]
+        raise LoRAFormatError(
+            f"{adapter.source}: bias deltas are applied by the distill backend only (lora_backend='distill' "
+            f"fuses them at start-up; request-time LoRA adds s*B(Ax)); offending keys: {key_listing(named)}"
+        )
+
+
+def _scaled_bias(weights: LoRAModuleWeights) -> torch.Tensor | None:
+    """``s * b`` (peft scales ``lora_B``'s bias with its output), float32, or ``None``."""
+    return None if weights.lora_bias is None else weights.lora_bias.float() * weights.scaling
 
 
 def _check_shape(

@@ -25,11 +25,14 @@ class LayerLoRAWeights:
             its own name); the forward then computes ``A x`` once.
         rank_limited: every slice comes from a LoRA module, so ``max_rank`` applies (LoHa / LoKr
             equivalents are exempt).
+        biases: per output slice ``s * b`` ``[slice_rows]`` float32 (or ``None`` for a slice without
+            one), or ``None`` when the adapter has no bias delta for this layer (distill only).
     """
 
     slices: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     shared_a: bool = False
     rank_limited: bool = True
+    biases: tuple[torch.Tensor | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,19 +88,45 @@ def screen_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> No
             (``te.`` / ``te1.`` / ``te2.``; the read ones are split off first, :mod:`.text_encoders`),
             quantisation state, or a tensor whose dtype is not float16/bfloat16/float32/float64.
     """
+    refusal = key_refusal(state_dict, source)
+    if refusal is not None:
+        raise refusal
+    check_dtypes(state_dict, source)
+
+
+def key_refusal(keys: Iterable[str], source: str, note: str = "") -> LoRAFormatError | None:
+    """The error :func:`screen_state_dict` raises for these keys (the first refused kind, its keys named,
+    ``note`` appended to the fix), or ``None`` when no key is refused."""
     found: dict[int, list[str]] = {}
-    for key in state_dict:
+    for key in keys:
         for n, (predicate, _, _) in enumerate(_REFUSED_KEYS):
             if predicate(key):
                 found.setdefault(n, []).append(key)
                 break
-    if found:
-        n = min(found)
-        _, what, fix = _REFUSED_KEYS[n]
-        raise LoRAFormatError(
-            f"{source}: {what} are not supported ({fix}); offending keys: {_listing(found[n])}"
-        )
-    check_dtypes(state_dict, source)
+    if not found:
+        return None
+    n = min(found)
+    _, what, fix = _REFUSED_KEYS[n]
+    return LoRAFormatError(
+        f"{source}: {what} are not supported ({fix}{note}); offending keys: {_listing(found[n])}"
+    )
+
+
+#: Suffixes of lightx2v's full-weight (``.diff``) and bias (``.diff_b``) deltas in ComfyUI-layout files.
+DELTA_SUFFIXES = (".diff", ".diff_b")
+
+
+def split_deltas(
+    state_dict: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(rest, deltas)``: the ComfyUI-layout (``diffusion_model.``) ``.diff`` / ``.diff_b`` tensors set
+    aside, for a model family converter that reads them (:mod:`.model_keys`); other keys stay in ``rest``."""
+    rest: dict[str, torch.Tensor] = {}
+    deltas: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        target = deltas if key.startswith(COMFYUI_PREFIX) and key.endswith(DELTA_SUFFIXES) else rest
+        target[key] = tensor
+    return rest, deltas
 
 
 def detect_layout(keys: Iterable[str]) -> str:

@@ -31,6 +31,7 @@ from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
 from vllm_omni.diffusion.lora.formats.layouts import (
     COMFYUI_PREFIX,
     KOHYA_UNET_PREFIX,
+    key_refusal,
     strip_kohya_prefix,
 )
 from vllm_omni.diffusion.lora.safetensors_format import adapter_from_state_dict
@@ -50,12 +51,16 @@ class FamilyConverter:
         model_classes: denoiser class names it applies to (diffusers' and the in-tree model share them).
         applies: when diffusers' ``lora_state_dict`` for that family would run the converter.
         function: name of the converter in ``diffusers.loaders.lora_conversion_utils``.
+        reads_deltas: the converter reads lightx2v ``.diff`` / ``.diff_b`` tensors (into
+            ``lora_B.bias`` and LoRA factors, dropping the ones diffusers drops); files with such
+            tensors are refused for other families, naming the keys.
     """
 
     name: str
     model_classes: tuple[str, ...]
     applies: Callable[[Mapping[str, torch.Tensor]], bool]
     function: str
+    reads_deltas: bool = False
 
     def convert(self, state_dict: StateDict) -> StateDict:
         # only when a converter runs: diffusers costs ~0.9 s CPU (measured) in processes that load no
@@ -104,6 +109,7 @@ FAMILY_CONVERTERS: list[FamilyConverter] = [
         ("WanTransformer3DModel",),
         _any_key(lambda k: k.startswith(COMFYUI_PREFIX)),
         "_convert_non_diffusers_wan_lora_to_diffusers",
+        reads_deltas=True,
     ),
     FamilyConverter(
         "Wan (musubi)",
@@ -146,19 +152,36 @@ def convert_with_family(adapter: LoRAAdapterWeights, converter: FamilyConverter)
     """Run diffusers' converter on the adapter's stored tensors and parse the result (``s = 1``: the
     converter folds each module's ``alpha / r`` into its weights).
 
+    A file's ``.diff`` / ``.diff_b`` tensors (:attr:`~..adapter.LoRAAdapterWeights.deltas`) are read as
+    diffusers reads them: the ones its converter keeps become ``lora_bias`` (``diff_b``) or LoRA factors
+    (Wan's ``head.head.diff``: ``A`` = the delta, ``B`` = identity); the ones it drops (norm and
+    modulation deltas, ...) are dropped here too, with a warning naming them.
+
     Raises:
         LoRAFormatError: the converter rejects the file (its message and the file are named).
     """
-    assert adapter.raw_state_dict is not None
+    raw = adapter.raw_state_dict
+    assert raw is not None
     try:
-        converted = converter.convert(adapter.raw_state_dict)
+        converted = converter.convert(raw)
     except (KeyError, ValueError, RuntimeError, IndexError) as exc:
         raise LoRAFormatError(
             f"{adapter.source}: diffusers' {converter.name} LoRA converter ({converter.function}) could not read "
             f"this {adapter.layout} file: {type(exc).__name__}: {exc}"
         ) from exc
-    parsed = adapter_from_state_dict(converted, source=adapter.source)
-    return replace(parsed, layout=adapter.layout, raw_state_dict=None)
+    parsed = adapter_from_state_dict(converted, source=adapter.source, lora_biases=bool(adapter.deltas))
+    kept = {id(t) for t in converted.values()}  # the converter moves tensors, it does not copy them
+    dropped = [k for k in adapter.deltas if id(raw[k]) not in kept]
+    if dropped:
+        logger.warning(
+            "%s: %d of %d .diff/.diff_b tensors are not applied (diffusers' %s drops them too): %s",
+            adapter.source,
+            len(dropped),
+            len(adapter.deltas),
+            converter.function,
+            dropped[:8] + ([f"... {len(dropped) - 8} more"] if len(dropped) > 8 else []),
+        )
+    return replace(parsed, layout=adapter.layout, raw_state_dict=None, deltas=list(adapter.deltas))
 
 
 def flattened_names(names: Iterable[str]) -> dict[str, list[str]]:
@@ -236,7 +259,8 @@ def prepare_adapter_for_model(
         resolves: whether the layer index resolves a module key.
 
     Raises:
-        LoRAFormatError: the converter or un-flattening fails; or every module resolves but some
+        LoRAFormatError: the converter or un-flattening fails; ``.diff`` / ``.diff_b`` tensors for a model
+            whose converter does not read them (keys named); or every module resolves but some
             carry tensors the configuration's ``target_modules`` does not select (peft would ignore
             them, so applying them would not match peft).
     """
@@ -252,8 +276,10 @@ def prepare_adapter_for_model(
             )
     if adapter.raw_state_dict is not None and not adapter.has_config:
         converter = find_family_converter(denoisers, adapter.raw_state_dict)
-        if converter is not None:
+        if converter is not None and (converter.reads_deltas or not adapter.deltas):
             return convert_with_family(adapter, converter)
+    if adapter.deltas:
+        raise key_refusal(adapter.deltas, adapter.source, "; diffusers reads them for Wan models only")
     if adapter.layout == "kohya":
         adapter = unflatten_kohya(adapter, names)
     if adapter.untargeted and all(resolves(k) for k in adapter.modules):
