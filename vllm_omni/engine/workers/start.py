@@ -29,19 +29,24 @@ Fidelity (what a spawned worker would have):
   (``multiprocessing`` sends them to every child);
 - lifetime: the worker closes its copy of the fork server's "alive" pipe, so the fork server
   exits when the driver does (SIGKILL included); the worker's parent watch
-  (:mod:`vllm_omni.process_guard`) then sees its parent gone and exits.
+  (:mod:`vllm_omni.process_guard`) then sees its parent gone and exits. At a normal exit the
+  driver waits (at most :data:`STOP_WAIT_S`) for the fork server, which skips the interpreter's
+  teardown: its CPU time (and its workers') counts in the driver's ``RUSAGE_CHILDREN``.
 
 ``VLLM_OMNI_WORKER_START=spawn`` starts every worker as a fresh interpreter (as before).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,11 +70,16 @@ READ_AFTER_IMPORT = frozenset({
     "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
 })  # fmt: skip
 
+#: Set in the fork server's environment while it starts (it then ends without the interpreter's teardown).
+SERVER_MARK = "OMNI_WORKER_FORK_SERVER"
+#: Seconds the driver waits at exit for its fork server to end.
+STOP_WAIT_S = 5.0
 #: Held while a worker is started (the spawn path puts the worker's env in this process's environment).
 START_LOCK = threading.Lock()
 _server_env: dict[str, str] | None = None  # the environment the running fork server started with
 _server_pid: int | None = None
 _started_by: int | None = None  # the process that started it (a fork of it has none)
+_forked = False  # whether this process's fork server has forked a worker (so it has imported its preload)
 #: In a worker: whether ``vllm`` was imported before the worker's entry point ran (it was preloaded).
 preloaded_at_entry = False
 
@@ -93,7 +103,7 @@ def start_preloaded() -> bool:
     Returns:
         True when a fork server runs (started now or before).
     """
-    global _server_env, _server_pid, _started_by
+    global _server_env, _server_pid, _started_by, _forked
     if start_method() != "forkserver":
         return False
     from multiprocessing import forkserver
@@ -104,11 +114,50 @@ def start_preloaded() -> bool:
             server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
         forkserver.set_forkserver_preload(list(PRELOAD))
         env = dict(os.environ)
-        forkserver.ensure_running()  # starts it with ``env``; restarts one that died
+        os.environ[SERVER_MARK] = "1"
+        try:
+            forkserver.ensure_running()  # starts it with ``env``; restarts one that died
+        finally:
+            os.environ.pop(SERVER_MARK, None)
         if server._forkserver_pid != _server_pid or _started_by != os.getpid():
             _server_env, _server_pid, _started_by = env, server._forkserver_pid, os.getpid()
+            _forked = False
             logger.debug("worker fork server %d started (preloads %s)", _server_pid, ", ".join(PRELOAD))
     return True
+
+
+def _stop_server() -> None:
+    """At the driver's exit (after its workers were shut down): end the fork server it started
+    (killed if it never forked a worker) and reap it (bounded by :data:`STOP_WAIT_S`)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if _started_by != os.getpid() or server._forkserver_alive_fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
+    if not _forked:  # it may still be importing (seconds of CPU nobody will use)
+        with contextlib.suppress(OSError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_WAIT_S
+    with contextlib.suppress(ChildProcessError):
+        while not os.waitpid(server._forkserver_pid, os.WNOHANG)[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    server._forkserver_pid = None
+
+
+def _exit_now() -> None:
+    """The fork server's last exit handler: skip the teardown of torch / vLLM (seconds)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+atexit.register(_stop_server)  # at import: runs after the client's shutdown of live workers
+if os.environ.get(SERVER_MARK) == "1" and "multiprocessing.forkserver" in sys.modules:
+    atexit.register(_exit_now)  # this process is the fork server, importing its preload
 
 
 def _differences(env: Mapping[str, str]) -> list[str]:
@@ -155,9 +204,11 @@ def start_process(proc: Any, how: str, env: Mapping[str, str]) -> None:
     """``proc.start()``; for ``spawn``, with ``env`` in this process's environment meanwhile (the
     child imports torch while unpickling its arguments, and OpenMP reads ``OMP_NUM_THREADS`` when
     it loads, so setting it in the child would be too late)."""
+    global _forked
     with START_LOCK:
         if how != "spawn":
             proc.start()
+            _forked = True
             return
         saved = {key: os.environ.get(key) for key in env}
         try:
@@ -203,6 +254,7 @@ def preloaded_main(
     worker of the driver (module docstring), then run ``target(*args)``."""
     global preloaded_at_entry
     preloaded_at_entry = "vllm" in sys.modules
+    atexit.unregister(_exit_now)  # registered in the fork server; this is a worker
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
