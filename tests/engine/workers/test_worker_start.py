@@ -99,13 +99,12 @@ def test_an_env_read_at_import_or_the_opt_out_spawns(stage, monkeypatch):
         start.process_for("s", print, (), {}, "p")
 
 
-def test_the_command_line_starts_the_server_before_importing_vllm(monkeypatch):
-    from vllm_omni.entrypoints.cli import main as cli
+def test_the_command_line_starts_the_server_unless_no_mp_worker_will_start(monkeypatch):
+    from vllm_omni.entrypoints import prestart
 
     calls = []
-    monkeypatch.setattr(start, "start_preloaded", lambda: calls.append(1))
-    cli._start_worker_server(["serve", "m", "--worker-backend", "inline"])
-    cli._start_worker_server(["serve", "m", "--worker-backend=ray"])
+    monkeypatch.setattr(start, "start_preloaded", lambda: calls.append(1) or True)
+    assert not prestart.start_worker_server(["serve", "m", "--worker-backend", "inline"])
+    assert not prestart.start_worker_server(["serve", "m", "--worker-backend=ray"])
     assert calls == []
-    cli._start_worker_server(["serve", "m"])
-    assert calls == [1]
+    assert prestart.start_worker_server(["serve", "m"]) and calls == [1]

@@ -17,6 +17,7 @@ import os
 import sys
 
 from vllm_omni import log_noise
+from vllm_omni.entrypoints import prestart
 from vllm_omni.entrypoints.cli import fast
 
 
@@ -62,25 +63,6 @@ def configure_logging() -> None:
     logger.propagate = False
 
 
-def _start_worker_server(argv: list[str]) -> None:
-    """Start the preloaded worker interpreter now (:mod:`vllm_omni.engine.workers.start`): its
-    import of torch and vLLM runs on another core while this process imports them to parse the
-    flags. Not for ``--worker-backend inline`` / ``ray`` (no ``mp`` worker); a bad
-    ``VLLM_OMNI_WORKER_START`` is reported where the first worker starts."""
-    for i, arg in enumerate(argv):
-        value = arg.partition("=")[2] if arg.startswith("--worker-backend=") else None
-        if arg == "--worker-backend" and i + 1 < len(argv):
-            value = argv[i + 1]
-        if value in ("inline", "ray"):
-            return
-    from vllm_omni.engine.workers import start
-
-    try:
-        start.start_preloaded()
-    except ValueError:
-        return
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``serve``); ``argv`` defaults to ``sys.argv[1:]``."""
     command = argv is None  # the console script (not a caller in this process, such as a test)
@@ -94,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve"
     ]:  # before vLLM's import (its import-time notes); run as the command: its children too
         log_noise.install(children=command)
-        _start_worker_server(argv)
+        prestart.start_worker_server(argv)  # mp workers' imports overlap with ours (prestart.py)
     parser = make_parser()
     fast.save(parser, parser.serve_parser)
     args = parser.parse_args(argv)
