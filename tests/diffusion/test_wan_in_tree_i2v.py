@@ -32,12 +32,17 @@ def _image(seed: int) -> Image.Image:
     return Image.fromarray((np.random.RandomState(seed).rand(40, 56, 3) * 255).astype("uint8"))
 
 
-def _reference(model_dir: Path, image, last_image=None, loras: tuple[str, ...] = ()) -> torch.Tensor:
+def i2v_reference_class():
+    """diffusers' ``WanImageToVideoPipeline``, its missing ``ftfy`` replaced by an identity (module docstring)."""
     import diffusers.pipelines.wan.pipeline_wan_i2v as module
 
     if not hasattr(module, "ftfy"):
         module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
-    pipe = module.WanImageToVideoPipeline.from_pretrained(str(model_dir))
+    return module.WanImageToVideoPipeline
+
+
+def _reference(model_dir: Path, image, last_image=None, loras: tuple[str, ...] = ()) -> torch.Tensor:
+    pipe = i2v_reference_class().from_pretrained(str(model_dir))
     pipe.set_progress_bar_config(disable=True)
     for i, path in enumerate(loras):
         pipe.load_lora_weights(path, adapter_name=f"a{i}", load_into_transformer_2=i == 1)

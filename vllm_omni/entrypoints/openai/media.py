@@ -1,4 +1,5 @@
-"""Image/video encoding for responses and the multipart form of ``/v1/images/edits``."""
+"""Image/video encoding for responses, and input images: multipart forms (``/v1/images/edits``,
+``/v1/videos/generations``) and base64 fields of JSON bodies."""
 
 from __future__ import annotations
 
@@ -100,16 +101,32 @@ def _gif_b64(pil: list[Any], fps: int) -> str:
 
 
 async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:
-    """Fields and the input image of a multipart ``/v1/images/edits`` body.
-
-    ``lora`` is JSON text; numeric fields arrive as text and are validated by the body model.
+    """Fields and the input image of a multipart ``/v1/images/edits`` body (see :func:`read_image_form`).
 
     Raises:
         OpenAIError: (400) not multipart, no/unsupported image, bad ``lora`` JSON.
     """
+    fields, image = await read_image_form(request, ("image", "image[]"), "images/edits")
+    if image is None:
+        raise bad_request("images/edits needs an 'image' file", "image")
+    return fields, image
+
+
+async def read_image_form(
+    request: Request, names: tuple[str, ...], route: str
+) -> tuple[dict[str, Any], Image.Image | None]:
+    """Text fields and the first image file under one of ``names`` of a multipart body (``None``
+    when the form has none), the image decoded to RGB.
+
+    ``lora`` is JSON text; numeric fields arrive as text and are validated by the body model.
+
+    Raises:
+        OpenAIError: (400) not multipart, an unreadable or too large image, a non-file field, bad
+            ``lora`` JSON; each naming the field.
+    """
     ctype = request.headers.get("content-type", "")
     if not ctype.startswith("multipart/form-data"):
-        raise bad_request("images/edits takes multipart/form-data (fields plus an 'image' file)")
+        raise bad_request(f"{route} takes multipart/form-data (fields plus an {names[0]!r} file)")
     try:
         form = await request.form()
     except Exception as exc:
@@ -117,24 +134,16 @@ async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:
     fields: dict[str, Any] = {}
     upload = None
     for key, value in form.multi_items():
-        if key in ("image", "image[]"):
+        if key in names:
             if upload is None:
                 upload = value
             continue
         if not isinstance(value, str):
             raise bad_request(f"form field {key!r} must be text", key)
         fields[key] = value
-    if upload is None or isinstance(upload, str):
-        raise bad_request("images/edits needs an 'image' file", "image")
-    data = await upload.read()
-    if len(data) > MAX_UPLOAD_BYTES:
-        raise bad_request(f"image is larger than {MAX_UPLOAD_BYTES} bytes", "image")
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-        image = image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise bad_request("image is not a readable PNG/JPEG/WebP image", "image") from exc
+    if isinstance(upload, str):
+        raise bad_request(f"form field {names[0]!r} must be a file", names[0])
+    image = None if upload is None else decode_image(await upload.read(), names[0])
     if "lora" in fields:
         try:
             fields["lora"] = json.loads(fields["lora"])
@@ -143,3 +152,36 @@ async def read_edit_form(request: Request) -> tuple[dict[str, Any], Any]:
         except RecursionError as exc:
             raise bad_request("form field 'lora' is nested too deeply", "lora") from exc
     return fields, image
+
+
+def decode_image(data: bytes, field: str) -> Image.Image:
+    """An uploaded PNG / JPEG / WebP file as an RGB PIL image.
+
+    Raises:
+        OpenAIError: (400, naming ``field``) larger than ``MAX_UPLOAD_BYTES`` or not a readable image.
+    """
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise bad_request(f"{field} is larger than {MAX_UPLOAD_BYTES} bytes", field)
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise bad_request(f"{field} is not a readable PNG/JPEG/WebP image", field) from exc
+
+
+def image_from_base64(text: str, field: str) -> Image.Image:
+    """A base64 image in a JSON body (plain base64, or a ``data:image/...;base64,`` URI) as RGB.
+
+    Raises:
+        OpenAIError: (400, naming ``field``) not base64, another data URI kind, or see :func:`decode_image`.
+    """
+    if text.startswith("data:"):
+        head, _, text = text.partition(",")
+        if not head.startswith("data:image/") or not head.endswith(";base64"):
+            raise bad_request(f"{field} must be a base64 image (data:image/...;base64,...)", field)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"{field} is not valid base64", field) from exc
+    return decode_image(data, field)

@@ -226,6 +226,9 @@ class VideoGenerationRequest(DiffusionFields):
     fps: int = Field(default=8, ge=1, le=120)
     # None: MP4 when OpenCV can write it, else GIF; "png": lossless, one PNG per frame in ``frames``
     video_format: Literal["mp4", "gif", "png"] | None = None
+    #: the first frame of an image-to-video request (OpenAI's ``POST /v1/videos`` field name): in a JSON
+    #: body base64 or a ``data:image/...;base64,`` URI; in a multipart body a file (read by the route)
+    input_reference: str | None = Field(default=None, min_length=1)
 
 
 class LoadLoRAAdapterRequest(_Body):
