@@ -19,7 +19,8 @@ zygote, ``tests/preload.py``).
 Fidelity (what a spawned worker would have):
 
 - environment: the child gets the driver's environment at the time of the start plus the
-  worker's ``env``, set before the stage is built. ``OMP_NUM_THREADS`` is applied with
+  worker's ``env`` (and the variables the preload imports set, as a spawned worker's imports
+  would), set before the stage is built. ``OMP_NUM_THREADS`` is applied with
   ``torch.set_num_threads`` (libgomp read it when the fork server imported torch);
   ``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, after the fork. Any other variable that
   differs from the fork server's environment and is not in :data:`READ_AFTER_IMPORT` may have
@@ -79,6 +80,8 @@ START_LOCK = threading.Lock()
 _server_env: dict[str, str] | None = None  # the environment the running fork server started with
 _server_pid: int | None = None
 _started_by: int | None = None  # the process that started it (a fork of it has none)
+_server_after: tuple[int | None, dict[str, str]] | None = None  # (fork server pid, its env after imports)
+_PROBE_LOCK = threading.Lock()
 _forked = False  # whether this process's fork server has forked a worker (so it has imported its preload)
 #: In a worker: whether ``vllm`` was imported before the worker's entry point ran (it was preloaded).
 preloaded_at_entry = False
@@ -160,16 +163,63 @@ if os.environ.get(SERVER_MARK) == "1" and "multiprocessing.forkserver" in sys.mo
     atexit.register(_exit_now)  # this process is the fork server, importing its preload
 
 
-def _differences(env: Mapping[str, str]) -> list[str]:
-    """Variables the worker's environment (this one plus ``env``) has unlike the fork server's,
-    that an import may have read."""
+def _report_env(conn: Any) -> None:
+    """Fork-server child: send the fork server's environment (after its imports) and exit."""
+    conn.send(dict(os.environ))
+    conn.close()
+
+
+def _server_environ() -> dict[str, str] | None:
+    """The fork server's environment after its preload imports (which set variables of their own,
+    e.g. ``TORCHINDUCTOR_CACHE_DIR``), asked once per fork server from a child of it; ``None``
+    when the fork server died before answering."""
+    global _server_after, _forked
+    with _PROBE_LOCK:
+        if _server_after is not None and _server_after[0] == _server_pid:
+            return _server_after[1]
+        ctx = multiprocessing.get_context("forkserver")
+        ours, theirs = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_report_env, args=(theirs,), name="omni-fork-server-env", daemon=True)
+        proc.start()
+        theirs.close()
+        try:
+            env = ours.recv()  # the fork server forks only once its imports are done
+        except (EOFError, OSError):
+            return None
+        finally:
+            ours.close()
+            proc.join(5.0)
+        _forked = True
+        env.pop(SERVER_MARK, None)
+        _server_after = (_server_pid, env)
+        return env
+
+
+def _worker_environ(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The environment a forked worker gets and the variables in which it differs from the fork
+    server's that an import may have read (empty: the worker may fork).
+
+    The worker's environment is the fork server's after its imports, with every change this
+    process made since the fork server started and ``env`` applied: what a spawned worker would
+    have (its own imports set the same variables the fork server's did).
+    """
     target = {**os.environ, **env}
+    after = _server_environ()
+    if after is None:
+        return target, ["(the fork server is gone)"]
     base = _server_env or {}
-    keys = {k for k in set(base) | set(target) if base.get(k) != target.get(k)}
+    environ = dict(after)
+    changed = [k for k in set(base) | set(target) if base.get(k) != target.get(k)]
+    for key in changed:
+        if key in target:
+            environ[key] = target[key]
+        else:
+            environ.pop(key, None)
+    keys = [k for k in changed if after.get(k) != environ.get(k)]
     bad = sorted(k for k in keys if k not in READ_AFTER_IMPORT)
-    if "OMP_NUM_THREADS" in keys and "OMP_NUM_THREADS" not in target:
+    if "OMP_NUM_THREADS" in keys and "OMP_NUM_THREADS" not in environ:
         bad.append("OMP_NUM_THREADS")  # the server's value would stay: only a spawn drops it
-    return bad
+    return environ, bad
 
 
 def process_for(label: str, target: Any, args: tuple, env: Mapping[str, str], name: str) -> tuple[Any, str]:
@@ -182,7 +232,7 @@ def process_for(label: str, target: Any, args: tuple, env: Mapping[str, str], na
     how = start_method()
     if how == "forkserver":
         start_preloaded()
-        bad = _differences(env)
+        environ, bad = _worker_environ(env)
         if bad:
             logger.debug(
                 "%s: worker spawned as a fresh interpreter: %s differ(s) from the worker fork server's "
@@ -193,7 +243,6 @@ def process_for(label: str, target: Any, args: tuple, env: Mapping[str, str], na
             how = "spawn"
     ctx = multiprocessing.get_context(how)
     if how == "forkserver":
-        environ = {**os.environ, **env}
         args = (target, (_StdFd(1), _StdFd(2)), environ, *args)
         target = preloaded_main
     proc = ctx.Process(target=target, args=args, name=name, daemon=False)  # a stage may start processes
