@@ -262,13 +262,31 @@ def build_qwen_image_lora(transformer_dir: Path, out: Path, seed: int, targets: 
     )
 
 
+def write_lightx2v(directory: str, path: str) -> str:
+    """lightx2v's Qwen-Image-Lightning layout: the diffusers module names with no prefix at all
+    (``transformer_blocks.0.attn.to_q.lora_down.weight``), ``lora_down`` / ``lora_up`` and a per-module
+    ``.alpha`` (their files: rank 64, alpha 8), from the PEFT folder ``directory``."""
+    from safetensors.torch import save_file
+
+    from tools.lora_layouts import module_alpha, read_peft
+
+    pairs, config = read_peft(directory)
+    tensors = {}
+    for module, (a, b) in pairs.items():
+        tensors[f"{module}.lora_down.weight"] = a.contiguous()
+        tensors[f"{module}.lora_up.weight"] = b.contiguous()
+        tensors[f"{module}.alpha"] = torch.tensor(module_alpha(config, module, a.shape[0]))
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
 def ensure_tiny_qwen_image_loras(model_dir: str | os.PathLike, root: str | os.PathLike) -> dict[str, Path]:
     """Build (if missing or stale) the tiny Qwen-Image adapters under ``root / "tiny-qwen-image-loras"``.
 
     Returns ``{name: path}``: the PEFT folders of :data:`LORA_SPECS` and, from ``attn``, the
     single-file layouts its users have (``tools/lora_layouts.py``): ``attn_diffusers``
-    (``transformer.`` keys + metadata), ``attn_kohya`` (musubi-tuner / kohya ``lora_unet_`` + ``.alpha``)
-    and ``attn_comfyui`` (``diffusion_model.`` + ``.alpha``).
+    (``transformer.`` keys + metadata), ``attn_kohya`` (musubi-tuner / kohya ``lora_unet_`` + ``.alpha``),
+    ``attn_comfyui`` (``diffusion_model.`` + ``.alpha``) and ``attn_lightx2v`` (:func:`write_lightx2v`).
     """
     from filelock import FileLock
 
@@ -276,7 +294,12 @@ def ensure_tiny_qwen_image_loras(model_dir: str | os.PathLike, root: str | os.Pa
 
     root = Path(root)
     final = root / "tiny-qwen-image-loras"
-    files = {"attn_diffusers": write_diffusers, "attn_kohya": write_kohya, "attn_comfyui": write_comfyui}
+    files = {
+        "attn_diffusers": write_diffusers,
+        "attn_kohya": write_kohya,
+        "attn_comfyui": write_comfyui,
+        "attn_lightx2v": write_lightx2v,
+    }
     paths = {name: final / name for name in LORA_SPECS}
     paths.update({name: final / f"{name}.safetensors" for name in files})
     root.mkdir(parents=True, exist_ok=True)
@@ -295,6 +318,10 @@ def ensure_tiny_qwen_image_loras(model_dir: str | os.PathLike, root: str | os.Pa
                 tmp.rename(final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+        for name, writer in files.items():  # a layout added since the folder was built: written beside
+            if not paths[name].is_file():
+                part = final / f".{name}.partial"
+                os.replace(writer(str(final / "attn"), str(part)), paths[name])
     return paths
 
 

@@ -119,7 +119,7 @@ def test_auto_backend_runs_in_tree_and_matches_diffusers(omni, reference):
     assert np.abs(diff).max() <= 1
 
 
-@pytest.mark.parametrize("layout", ["attn", "attn_diffusers", "attn_kohya", "attn_comfyui"])
+@pytest.mark.parametrize("layout", ["attn", "attn_diffusers", "attn_kohya", "attn_comfyui", "attn_lightx2v"])
 def test_adapter_layouts_match_diffusers_at_two_scales(omni, reference, loras, layout):
     request = LoRARequest(layout, 1 + list(loras).index(layout), str(loras[layout]))
     base = reference()
@@ -184,15 +184,16 @@ def test_adapter_for_another_model_is_refused_and_changes_nothing(omni, tiny_z_i
     assert omni.list_loras() == cached
 
 
-def test_distill_fuses_a_kohya_file_as_diffusers_fuse_lora(tiny_qwen_image_dir, loras, reference):
+def test_distill_fuses_a_lightning_file_as_diffusers_fuse_lora(tiny_qwen_image_dir, loras, reference):
+    """lightx2v's Lightning layout (bare module names, lora_down / lora_up, .alpha) on the distill backend."""
     from vllm_omni import Omni
 
     pipe = diffusers_pipe(tiny_qwen_image_dir)
-    pipe.load_lora_weights(str(loras["attn_kohya"]), adapter_name="lightning")
+    pipe.load_lora_weights(str(loras["attn_lightx2v"]), adapter_name="lightning")
     pipe.fuse_lora(lora_scale=0.7)
     pipe.unload_lora_weights()  # fused weights stay; the adapter layers go
     expected = diffusers_latents(pipe)
-    kwargs = dict(lora_backend="distill", lora_path=str(loras["attn_kohya"]), lora_scale=0.7)
+    kwargs = dict(lora_backend="distill", lora_path=str(loras["attn_lightx2v"]), lora_scale=0.7)
     with Omni(model=str(tiny_qwen_image_dir), dtype="float32", enable_progress_bar=False, **kwargs) as omni:
         assert omni.list_loras() == set()  # fused at start-up, not cached
         got = _latents(omni)
