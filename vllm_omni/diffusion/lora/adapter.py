@@ -52,7 +52,9 @@ class LoRAModuleWeights:
         lora_b: ``B``, shape ``[d_out, r]``, float32, CPU.
         scaling: ``s`` (already including the rsLoRA / alpha-pattern rules of the source format).
         kind: ``"lora"``, or ``"loha"`` / ``"lokr"`` for a LyCORIS module stored as its exact
-            LoRA-equivalent factors (:mod:`.formats.lycoris`; their rank is not bound by ``max_rank``).
+            LoRA-equivalent factors (:mod:`.formats.lycoris`), or ``"diff"`` for a full weight delta
+            stored as ``A`` with an identity ``B`` (lightx2v ``.diff``); only ``"lora"`` is bound by
+            ``max_rank``.
         lora_bias: ``b``, shape ``[d_out]``, float32, CPU, or ``None``: a bias delta read as peft's
             ``lora_B.bias`` (``y = W x + s * (B (A x) + b)``); only Wan ``diff_b`` tensors (converted
             by diffusers) produce one, and only the distill backend applies it

@@ -101,7 +101,13 @@ class LoRABank(nn.Module):
 
     # ------------------------------------------------------------ writes
     def check(self, weights: SlotWeights) -> str | None:
-        """Why ``weights`` do not fit a slot of this bank (a rank above ``max_rank``), else ``None``."""
+        """Why ``weights`` do not fit a slot of this bank (a rank above ``max_rank``, a bias delta), else
+        ``None``."""
+        if weights.bias is not None:
+            return (
+                "it carries bias deltas (lightx2v diff_b), which compiled banks do not hold (run the stage "
+                "with enforce_eager=True, or fuse the file with lora_backend='distill')"
+            )
         for _, rank, _, _ in weights.parts:
             if rank > self.max_rank:
                 return (

@@ -114,7 +114,7 @@ def fuse_lora_into_model(
     if adapter.text_encoders:  # never dropped silently
         why = "this call fuses into denoisers; fuse_lora_files_into_pipeline fuses text-encoder parts too"
         raise LoRAFormatError(text_encoder_parts_refusal(adapter, why))
-    bound = bind_adapter(adapter, index, biases=True)
+    bound = bind_adapter(adapter, index)
 
     plan: list[tuple[str, torch.Tensor, list[tuple[slice, torch.Tensor]]]] = []
     for name, weights in bound.items():

@@ -280,7 +280,7 @@ def _resolve_modules(
 
 
 def bind_adapter(
-    adapter: LoRAAdapterWeights, index: TargetIndex, max_rank: int | None = None, *, biases: bool = False
+    adapter: LoRAAdapterWeights, index: TargetIndex, max_rank: int | None = None
 ) -> dict[str, LayerLoRAWeights]:
     """Bind an adapter's modules to the indexed layers.
 
@@ -288,15 +288,14 @@ def bind_adapter(
         target name -> :class:`~.weights.LayerLoRAWeights` with ``s * B`` folded in (float32, CPU).
         A sub-layer adapter fills only its slice; the other slices of the packed layer stay ``None``
         (exactly zero). An adapter keyed by the packed layer's own name fills every slice from the
-        row-split ``B`` with one shared ``A``. With ``biases`` (the distill backend) a module's
-        ``lora_bias`` is bound beside it as ``s * b`` per slice; without, such an adapter is refused.
+        row-split ``B`` with one shared ``A``. A module's ``lora_bias`` (lightx2v ``diff_b``) is bound
+        beside it as ``s * b`` per slice (``LayerLoRAWeights.biases``).
 
     Raises:
         LoRAFormatError: an adapter without modules (it would change nothing); names of modules that
             bind to nothing, each with what the model offers instead (:mod:`.diagnostics`); a LoRA rank above ``max_rank`` (module,
             its rank and the limit); shape mismatches; a packed layer targeted both whole and per
-            slice, or one slice targeted twice; bias deltas (lightx2v ``diff_b``) without ``biases``
-            (the keys are named).
+            slice, or one slice targeted twice.
     """
     adapter = prepare_adapter_for_model(
         adapter,
@@ -306,8 +305,6 @@ def bind_adapter(
     )
     source = adapter.source
     resolved = _resolve_modules(adapter, index)
-    if not biases:
-        _refuse_bias_deltas(adapter, resolved)
     too_big = [
         (k, w.rank)
         for k, (_, _, w) in resolved.items()
@@ -358,19 +355,6 @@ def bind_adapter(
             biases=tuple(slice_biases) if has_bias else None,
         )
     return bound
-
-
-def _refuse_bias_deltas(adapter: LoRAAdapterWeights, resolved: Mapping[str, tuple]) -> None:
-    """Raise :class:`LoRAFormatError` naming the file's ``diff_b`` keys when a module has a bias delta."""
-    with_bias = sorted(k for k, (_, _, w) in resolved.items() if w.lora_bias is not None)
-    if with_bias:
-        named = [k for k in adapter.deltas if k.endswith(".diff_b")] or [
-            k + ".lora_B.bias" for k in with_bias
-        ]
-        raise LoRAFormatError(
-            f"{adapter.source}: bias deltas are applied by the distill backend only (lora_backend='distill' "
-            f"fuses them at start-up; request-time LoRA adds s*B(Ax)); offending keys: {key_listing(named)}"
-        )
 
 
 def _scaled_bias(weights: LoRAModuleWeights) -> torch.Tensor | None:

@@ -47,6 +47,10 @@ class SlotWeights:
         bt: per part ``(s B_local)^T``, ``[rank, out_size]``, contiguous (the expand operand).
         ranks: rank per output slice of the layer (``0``: the slice is left alone).
         shared_a: the adapter targeted the packed layer by its own name (one ``A`` for all slices).
+        bias: ``s * b`` on this rank's local output, ``[out_local]`` (zeros outside the slices that have
+            one), or ``None``: the adapter's bias delta (lightx2v ``diff_b``), added as ``lambda * bias``
+            to every row the slot applies to; on a row-parallel layer only rank 0 holds it (the
+            all-reduce adds it once).
     """
 
     a: torch.Tensor
@@ -54,15 +58,17 @@ class SlotWeights:
     bt: tuple[torch.Tensor, ...]
     ranks: tuple[int, ...]
     shared_a: bool = False
+    bias: torch.Tensor | None = None
 
     def to(self, device: torch.device, dtype: torch.dtype) -> SlotWeights:
         """These weights on ``device`` in ``dtype``; ``self`` (no copy) when already there."""
-        tensors = (self.a, *self.bt)
+        tensors = self.tensors()
         if all(t.device == device and t.dtype == dtype for t in tensors):
             return self
         moved = [t.to(device=device, dtype=dtype, non_blocking=True) for t in tensors]
-        return SlotWeights(moved[0], self.parts, tuple(moved[1:]), self.ranks, self.shared_a)
+        bias = moved.pop() if self.bias is not None else None
+        return SlotWeights(moved[0], self.parts, tuple(moved[1:]), self.ranks, self.shared_a, bias)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """``a`` then every ``bt`` (e.g. to measure the memory held)."""
-        return (self.a, *self.bt)
+        """``a``, every ``bt`` and the bias when there is one (e.g. to measure the memory held)."""
+        return (self.a, *self.bt) + (() if self.bias is None else (self.bias,))

@@ -154,7 +154,8 @@ def convert_with_family(adapter: LoRAAdapterWeights, converter: FamilyConverter)
 
     A file's ``.diff`` / ``.diff_b`` tensors (:attr:`~..adapter.LoRAAdapterWeights.deltas`) are read as
     diffusers reads them: the ones its converter keeps become ``lora_bias`` (``diff_b``) or LoRA factors
-    (Wan's ``head.head.diff``: ``A`` = the delta, ``B`` = identity); the ones it drops (norm and
+    (Wan's ``head.head.diff``: ``A`` = the delta, ``B`` = identity, kind ``"diff"``, exempt from
+    ``max_rank`` as LoHa / LoKr equivalents are); the ones it drops (norm and
     modulation deltas, ...) are dropped here too, with a warning naming them.
 
     Raises:
@@ -171,6 +172,11 @@ def convert_with_family(adapter: LoRAAdapterWeights, converter: FamilyConverter)
         ) from exc
     parsed = adapter_from_state_dict(converted, source=adapter.source, lora_biases=bool(adapter.deltas))
     kept = {id(t) for t in converted.values()}  # the converter moves tensors, it does not copy them
+    full = {id(raw[k]) for k in adapter.deltas if k.endswith(".diff")}
+    for key, tensor in converted.items():  # a full delta as A (identity B): not bound by max_rank
+        module = key.removesuffix(".lora_A.weight")
+        if module != key and id(tensor) in full and module in parsed.modules:
+            parsed.modules[module] = replace(parsed.modules[module], kind="diff")
     dropped = [k for k in adapter.deltas if id(raw[k]) not in kept]
     if dropped:
         logger.warning(

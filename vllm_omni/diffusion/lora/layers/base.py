@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from vllm_omni.diffusion.lora.banks import LoRABank
 from vllm_omni.diffusion.lora.batch_state import LoRABatchState
-from vllm_omni.diffusion.lora.geometry import LayerGeometry
+from vllm_omni.diffusion.lora.geometry import LayerGeometry, tp_rank_and_size
 from vllm_omni.diffusion.lora.ops import (
     add_lora,
     lora_expand,
@@ -208,7 +208,24 @@ class BaseLayerWithLoRA(nn.Module):
             t = t.to(device="cpu", dtype=dtype).contiguous()
             return t.pin_memory() if pin else t
 
-        return SlotWeights(host(a), parts, tuple(host(bt) for bt in bts), ranks, bool(weights.shared_a))
+        bias = self._local_bias(weights)
+        return SlotWeights(
+            host(a), parts, tuple(host(bt) for bt in bts), ranks, bool(weights.shared_a),
+            None if bias is None else host(bias),
+        )  # fmt: skip
+
+    def _local_bias(self, weights: LayerLoRAWeights) -> torch.Tensor | None:
+        """``s * b`` on this rank's local output rows (``[out_local]`` float32), or ``None``: no bias
+        delta, or a row-parallel layer's rank other than 0 (the all-reduce sums the ranks' outputs)."""
+        g = self.geometry
+        if weights.biases is None or (g.kind == "row" and tp_rank_and_size(self.base_layer)[0] != 0):
+            return None
+        local = torch.zeros(g.out_local, dtype=torch.float32)
+        for sl, bias in zip(g.slices, weights.biases, strict=True):
+            if bias is not None:
+                start, length = sl.rows_within_slice()
+                local[sl.local_offset : sl.local_offset + length] = bias[start : start + length]
+        return local
 
     def slot_ranks(self, slot: int) -> tuple[int, ...] | None:
         """Per-slice ranks written into ``slot`` (``None`` when the slot leaves this layer alone)."""
@@ -317,7 +334,7 @@ class BaseLayerWithLoRA(nn.Module):
         slots, uniform = state.slots_for(self)
         if uniform and state.on_step is not None:
             if self._add_scheduled_stack(x, y, slots):
-                return y
+                return self._add_biases(x, y, slots)
         elif uniform:
             key = id(self)
             if key not in state.stacked:
@@ -325,7 +342,7 @@ class BaseLayerWithLoRA(nn.Module):
             stacked = state.stacked[key]
             if stacked is not None:
                 add_lora(x, y, stacked, None)
-                return y
+                return self._add_biases(x, y, slots)
         for act in slots:
             w = self._slot_weights[act.slot]
             if w is None:
@@ -336,6 +353,19 @@ class BaseLayerWithLoRA(nn.Module):
                 continue
             for start, length, scale in act.runs:
                 add_lora(x.narrow(0, start, length), y.narrow(0, start, length), w, scale)
+        return self._add_biases(x, y, slots)
+
+    def _add_biases(self, x: torch.Tensor, y: torch.Tensor, slots) -> torch.Tensor:
+        """``y[rows] += lambda * bias`` of every active slot with a bias delta, over the rows it applies to."""
+        for act in slots:
+            w = self._slot_weights[act.slot]
+            if w is None or w.bias is None:
+                continue
+            act = self.lora_state.for_rows(act, x.shape[0])
+            runs = ((0, y.shape[0], act.scale),) if act.runs is None else act.runs
+            for start, length, scale in runs:
+                if scale is not None and scale != 0.0:
+                    y.narrow(0, start, length).add_(w.bias.to(y.dtype), alpha=scale)
         return y
 
     def forward(self, x: torch.Tensor):
