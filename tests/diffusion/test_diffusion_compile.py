@@ -137,7 +137,8 @@ def test_compiled_loha_lokr_equal_eager_and_peft(engines, reqs, tiny_z_image_dir
 def test_no_recompile_after_warm_up(engines, reqs):
     compiled, _ = engines
     r = reqs
-    # warm-up: the four variants docs/user_guide/diffusion_compile.md lists for this model, i.e.
+    # warm-up: the four variants of a batch of two rows and more (docs/user_guide/diffusion_compile.md;
+    # compile_warm_up also compiles the one-row ones, test_compile_warmup.py), i.e.
     # LoRA off / on x attention mask present (captions of different lengths) / absent (one prompt);
     # then no size, adapter, scale, schedule or batch composition inside the bucket compiles again
     _run(compiled, [[], []])

@@ -54,7 +54,7 @@ _INTERNAL = {"option": False}
 
 # Options that must be integers >= 1.
 _POSITIVE_INTS = ("tensor_parallel_size", "max_batch_size", "max_loras", "max_lora_rank")
-_BOOLS = ("enable_progress_bar", "keep_base_weights", "lora_merge")
+_BOOLS = ("enable_progress_bar", "keep_base_weights", "lora_merge", "compile_warm_up")
 #: Devices whose diffusion stages compile their denoiser when ``enforce_eager`` is unset (see
 #: ``OmniDiffusionConfig.compiles`` and docs/user_guide/diffusion_compile.md for the measurements).
 COMPILE_BY_DEFAULT_ON = ("cuda",)
@@ -103,6 +103,9 @@ class OmniDiffusionConfig:
             eager on CPU (there the first compile costs minutes for a ~10-20 % faster step).
         compile_cache_dir: inductor cache directory of a compiled stage (reused across restarts);
             ``None``: ``~/.cache/vllm_omni/torch_compile/<stage key>``.
+        compile_warm_up: a compiled stage compiles every graph variant a request can need when it
+            starts (:mod:`vllm_omni.diffusion.compile_warmup`: six short generations), instead of
+            in the first requests that need them; ignored by an eager stage.
         keep_base_weights: (internal) keep dense base weights in ``layer.weight`` of vLLM
             linear layers on CPU instead of repacking (see ``finalize_linear_layers``).
         distributed_init_method: (internal) torch.distributed URL for TP workers; ``None``
@@ -140,6 +143,7 @@ class OmniDiffusionConfig:
     max_batch_size: int = 8
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None
+    compile_warm_up: bool = False
     keep_base_weights: bool = field(default=True, metadata=_INTERNAL)
     distributed_init_method: str | None = field(default=None, metadata=_INTERNAL)
     lora_path: str | list[str] | None = field(default=None, metadata=_LORA)

@@ -20,6 +20,11 @@ What makes a new graph (each compiled once per process, then found in the compil
   fixed-shape banks (:mod:`vllm_omni.diffusion.lora.banks`), so adapters, scales, schedules and
   mixed batches never recompile.
 
+Tensor inputs that are views enter a compiled block detached (a plain tensor on the same storage):
+dynamo guards on a view's base, which would give the first block of a stack (fed a slice of an
+embedder's output) graphs of its own. :mod:`vllm_omni.diffusion.compile_warmup` compiles every
+variant before the first request (``compile_warm_up``).
+
 Compiled artefacts are reused across restarts through inductor's FX graph cache in ``cache_dir``
 (``TORCHINDUCTOR_CACHE_DIR`` is set to it around every compiled call); dynamo still traces each graph
 again in a new process, which is the warm-restart cost.
@@ -121,6 +126,20 @@ def _unique_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def _plain_one(value):
+    # a view (``_base`` set) and a fresh tensor are different inputs to dynamo: after the first
+    # recompile it guards on the view's base, so the first block of a stack (fed a view, e.g. an
+    # embedder's reshaped output) and the later ones (fed a block's fresh output) would need a graph
+    # each, for every variant. ``detach`` drops the view link and shares the storage (no copy).
+    if isinstance(value, torch.Tensor) and value._base is not None:
+        return value.detach()
+    return value
+
+
+def _plain(args: tuple) -> tuple:
+    return tuple(_plain_one(v) for v in args)
+
+
 def _tensors(args: tuple, kwargs: dict):
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
 
@@ -194,6 +213,7 @@ class RegionalCompiler:
             os.environ[_CACHE_ENV] = self.cache_dir
         if self.before_call is not None:
             self.before_call()
+        args, kwargs = _plain(args), {k: _plain_one(v) for k, v in kwargs.items()}
         tensors = _tensors(args, kwargs)
         if self.check_rows is not None and tensors:
             self.check_rows(int(tensors[0].shape[0]))

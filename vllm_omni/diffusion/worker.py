@@ -97,6 +97,15 @@ class DiffusionWorker:
         self.compilers = [
             c for m in self.lora.managers.values() for c in compile_denoisers(m, od_config, rank, world_size)
         ]
+        if self.compilers and od_config.compile_warm_up:
+            self.warm_up_compiled()
+
+    def warm_up_compiled(self, height: int = 64, width: int = 64, steps: int = 1) -> int:
+        """Compile every graph variant of the compiled denoisers now; returns how many were created
+        (``0`` when the stage runs eagerly). See :func:`vllm_omni.diffusion.compile_warmup.warm_up_compiled`."""
+        from vllm_omni.diffusion.compile_warmup import warm_up_compiled
+
+        return warm_up_compiled(self, height=height, width=width, steps=steps)
 
     def generate(
         self, prompts: list[str], sampling_params: OmniDiffusionSamplingParams

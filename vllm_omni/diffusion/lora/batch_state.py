@@ -78,6 +78,9 @@ class LoRABatchState:
             forward context on the first layer call of a new step; it publishes that step's scales.
         bank_on: some slot has a non-zero scale for some row (read by compiled regions: the one
             Python decision they make, so a compiled denoiser has one graph without LoRA and one with).
+        force_bank: set by the compile warm-up (:mod:`vllm_omni.diffusion.compile_warmup`): compiled
+            regions take the bank path with no adapter active (an all-zero scale table: a delta of
+            exact zeros), so the LoRA graphs compile before the first adapter arrives.
     """
 
     def __init__(self) -> None:
@@ -93,6 +96,7 @@ class LoRABatchState:
         self.row_scales: dict[int, object] = {}
         self.on_step: Callable[[int | None, int | None], None] | None = None
         self._step: tuple[int | None, int | None] | None = None
+        self.force_bank = False
         self.bank_on = False
 
     def set(
@@ -111,7 +115,7 @@ class LoRABatchState:
         self.stacked = {}
         self.row_scales = {}
         self.uniform = _uniform(slots)
-        self.bank_on = bool(slots)
+        self.bank_on = bool(slots) or self.force_bank
         self.overrides = {key: (acts, _uniform(acts)) for key, acts in (overrides or {}).items()}
 
     def clear(self) -> None:

@@ -475,7 +475,7 @@ class DiffusionLoRAManager:
         self._state.set(0 if broadcast else len(reqs), acts, overrides)
         if self.banks is not None:
             self.banks.publish(matrix, [(m, names) for m, _, names in groups.values()])
-            self._state.bank_on = bool(acts) or any(a for _, a, _ in groups.values())
+            self._state.bank_on = self._state.force_bank or bool(acts) or any(g[1] for g in groups.values())
 
     def _activations(
         self, reqs: list[list[LoRARequest]], scales: list[list[float]], broadcast: bool
