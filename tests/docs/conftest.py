@@ -28,6 +28,7 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
     z_image = ensure_tiny_diffusion_assets(root)["z_image"]
     z_loras = ensure_tiny_z_image_loras(z_image, root)
     qwen_image = ensure_tiny_qwen_image(root)
+    qwen_loras = ensure_tiny_qwen_image_loras(qwen_image, root)
     wan_loras = ensure_tiny_wan_loras(root)
     qwen3_omni = ensure_tiny_qwen3_omni_assets(root)
     assets = {
@@ -39,7 +40,8 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "z_ff": z_loras["ff"],
         "z_attn_file": z_loras["attn_file"],
         "qwen_image": qwen_image,
-        "qwen_image_kohya": ensure_tiny_qwen_image_loras(qwen_image, root)["attn_kohya"],
+        "qwen_image_kohya": qwen_loras["attn_kohya"],
+        "qwen_image_mlp": qwen_loras["mlp"],
         "wan_moe": ensure_tiny_wan(root, moe=True),
         "wan_high": wan_loras["high"],
         "wan_low": wan_loras["low"],
