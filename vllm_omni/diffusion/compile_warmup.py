@@ -18,14 +18,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.worker import DiffusionWorker
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +35,7 @@ WARM_UP_BATCHES: tuple[tuple[str, ...], ...] = (
 
 
 @contextlib.contextmanager
-def forced_banks(worker: DiffusionWorker) -> Iterator[None]:
+def forced_banks(worker: Any) -> Iterator[None]:
     """Compiled regions of ``worker``'s denoisers take the LoRA bank path with every scale zero.
 
     Writes zeros into each bank scale table (group 0 for every layer) and sets ``force_bank`` on the
@@ -61,7 +58,7 @@ def forced_banks(worker: DiffusionWorker) -> Iterator[None]:
             state.clear()
 
 
-def warm_up_compiled(worker: DiffusionWorker, *, height: int = 64, width: int = 64, steps: int = 1) -> int:
+def warm_up_compiled(worker: Any, *, height: int = 64, width: int = 64, steps: int = 1) -> int:
     """Compile every graph variant of ``worker``'s compiled denoisers (see the module doc).
 
     Args:
