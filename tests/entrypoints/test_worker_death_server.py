@@ -59,12 +59,16 @@ def _tokens(server, **extra) -> list[int]:
 
 
 def _stage_worker(server) -> psutil.Process:
-    """The server's spawned stage worker (multiprocessing ``spawn_main``, not its resource tracker)."""
-    workers = [
-        child
-        for child in psutil.Process(server.proc.pid).children()
-        if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(child.cmdline())
-    ]
+    """The server's stage worker: a child of its worker fork server (``vllm_omni/engine/workers/start.py``),
+    or a spawned one (multiprocessing ``spawn_main``, not its resource tracker) under
+    ``VLLM_OMNI_WORKER_START=spawn``."""
+    workers = []
+    for child in psutil.Process(server.proc.pid).children():
+        cmd = " ".join(child.cmdline())
+        if "multiprocessing.forkserver" in cmd:
+            workers += child.children()
+        elif "spawn_main" in cmd and "resource_tracker" not in cmd:
+            workers.append(child)
     assert len(workers) == 1, [w.cmdline() for w in workers]
     return workers[0]
 
