@@ -46,14 +46,32 @@ def stage(tiny_llm_assets):
     return build_omni_config(str(tiny_llm_assets.model_dir), dtype="float32").stages[0]
 
 
+@pytest.fixture
+def server_env(monkeypatch):
+    """This process's environment as the fork server saw it when it started, but for variables read
+    after import: earlier tests of the same pytest worker may have left variables set (a test's
+    precondition, not the product's rule, which :func:`test_an_env_read_at_import_or_the_opt_out_spawns`
+    checks)."""
+    monkeypatch.delenv(start.START_ENV, raising=False)
+    start.start_preloaded()
+    base = start._server_env or {}
+    for key in set(base) | set(os.environ):
+        if key in start.READ_AFTER_IMPORT or base.get(key) == os.environ.get(key):
+            continue
+        if key in base:
+            monkeypatch.setenv(key, base[key])
+        else:
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
 def _worker(stage, env=None):
     from vllm_omni.engine.workers.client import WorkerStageRuntime
 
     return WorkerStageRuntime(stage, env=env, factory=probe_factory)
 
 
-def test_workers_fork_from_one_preloaded_server_with_their_env(stage, monkeypatch):
-    monkeypatch.delenv(start.START_ENV, raising=False)
+def test_workers_fork_from_one_preloaded_server_with_their_env(stage, server_env):
     first = _worker(stage, {"OMP_NUM_THREADS": "1"})
     try:
         second = _worker(stage, {"OMP_NUM_THREADS": "2"})
@@ -82,11 +100,17 @@ def test_workers_fork_from_one_preloaded_server_with_their_env(stage, monkeypatc
     assert not psutil.pid_exists(a["pid"]) or psutil.Process(a["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
-def test_an_env_read_at_import_or_the_opt_out_spawns(stage, monkeypatch):
-    monkeypatch.delenv(start.START_ENV, raising=False)
-    start.start_preloaded()
+def test_an_env_read_at_import_or_the_opt_out_spawns(stage, server_env):
+    monkeypatch = server_env
     # only variables read after import (or applied by the child) may differ from the server's
     assert start._worker_environ({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})[1] == []
+    # what ray.init() leaves in a driver's environment does not stop later workers from forking
+    for key, value in {
+        "PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }.items():
+        monkeypatch.setenv(key, value)
+    assert start._worker_environ({})[1] == []
     flipped = "1" if os.environ.get("HF_HUB_OFFLINE") != "1" else "0"
     assert start._worker_environ({"HF_HUB_OFFLINE": flipped})[1] == ["HF_HUB_OFFLINE"]
     proc, how = start.process_for("s", print, (), {"PYTHONHASHSEED": "7"}, "p")

@@ -69,6 +69,10 @@ READ_AFTER_IMPORT = frozenset({
     "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     "VLLM_OMNI_CACHE_ROOT", "VLLM_OMNI_MAX_REQUEST_BODY_MB", START_ENV,
     "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
+    # ray.init() sets these in the driver's environment and never restores them; Ray reads them
+    # when it is called, and PYTHONBREAKPOINT is read at each breakpoint() (a process that used
+    # the ray backend once would otherwise spawn every later mp worker)
+    "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED",
 })  # fmt: skip
 
 #: Set in the fork server's environment while it starts (it then ends without the interpreter's teardown).
