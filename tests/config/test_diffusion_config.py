@@ -92,3 +92,18 @@ def test_config_package_does_not_import_the_diffusion_runtime():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_auto_runs_a_layout_the_in_tree_pipeline_lacks_on_diffusers(tmp_path):
+    """Wan2.2 TI2V-5B image-to-video (``expand_timesteps``) has no in-tree pipeline: ``auto`` picks
+    diffusers' pipeline for that directory, ``in_tree`` keeps the in-tree one (which refuses it)."""
+    import json
+
+    index = {"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    auto = OmniDiffusionConfig().with_model(tmp_path)
+    assert auto.in_tree_gap == "expand_timesteps" and not auto.use_in_tree
+    assert OmniDiffusionConfig(pipeline_backend="in_tree").with_model(tmp_path).use_in_tree
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": False}))
+    plain = OmniDiffusionConfig().with_model(tmp_path)
+    assert plain.in_tree_gap is None and plain.use_in_tree

@@ -47,7 +47,7 @@ class WanImageToVideoPipeline(WanPipeline):
         if od_config.model_index.get("expand_timesteps"):
             raise ConfigError(
                 f"{od_config.model}: expand_timesteps image-to-video (Wan2.2 TI2V-5B) is not in-tree; "
-                "run the stage with pipeline_backend='diffusers'"
+                "run the stage with pipeline_backend='auto' or 'diffusers'"
             )
         super().__init__(od_config, device)
         comps = od_config.components
