@@ -14,9 +14,9 @@ Modes:
     ``compile-cache``: ``Omni(model, dtype="float32")`` (vLLM compiles the model), one greedy
         request; ``outputs`` holds its token ids, ``counters`` inductor's FX graph cache hits and
         misses (``torch._dynamo.utils.counters``) and ``aot_env`` ``$VLLM_USE_AOT_COMPILE``.
-    ``raw-targets``: raw ``vllm.LLM`` (float32) with ``lora_target_modules`` from the JSON list in
-        ``$PROBE_TARGETS``, one greedy request with ``adapter_a``; ``outputs`` holds its token ids,
-        or ``error`` what vLLM raised.
+    ``raw-targets``: for each ``lora_target_modules`` list in the JSON list ``$PROBE_TARGETS``, a raw
+        ``vllm.LLM`` (float32) and one greedy request with ``adapter_a``; ``by_targets`` maps the
+        ``+``-joined list to ``{"outputs": token ids}`` or ``{"error": what vLLM raised}``.
 
 vLLM's general plugins are disabled with ``VLLM_PLUGINS`` set by the caller where the run
 must not get vllm_omni's plugin (an installed checkout registers it).
@@ -118,30 +118,40 @@ def _compile_cache(assets: Path) -> dict:
 
 
 def _raw_targets(assets: Path) -> dict:
+    """One raw ``vllm.LLM`` per entry of ``$PROBE_TARGETS`` (a JSON list of target lists), one after
+    the other in this process (one vLLM import for all of them)."""
+    import gc
+
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    targets = json.loads(os.environ["PROBE_TARGETS"])
-    llm = LLM(
-        str(assets / "model"),
-        enable_lora=True,
-        max_lora_rank=16,
-        lora_target_modules=targets,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=8,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
-    try:
-        result = llm.generate(
-            MIXED_PROMPTS[0],
-            params,
-            lora_request=LoRARequest("a", 1, str(assets / "adapter_a")),
-            use_tqdm=False,
+    results = {}
+    for targets in json.loads(os.environ["PROBE_TARGETS"]):
+        llm = LLM(
+            str(assets / "model"),
+            enable_lora=True,
+            max_lora_rank=16,
+            lora_target_modules=targets,
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=8,
         )
-    except Exception as exc:  # vLLM refusing the adapter is one of the answers
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"outputs": list(result[0].outputs[0].token_ids)}
+        params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+        key = "+".join(targets)
+        try:
+            result = llm.generate(
+                MIXED_PROMPTS[0],
+                params,
+                lora_request=LoRARequest("a", 1, str(assets / "adapter_a")),
+                use_tqdm=False,
+            )
+            results[key] = {"outputs": list(result[0].outputs[0].token_ids)}
+        except Exception as exc:  # vLLM refusing the adapter is one of the answers
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return {"by_targets": results}
 
 
 def run_probe(

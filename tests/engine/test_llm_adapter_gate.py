@@ -115,12 +115,17 @@ def test_the_gate_checks_in_the_engine_dtype(tiny_llm_assets, tmp_path, dtype):
 TARGET_OPTIONS = [["qkv_proj"], ["q_proj"], ["o_proj"]]
 
 
+@pytest.fixture(scope="module")
+def raw_vllm_verdicts(tiny_llm_assets):
+    """What raw vLLM answers for adapter_a under each of TARGET_OPTIONS (one fresh process for all)."""
+    proc = run_probe("raw-targets", tiny_llm_assets.model_dir.parent, PROBE_TARGETS=json.dumps(TARGET_OPTIONS))
+    return probe_result(proc)["by_targets"]
+
+
 @pytest.mark.parametrize("targets", TARGET_OPTIONS, ids=lambda t: "+".join(t))
-def test_target_modules_verdict_equals_raw_vllm(tiny_llm_assets, targets):
+def test_target_modules_verdict_equals_raw_vllm(tiny_llm_assets, raw_vllm_verdicts, targets):
     """adapter_a (q_proj + v_proj): served with the adapter applied exactly when raw vLLM applies it."""
-    raw = probe_result(
-        run_probe("raw-targets", tiny_llm_assets.model_dir.parent, PROBE_TARGETS=json.dumps(targets))
-    )
+    raw = raw_vllm_verdicts["+".join(targets)]
     with_adapter, base = _ref(tiny_llm_assets, "a"), _ref(tiny_llm_assets, None)
     vllm_applies = raw.get("outputs") == with_adapter
     # the three answers raw vLLM can give are told apart (else the comparison proves nothing)
