@@ -184,8 +184,9 @@ def inputs(batch: int = 1, seq: int = 5, seed: int = 1) -> tuple[torch.Tensor, t
     return torch.randn(batch, seq, DIM, generator=gen), torch.randn(batch, DIM, generator=gen)
 
 
-def tp_worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
-    """One tensor-parallel rank: build the vLLM toy, run LoRA (manager or fuse), rank 0 saves the output."""
+def tp_worker(rank: int, world_size: int, init_file: str, jobs: list[dict]) -> None:
+    """One tensor-parallel rank: for each job, build the vLLM toy, run LoRA (manager or fuse); rank 0
+    saves each job's output (one process pair serves every job: one interpreter start)."""
     import torch
 
     from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
@@ -193,21 +194,22 @@ def tp_worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
     from vllm_omni.lora.request import LoRARequest
 
     init_diffusion_parallel_state(world_size, rank, f"file://{init_file}", backend="gloo")
-    state_dict = torch.load(job["state_dict"])
-    x, c = inputs(batch=len(job["sets"]), seed=21)
-    out = {}
-    with torch.no_grad():
-        model = make_vllm_dit(state_dict, process=False, kv_heads=job["kv_heads"])
-        fuse_lora_into_model(model, job["fuse_file"], scale=job["fuse_scale"])
-        process_weights(model)
-        out["fused"] = model(x, c)
-        model = make_vllm_dit(state_dict, kv_heads=job["kv_heads"])
-        manager = DiffusionLoRAManager(model, max_loras=2, max_rank=8)
-        requests = [[LoRARequest(f"l{i}", i, p) for i, p in entries] for entries, _ in job["sets"]]
-        manager.set_active_adapters(requests, [scales for _, scales in job["sets"]])
-        out["batched"] = model(x, c)
-    if rank == 0:
-        torch.save(out, job["out"])
+    for job in jobs:
+        state_dict = torch.load(job["state_dict"])
+        x, c = inputs(batch=len(job["sets"]), seed=21)
+        out = {}
+        with torch.no_grad():
+            model = make_vllm_dit(state_dict, process=False, kv_heads=job["kv_heads"])
+            fuse_lora_into_model(model, job["fuse_file"], scale=job["fuse_scale"])
+            process_weights(model)
+            out["fused"] = model(x, c)
+            model = make_vllm_dit(state_dict, kv_heads=job["kv_heads"])
+            manager = DiffusionLoRAManager(model, max_loras=2, max_rank=8)
+            requests = [[LoRARequest(f"l{i}", i, p) for i, p in entries] for entries, _ in job["sets"]]
+            manager.set_active_adapters(requests, [scales for _, scales in job["sets"]])
+            out["batched"] = model(x, c)
+        if rank == 0:
+            torch.save(out, job["out"])
 
 
 def save_lycoris_adapter(base: nn.Module, path: str, cls_name: str, seed: int, **config_kwargs) -> str:

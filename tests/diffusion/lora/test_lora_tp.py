@@ -29,48 +29,60 @@ def _oracle(base, dirs_scales: list[tuple[str, float]]):
     return model.eval()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kv_heads", [2, 1])  # 1: K/V heads replicated across the two ranks
-def test_tp2_matches_single_rank_peft(tmp_path, kv_heads):
+KV_HEADS = (2, 1)  # 1: K/V heads replicated across the two ranks
+
+
+def _job(root, kv_heads: int) -> tuple[dict, object, str, str]:
+    """A TP job for one toy (``kv_heads``): its files under ``root``, the base model and the adapter dirs."""
+    root.mkdir()
     base = make_torch_dit(seed=0, kv_heads=kv_heads)
-    a = save_peft_adapter(base, str(tmp_path / "a"), seed=30)
+    a = save_peft_adapter(base, str(root / "a"), seed=30)
     save_peft_adapter(
-        base, str(tmp_path / "b"), seed=31, r=8, lora_alpha=4.0, targets=["to_q", "to_v", "w2", "w3"]
+        base, str(root / "b"), seed=31, r=8, lora_alpha=4.0, targets=["to_q", "to_v", "w2", "w3"]
     )
-    torch.save(base.state_dict(), tmp_path / "base.pt")
+    torch.save(base.state_dict(), root / "base.pt")
     tensors = {k.removeprefix("base_model.model."): v for k, v in get_peft_model_state_dict(a).items()}
     save_file(
         tensors,
-        str(tmp_path / "a.safetensors"),
+        str(root / "a.safetensors"),
         metadata={"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 8})},
     )
-    pa, pb = str(tmp_path / "a"), str(tmp_path / "b")
-    sets = [([(1, pa)], [1.0]), ([(1, pa), (2, pb)], [0.5, -1.0]), ([], [])]
+    pa, pb = str(root / "a"), str(root / "b")
     job = {
-        "state_dict": str(tmp_path / "base.pt"),
+        "state_dict": str(root / "base.pt"),
         "kv_heads": kv_heads,
-        "sets": sets,
-        "fuse_file": str(tmp_path / "a.safetensors"),
+        "sets": [([(1, pa)], [1.0]), ([(1, pa), (2, pb)], [0.5, -1.0]), ([], [])],
+        "fuse_file": str(root / "a.safetensors"),
         "fuse_scale": 0.7,
-        "out": str(tmp_path / "out.pt"),
+        "out": str(root / "out.pt"),
     }
+    return job, base, pa, pb
+
+
+@pytest.mark.slow
+def test_tp2_matches_single_rank_peft(tmp_path):
+    """Both toys (K/V heads sharded, and replicated) in one pair of rank processes."""
+    cases = [_job(tmp_path / f"kv{kv}", kv) for kv in KV_HEADS]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=tp_worker, args=(r, 2, str(tmp_path / "pg"), job)) for r in range(2)]
+    jobs = [job for job, *_ in cases]
+    procs = [ctx.Process(target=tp_worker, args=(r, 2, str(tmp_path / "pg"), jobs)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=1800)  # a cap on a hang, not a speed bound
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    out = torch.load(tmp_path / "out.pt")
     x, c = inputs(batch=3, seed=21)
-    with torch.no_grad():
-        expected = [
-            _oracle(base, [(pa, 1.0)])(x[0:1], c[0:1])[0],
-            _oracle(base, [(pa, 0.5), (pb, -1.0)])(x[1:2], c[1:2])[0],
-            base(x[2:3], c[2:3])[0],
-        ]
-        fused_ref = _oracle(base, [(pa, 0.7)])(x, c)
-    errs = [(out["batched"][i] - e).abs().max().item() for i, e in enumerate(expected)]
-    ferr = (out["fused"] - fused_ref).abs().max().item()
-    print(f"TP=2 kv_heads={kv_heads}: batched errs {errs}, fused err {ferr:.3g}", file=sys.stderr)
-    assert max(errs) <= 1e-5 and ferr <= 1e-5
+    for job, base, pa, pb in cases:
+        out = torch.load(job["out"])
+        with torch.no_grad():
+            expected = [
+                _oracle(base, [(pa, 1.0)])(x[0:1], c[0:1])[0],
+                _oracle(base, [(pa, 0.5), (pb, -1.0)])(x[1:2], c[1:2])[0],
+                base(x[2:3], c[2:3])[0],
+            ]
+            fused_ref = _oracle(base, [(pa, 0.7)])(x, c)
+        errs = [(out["batched"][i] - e).abs().max().item() for i, e in enumerate(expected)]
+        ferr = (out["fused"] - fused_ref).abs().max().item()
+        print(f"TP=2 kv_heads={job['kv_heads']}: batched errs {errs}, fused err {ferr:.3g}", file=sys.stderr)
+        assert max(errs) <= 1e-5 and ferr <= 1e-5, job["kv_heads"]
+        assert (expected[0] - base(x[0:1], c[0:1])[0]).abs().max().item() > 1e-3  # the adapter changes the output
