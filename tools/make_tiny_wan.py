@@ -12,6 +12,11 @@ minimal ``AutoencoderKLWan`` (8x spatial, 4x temporal compression), a 2-layer
 ``WanPipeline`` runs the high-noise steps on ``transformer`` and the low-noise steps on
 ``transformer_2``.
 
+``tiny-wan-ti2v`` is the Wan2.2 TI2V-5B form asked for image-to-video (``WanImageToVideoPipeline`` with
+``expand_timesteps``): one denoiser whose input is the latent alone (48 channels, no mask or image
+channels, no image encoder) and a Wan2.2-style VAE (48 latent channels, ``is_residual``, a 2x2 pixel
+patch in front of the 8x compression: 16x spatial, 4x temporal).
+
 Every weight comes from a fixed seed, so rebuilding gives identical files. Run as a
 script (``python tools/make_tiny_wan.py OUT_DIR``) or call :func:`ensure_tiny_wan`; it
 builds under a file lock, in a temporary directory renamed into place once complete.
@@ -33,6 +38,9 @@ WAN_DIR = "tiny-wan"
 WAN_MOE_DIR = "tiny-wan-moe"
 WAN_I2V_DIR = "tiny-wan-i2v"
 WAN_I2V_MOE_DIR = "tiny-wan-i2v-moe"
+WAN_TI2V_DIR = "tiny-wan-ti2v"
+#: latent channels of the Wan2.2 (TI2V-5B) VAE
+TI2V_Z_DIM = 48
 # Bump when the layout or any size changes so stale caches are rebuilt.
 WAN_ASSET_VERSION = "1"
 
@@ -62,11 +70,12 @@ def _tokenizer():
     )
 
 
-def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False) -> None:
+def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False, ti2v: bool = False) -> None:
     """Write the tiny Wan directory to ``out``; ``moe``: the two-denoiser (Wan2.2) form; ``i2v``: the
     image-to-video form (``WanImageToVideoPipeline``: denoiser input 16 noise + 4 mask + 16 image-latent
-    channels; with one denoiser also a tiny CLIP image encoder and image cross-attention, as Wan2.1 I2V)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    channels; with one denoiser also a tiny CLIP image encoder and image cross-attention, as Wan2.1 I2V);
+    ``ti2v``: the Wan2.2 TI2V-5B image-to-video form (module docstring; not with ``moe`` / ``i2v``)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     out.mkdir(parents=True)
@@ -99,8 +108,8 @@ def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False) -> None:
             patch_size=(1, 2, 2),
             num_attention_heads=2,
             attention_head_dim=8,
-            in_channels=36 if i2v else 16,
-            out_channels=16,
+            in_channels=TI2V_Z_DIM if ti2v else 36 if i2v else 16,
+            out_channels=TI2V_Z_DIM if ti2v else 16,
             text_dim=text_dim,
             freq_dim=32,
             ffn_dim=32,
@@ -111,24 +120,16 @@ def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False) -> None:
             **image_kwargs,
         ).save_pretrained(out / name, safe_serialization=True)
 
-    torch.manual_seed(2)
-    AutoencoderKLWan(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    ).save_pretrained(out / "vae", safe_serialization=True)
-
+    _write_vae(out, ti2v)
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(out / "scheduler")
     encoder = i2v and not moe
     if encoder:
         _write_image_encoder(out)
     index = {
-        "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
+        "_class_name": "WanImageToVideoPipeline" if i2v or ti2v else "WanPipeline",
         "_diffusers_version": "0.42.1",
         "boundary_ratio": 0.5 if moe else None,
-        "expand_timesteps": False,
+        "expand_timesteps": ti2v,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
@@ -136,10 +137,42 @@ def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False) -> None:
         "transformer_2": ["diffusers", "WanTransformer3DModel"] if moe else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    if i2v:
+    if i2v or ti2v:
         index["image_encoder"] = ["transformers", "CLIPVisionModel"] if encoder else [None, None]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"] if encoder else [None, None]
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_vae(out: Path, ti2v: bool) -> None:
+    """The tiny ``AutoencoderKLWan`` (seed 2): Wan2.1-style (16 latent channels, 8x spatial), or with ``ti2v``
+    Wan2.2-style (``TI2V_Z_DIM`` channels, ``is_residual``, 2x2 pixel patch: 16x spatial) with per-channel
+    latent statistics of its own (the defaults have 16)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(2)
+    wan22 = {}
+    if ti2v:
+        stats = torch.Generator().manual_seed(5)
+        wan22 = {
+            "z_dim": TI2V_Z_DIM,
+            "is_residual": True,
+            "in_channels": 12,
+            "out_channels": 12,
+            "patch_size": 2,
+            "scale_factor_spatial": 16,
+            "latents_mean": (torch.randn(TI2V_Z_DIM, generator=stats) * 0.5).tolist(),
+            "latents_std": (torch.rand(TI2V_Z_DIM, generator=stats) + 0.5).tolist(),
+        }
+    AutoencoderKLWan(
+        **{
+            "base_dim": 8,
+            "z_dim": 16,
+            "dim_mult": [1, 1, 1, 1],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True],
+            **wan22,
+        }
+    ).save_pretrained(out / "vae", safe_serialization=True)
 
 
 def _write_image_encoder(out: Path) -> None:
@@ -161,9 +194,11 @@ def _write_image_encoder(out: Path) -> None:
     )
 
 
-def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False, i2v: bool = False) -> Path:
+def ensure_tiny_wan(
+    root: str | os.PathLike, moe: bool = False, i2v: bool = False, ti2v: bool = False
+) -> Path:
     """Build (if missing or stale) and return ``root / "tiny-wan"`` (``"tiny-wan-moe"`` with ``moe``;
-    ``"tiny-wan-i2v"`` / ``"tiny-wan-i2v-moe"`` with ``i2v``).
+    ``"tiny-wan-i2v"`` / ``"tiny-wan-i2v-moe"`` with ``i2v``; ``"tiny-wan-ti2v"`` with ``ti2v``, alone).
 
     Safe to call from several processes at once: a file lock serialises builders, the
     directory is written to a temporary sibling and renamed into place, and a version
@@ -173,16 +208,19 @@ def ensure_tiny_wan(root: str | os.PathLike, moe: bool = False, i2v: bool = Fals
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    if ti2v and (moe or i2v):
+        raise ValueError("ti2v is a layout of its own: not with moe or i2v")
     name = {(False, False): WAN_DIR, (True, False): WAN_MOE_DIR, (False, True): WAN_I2V_DIR}.get(
         (moe, i2v), WAN_I2V_MOE_DIR
     )
+    name = WAN_TI2V_DIR if ti2v else name
     final = root / name
     with FileLock(str(root / ".tiny_wan.lock")):
         stamp = final / ".asset_version"
         if not (stamp.is_file() and stamp.read_text().strip() == WAN_ASSET_VERSION):
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
-                build_tiny_wan(tmp / name, moe=moe, i2v=i2v)
+                build_tiny_wan(tmp / name, moe=moe, i2v=i2v, ti2v=ti2v)
                 (tmp / name / ".asset_version").write_text(WAN_ASSET_VERSION + "\n")
                 if final.exists():
                     shutil.rmtree(final)
@@ -281,8 +319,11 @@ def main() -> None:
     parser.add_argument(
         "--i2v", action="store_true", help="the image-to-video form (WanImageToVideoPipeline)"
     )
+    parser.add_argument(
+        "--ti2v", action="store_true", help="the Wan2.2 TI2V-5B image-to-video form (expand_timesteps)"
+    )
     args = parser.parse_args()
-    print(ensure_tiny_wan(args.out, moe=args.moe, i2v=args.i2v))
+    print(ensure_tiny_wan(args.out, moe=args.moe, i2v=args.i2v, ti2v=args.ti2v))
 
 
 if __name__ == "__main__":

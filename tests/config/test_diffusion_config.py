@@ -94,16 +94,13 @@ def test_config_package_does_not_import_the_diffusion_runtime():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_auto_runs_a_layout_the_in_tree_pipeline_lacks_on_diffusers(tmp_path):
-    """Wan2.2 TI2V-5B image-to-video (``expand_timesteps``) has no in-tree pipeline: ``auto`` picks
-    diffusers' pipeline for that directory, ``in_tree`` keeps the in-tree one (which refuses it)."""
+def test_auto_runs_every_wan_image_to_video_layout_in_tree(tmp_path):
+    """Wan2.2 TI2V-5B image-to-video (``expand_timesteps``) is one of the in-tree layouts: ``auto`` picks the
+    in-tree pipeline for that directory as for the others; ``diffusers`` still picks diffusers'."""
     import json
 
-    index = {"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    auto = OmniDiffusionConfig().with_model(tmp_path)
-    assert auto.in_tree_gap == "expand_timesteps" and not auto.use_in_tree
-    assert OmniDiffusionConfig(pipeline_backend="in_tree").with_model(tmp_path).use_in_tree
-    (tmp_path / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": False}))
-    plain = OmniDiffusionConfig().with_model(tmp_path)
-    assert plain.in_tree_gap is None and plain.use_in_tree
+    for expand in (True, False):
+        index = {"_class_name": "WanImageToVideoPipeline", "expand_timesteps": expand}
+        (tmp_path / "model_index.json").write_text(json.dumps(index))
+        assert OmniDiffusionConfig().with_model(tmp_path).use_in_tree
+        assert not OmniDiffusionConfig(pipeline_backend="diffusers").with_model(tmp_path).use_in_tree

@@ -46,11 +46,6 @@ IN_TREE_PIPELINES: dict[str, str] = {
     "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
     "WanImageToVideoPipeline": "vllm_omni.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline",
 }
-#: Layouts of an in-tree class that the in-tree pipeline does not run: ``model_index.json`` keys whose
-#: true value sends ``pipeline_backend="auto"`` to the diffusers pipeline (``"in_tree"`` refuses them).
-IN_TREE_LAYOUT_GAPS: dict[str, tuple[str, ...]] = {
-    "WanImageToVideoPipeline": ("expand_timesteps",),  # Wan2.2 TI2V-5B image-to-video
-}
 
 # Field metadata: ``concern`` groups the LoRA options; ``option=False`` marks runtime-internal
 # fields that are not stage options (set only by code that builds the config directly).
@@ -315,21 +310,12 @@ class OmniDiffusionConfig:
         return out
 
     @property
-    def in_tree_gap(self) -> str | None:
-        """The ``model_index.json`` key (of :data:`IN_TREE_LAYOUT_GAPS`) that marks this directory as a
-        layout of its class the in-tree pipeline does not run, or ``None``."""
-        for key in IN_TREE_LAYOUT_GAPS.get(self.class_name, ()):
-            if self.model_index.get(key):
-                return key
-        return None
-
-    @property
     def use_in_tree(self) -> bool:
-        """Whether the engine runs the in-tree pipeline for this directory (``"auto"``: when the class
-        has one and the directory is not a layout it lacks, see :attr:`in_tree_gap`)."""
-        if self.pipeline_backend == "diffusers" or self.class_name not in IN_TREE_PIPELINES:
+        """Whether the engine runs the in-tree pipeline for this directory (``"auto"``: whenever
+        ``_class_name`` has one; every layout of those classes runs in-tree)."""
+        if self.pipeline_backend == "diffusers":
             return False
-        return self.pipeline_backend == "in_tree" or self.in_tree_gap is None
+        return self.class_name in IN_TREE_PIPELINES
 
     def resolved_device(self) -> str:
         """``device`` or, when ``None``, ``"cuda"`` if available else ``"cpu"``."""

@@ -18,10 +18,14 @@ diffusers' ``WanPipeline.__call__``:
    spatial factors) are decoded as ``vae.decode(latents * std + mean)`` and post-processed.
 
 ``expand_timesteps`` (TI2V-5B) gives every token the step's timestep; in text-to-video every token
-has the same one, so the denoiser is called with one timestep per sample (the same maths).
+has the same one, so the denoiser is called with one timestep per sample (the same maths). In
+image-to-video (:class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`) the tokens of the
+first latent frame get timestep 0 and that frame is the clean image latent (:class:`Conditioning`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from diffusers import AutoencoderKLWan
@@ -52,6 +56,40 @@ DEFAULT_FRAMES = 81
 DEFAULT_GUIDANCE = 5.0
 #: ``extra_args`` this pipeline takes (diffusers' call arguments of the same names)
 EXTRA_ARGS = ("num_frames", "guidance_scale_2", "attention_kwargs")
+
+
+class Conditioning(NamedTuple):
+    """What the denoiser sees beside the noisy latents of a call (all ``None``: text-to-video).
+
+    Attributes:
+        channels: ``(B, c, f, h, w)`` concatenated after the latent channels every step (Wan2.1 / A14B I2V).
+        image_embeds: ``(k, L, d)`` image cross-attention features, repeated per sample (Wan2.1 I2V).
+        first_frame: ``(B, C, 1, h, w)`` the clean first latent frame (Wan2.2 TI2V-5B image-to-video,
+            ``expand_timesteps``): it replaces the first latent frame of the denoiser's input every step
+            and of the result, and that frame's tokens get timestep 0 (diffusers' ``first_frame_mask``).
+    """
+
+    channels: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    first_frame: torch.Tensor | None = None
+
+
+def with_first_frame(latents: torch.Tensor, first_frame: torch.Tensor | None) -> torch.Tensor:
+    """``latents`` ``(B, C, F, h, w)`` with latent frame 0 replaced by ``first_frame`` (a copy; unchanged
+    without one). diffusers mixes ``(1 - mask) * first + mask * latents`` with a 0/1 mask: the same values."""
+    if first_frame is None:
+        return latents
+    return torch.cat([first_frame.to(latents.dtype), latents[:, :, 1:]], dim=2)
+
+
+def first_frame_timesteps(t: torch.Tensor, latent_shape, patch_size) -> torch.Tensor:
+    """Per-token timesteps ``(F' * H' * W',)`` of a latent ``(..., F, h, w)`` patched by ``patch_size``:
+    ``t`` everywhere but 0 on the tokens of latent frame 0 (diffusers' ``first_frame_mask`` sampled at
+    every patch's corner, times ``t``)."""
+    mask = torch.ones(latent_shape[-3:], dtype=torch.float32, device=t.device)
+    mask[0] = 0
+    p_t, p_h, p_w = patch_size
+    return (mask[::p_t, ::p_h, ::p_w] * t).flatten()
 
 
 # ---------------------------------------------------------------------- the pipeline
@@ -244,10 +282,11 @@ class WanPipeline(InTreePipelineBase):
         conditioning = self._conditioning(sp, latents.shape, frames, height, width)
         adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
         scheduler = prepare_scheduler(self.scheduler, self.device, steps=sp.num_inference_steps)
-        predict = self._predictor(embeds, (guidance, guidance_2), cfg, *conditioning)
+        predict = self._predictor(embeds, (guidance, guidance_2), cfg, conditioning)
         latents = run_denoising_loop(
             scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
         )
+        latents = with_first_frame(latents, conditioning.first_frame)
         results = split_by_prompt(prompts, latents, n)
         if sp.output_type != "latent":
             self._decode_into(results, latents, sp.output_type, n)
@@ -260,32 +299,30 @@ class WanPipeline(InTreePipelineBase):
         boundary = self.boundary_ratio * self.scheduler.config.num_train_timesteps
         return (self.transformer, 0) if timestep >= boundary else (self.transformer_2, 1)
 
-    def _conditioning(self, sp, shape, frames: int, height: int, width: int):
-        """``(channels, image_embeds)`` the denoiser sees beside the latents; text-to-video has neither
+    def _conditioning(self, sp, shape, frames: int, height: int, width: int) -> Conditioning:
+        """What the denoiser sees beside the latents; text-to-video has nothing
         (image-to-video: :class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`)."""
-        return None, None
+        return Conditioning()
 
-    def _predictor(
-        self,
-        embeds: torch.Tensor,
-        guidances: tuple[float, float],
-        cfg: bool,
-        channels: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
-    ):
-        """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG; ``channels``
-        ``(B, c, f, h, w)`` concatenated after the latent channels) against ``embeds`` (``B`` positive then
-        ``B`` negative rows) and ``image_embeds`` (``(k, L, d)``, repeated per sample),
+    def _predictor(self, embeds: torch.Tensor, guidances: tuple[float, float], cfg: bool, cond: Conditioning):
+        """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG) against
+        ``embeds`` (``B`` positive then ``B`` negative rows) with ``cond`` (:class:`Conditioning`: channels
+        after the latent channels, image features, or the clean first frame with per-token timesteps),
         ``neg + g * (pos - neg)``, float32."""
 
         def predict(_step: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             batch = latents.shape[0]
             model, expert = self.expert_for(float(t))
-            x = latents if channels is None else torch.cat([latents, channels], dim=1)
+            x = with_first_frame(latents, cond.first_frame)
+            x = x if cond.channels is None else torch.cat([x, cond.channels], dim=1)
             x = x.to(model.dtype)
             x = torch.cat([x, x]) if cfg else x
-            image = None if image_embeds is None else image_embeds.repeat(x.shape[0], 1, 1)
-            out = model(x, t.expand(x.shape[0]), embeds, image).float()
+            if cond.first_frame is None:
+                timestep = t.expand(x.shape[0])
+            else:
+                timestep = first_frame_timesteps(t, x.shape, model.patch_size).expand(x.shape[0], -1)
+            image = None if cond.image_embeds is None else cond.image_embeds.repeat(x.shape[0], 1, 1)
+            out = model(x, timestep, embeds, image).float()
             return out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out
 
         return predict
