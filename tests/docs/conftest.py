@@ -40,6 +40,7 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "z_ff": z_loras["ff"],
         "z_attn_file": z_loras["attn_file"],
         "qwen_image": qwen_image,
+        "qwen_image_edit": ensure_tiny_qwen_image(root, edit=True),
         "qwen_image_kohya": qwen_loras["attn_kohya"],
         "qwen_image_mlp": qwen_loras["mlp"],
         "wan_moe": ensure_tiny_wan(root, moe=True),

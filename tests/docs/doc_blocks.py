@@ -81,6 +81,7 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "z_image_loras/detail": ("z_ff", True),  # PEFT, r 8, feed-forward
     "z_image_loras/style.safetensors": ("z_attn_file", True),  # diffusers single file (distill)
     "qwen_image": ("qwen_image", False),  # tiny Qwen-Image diffusers directory
+    "qwen_image_edit": ("qwen_image_edit", False),  # the same weights as QwenImageEditPipeline (+ processor)
     "qwen_image_loras/style.safetensors": ("qwen_image_kohya", True),  # kohya / musubi file, attention
     "qwen_image_loras/detail": ("qwen_image_mlp", True),  # PEFT, r 4, MLPs and txt_mod
     "wan2.2": ("wan_moe", False),  # tiny Wan2.2-style two-expert directory (tools/make_tiny_wan.py --moe)
