@@ -567,7 +567,8 @@ class PageRunner:
         for command in commands:
             serve = serve_argv(command)
             if serve is not None:
-                dry_run(*serve, block.where)
+                with contextlib.chdir(self.workdir):  # relative files (a deploy YAML) as the reader's
+                    dry_run(*serve, block.where)
                 if "serve" in block.markers:
                     if len(commands) != 1:
                         raise AssertionError(f"{block.where}: a `serve` block holds exactly one command")
