@@ -56,6 +56,11 @@ VARIANTS = 16  # layouts per prompt
 SHIFT = 3.0  # scheduler time shift (static)
 HIDDEN = 32  # text encoder width == cap_feat_dim
 ADAPTER_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+#: What the model is meant to run with (its README's "suggested settings"), written machine-readably into
+#: ``model_index.json`` as ``"_call_defaults"``: the server's steps and guidance for a request that sets
+#: none, and the ``/ui`` page's (``vllm_omni/config/call_defaults.py``; diffusers ignores ``_`` keys).
+SUGGESTED_STEPS = 12
+SUGGESTED_GUIDANCE = 3.0
 
 
 def prompts() -> list[str]:
@@ -343,10 +348,21 @@ def save_scheduler_and_index(out: Path) -> None:
             "vae": ("diffusers", "AutoencoderKL"),
         },
     )
+    write_call_defaults(out)
+
+
+def write_call_defaults(out: Path) -> None:
+    """Add the suggested steps and guidance to ``out/model_index.json`` (``"_call_defaults"``)."""
+    path = out / "model_index.json"
+    index = json.loads(path.read_text())
+    index["_call_defaults"] = {"guidance_scale": SUGGESTED_GUIDANCE, "num_inference_steps": SUGGESTED_STEPS}
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 @torch.no_grad()
-def preview(out: Path, dest: Path, steps: int = 12, guidance: float = 3.0) -> None:
+def preview(
+    out: Path, dest: Path, steps: int = SUGGESTED_STEPS, guidance: float = SUGGESTED_GUIDANCE
+) -> None:
     """One PNG per adapter setting (rows: prompts, columns: seeds) from diffusers' ZImagePipeline."""
     from diffusers import ZImagePipeline
     from safetensors.torch import load_file

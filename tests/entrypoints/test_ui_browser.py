@@ -2,17 +2,19 @@
 
 One server per pipeline kind: the demo diffusion model with its ``warm`` and ``stripes`` adapters,
 and the tiny Qwen2 model with two adapters. The page must load the adapters from ``/v1/models``,
-send what its controls say (the images it shows equal the ones the API returns for the same
-request), fill an XY grid, show the server's refusals, and answer in the chat box with the
-chosen adapter (the same text as the API).
+start its steps and guidance at what the server runs for a request that sets none (``/ui/info``
+``defaults``: the demo model's own 12 steps and guidance 3), send what its controls say (the images it
+shows equal the ones the API returns for the same request), fill an XY grid, show the server's
+refusals, and answer in the chat box with the chosen adapter (the same text as the API).
 
-``VLLM_OMNI_UI_SCREENSHOT=<png path>`` also writes a screenshot of the filled grid at 64x64 with
-8 steps (how ``docs/assets/ui.png`` is made).
+``VLLM_OMNI_UI_SCREENSHOT=<png path>`` also writes a screenshot of the filled grid at 64x64 with the
+model's default steps and guidance (how ``docs/assets/ui.png`` is made).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 
@@ -112,11 +114,26 @@ def set_value(driver, selector: str, value) -> None:
     )
 
 
-def api_image(server, size: int, steps: int, seed: int, lora: list) -> str:
+def server_defaults(server) -> dict:
+    """What the server runs for a request that sets no steps or guidance (``/ui/info``)."""
+    return httpx.get(server.url("/ui/info"), timeout=300).json()["defaults"]
+
+
+SERVER = "server"  # api_image: the guidance the page's field starts at, the server's default
+
+
+def api_image(server, size: int, steps: int | None, seed: int, lora: list, guidance=SERVER) -> str:
+    """The API's image for a request like the page's; ``steps`` / ``guidance`` ``None``: left out."""
     body = {
-        "model": "demo", "prompt": "a blue circle", "size": f"{size}x{size}",
-        "response_format": "b64_json", "num_inference_steps": steps, "guidance_scale": 0, "seed": seed,
+        "model": "demo", "prompt": "a blue circle", "size": f"{size}x{size}", "response_format": "b64_json",
+        "seed": seed,
     }  # fmt: skip
+    if steps is not None:
+        body["num_inference_steps"] = steps
+    if guidance == SERVER:
+        guidance = server_defaults(server)["guidance_scale"]
+    if guidance is not None:
+        body["guidance_scale"] = guidance
     if lora:
         body["lora"] = lora
     reply = httpx.post(server.url("/v1/images/generations"), json=body, timeout=600)
@@ -130,9 +147,11 @@ def shown_png(img) -> str:
     return src.split(",", 1)[1]
 
 
-def settings(driver, size: int, steps: int) -> None:
+def settings(driver, size: int, steps: int | None) -> None:
+    """Size, steps (``None``: as the page starts) and seed 0; guidance as the page starts."""
     for field, v in (("width", size), ("height", size), ("steps", steps), ("seed", 0)):
-        set_value(driver, f"#{field}", v)
+        if v is not None:
+            set_value(driver, f"#{field}", v)
 
 
 def test_page_loads_the_adapters_and_a_generation_shows_its_image(browser, image_server):
@@ -175,6 +194,38 @@ def test_the_page_follows_the_server_limits_and_defaults(browser, image_server):
         image_server.url("/v1/images/generations"), json={"prompt": "x", "lora": three}, timeout=300
     )
     assert reply.status_code == 400 and "--max-loras N" in reply.json()["error"]["message"]
+
+
+def test_steps_and_guidance_start_at_what_the_server_runs_by_default(browser, image_server):
+    """The page's steps and guidance are the server's defaults (the demo model's own ``_call_defaults``,
+    not the page's former 8 / 0): the page's image with its fields untouched, a request that sets neither,
+    and one that spells them out are the same image; an emptied field is left out of the request."""
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, image_server)
+    defaults = server_defaults(image_server)
+    steps, guidance = defaults["num_inference_steps"], defaults["guidance_scale"]
+    declared = json.loads((DEMO / "model_index.json").read_text())["_call_defaults"]
+    assert {"num_inference_steps": steps, "guidance_scale": guidance} == declared
+    assert (steps, guidance) != (8, 0)  # the page's former hard-coded values
+    assert defaults["from"]["num_inference_steps"] == "model_index.json _call_defaults"
+    fields = {name: browser.find_element(By.ID, name) for name in ("steps", "guidance")}
+    assert int(fields["steps"].get_attribute("value")) == steps
+    assert float(fields["guidance"].get_attribute("value")) == guidance
+    assert "model_index.json _call_defaults" in fields["steps"].get_attribute("title")
+    settings(browser, 32, None)
+    status = browser.find_element(By.ID, "status")
+    browser.find_element(By.ID, "generate").click()
+    wait(browser, "the image at the default settings", lambda d: status.text.startswith("done"))
+    shown = shown_png(browser.find_element(By.CSS_SELECTOR, "#result img"))
+    unset = api_image(image_server, 32, None, 0, [], guidance=None)
+    assert shown == unset == api_image(image_server, 32, steps, 0, [], guidance=guidance)
+    assert unset != api_image(image_server, 32, 8, 0, [], guidance=0)  # the old defaults draw another image
+    for name in fields:
+        set_value(browser, f"#{name}", "")
+    browser.find_element(By.ID, "generate").click()
+    wait(browser, "the image with emptied fields", lambda d: status.text.startswith("done"))
+    assert shown_png(browser.find_element(By.CSS_SELECTOR, "#result img")) == unset
 
 
 def test_an_adapter_in_lora_dirs_is_listed_and_loaded_on_first_use(browser, image_server):
@@ -222,7 +273,7 @@ def test_the_xy_grid_fills_cell_by_cell(browser, image_server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    size, steps = (64, 8) if SCREENSHOT else (32, 3)
+    size, steps = (64, None) if SCREENSHOT else (32, 3)
     open_page(browser, image_server)
     settings(browser, size, steps)
     Select(browser.find_element(By.ID, "grid-x-kind")).select_by_value("scale:warm")
@@ -268,6 +319,7 @@ def test_the_chat_box_answers_with_the_chosen_adapter(browser, llm_server):
 
     open_page(browser, llm_server)
     assert not browser.find_element(By.ID, "image-mode").is_displayed()
+    assert httpx.get(llm_server.url("/ui/info"), timeout=300).json()["defaults"] is None  # no diffusion stage
     select = Select(browser.find_element(By.ID, "chat-adapter"))
     assert [o.get_attribute("value") for o in select.options] == ["", "a", "b"]
     select.select_by_value("a")

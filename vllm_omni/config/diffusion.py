@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.config.call_defaults import check_guidance, check_steps, model_index_defaults
 from vllm_omni.errors import ConfigError
 from vllm_omni.lora.request import MAX_ADAPTER_SCALE
 
@@ -96,6 +97,10 @@ class OmniDiffusionConfig:
         enable_progress_bar: report denoising progress: a tqdm bar when stderr is a terminal, else
             INFO log lines (``vllm_omni.diffusion.progress``).
         seed: default seed of requests that set none (``None``: a random one per request).
+        default_num_inference_steps / default_guidance_scale: the steps (an integer in [1, 1000]) and
+            guidance (a number in [0, 100]) of a request that sets none, over the model's own suggestion
+            (``None``: the model's; :mod:`vllm_omni.config.call_defaults`, served as the ``/ui`` page's
+            defaults).
         max_batch_size: prompts per denoiser batch of the stage runtime (``>= 1``).
         enforce_eager: ``False`` compiles the denoiser's repeated blocks with ``torch.compile``
             (:mod:`vllm_omni.diffusion.compile`; LoRA then runs from fixed-shape banks and never
@@ -140,6 +145,8 @@ class OmniDiffusionConfig:
     pipeline_backend: str = "auto"
     enable_progress_bar: bool = True
     seed: int | None = None
+    default_num_inference_steps: int | None = None
+    default_guidance_scale: float | None = None
     max_batch_size: int = 8
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None
@@ -179,6 +186,7 @@ class OmniDiffusionConfig:
             raise _bad("max_cpu_loras", self.max_cpu_loras, ">= 1 (an integer, or unset)")
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", self.seed, "an integer (or unset)")
+        self._check_call_defaults()
         for key in _BOOLS:
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "true or false")
@@ -224,6 +232,19 @@ class OmniDiffusionConfig:
         ):
             raise _bad("lora_path", paths, "a path string or a non-empty list of path strings (or unset)")
 
+    def _check_call_defaults(self) -> None:
+        for key, check in (
+            ("default_num_inference_steps", check_steps),
+            ("default_guidance_scale", check_guidance),
+        ):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            try:
+                check(value, key)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (or unset: the model's)", options=(key,)) from None
+
     def _check_lora(self) -> None:
         if self.lora_backend not in LORA_BACKENDS:
             raise ConfigError(
@@ -266,6 +287,7 @@ class OmniDiffusionConfig:
         if not index_path.is_file():
             raise ConfigError(f"model directory {self.model!r} has no model_index.json")
         self.model_index = json.loads(index_path.read_text())
+        model_index_defaults(self.model_index, self.model)  # a bad "_call_defaults" fails at start
         missing = [name for name, spec in self.components.items() if spec and not (root / name).is_dir()]
         if missing:
             raise ConfigError(f"model directory {self.model!r} lacks component folders {missing}")

@@ -10,14 +10,17 @@ what every running stage says about itself (its
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from vllm_omni.config.call_defaults import CallDefaults, call_defaults
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.engine.stage_registry import default_stage_params
+from vllm_omni.errors import ConfigError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stages import register_stage_runtimes
 
@@ -43,6 +46,8 @@ class EntryStageInfo:
         entry_final_output: whether the caller receives the entry stage's output.
         stage_defaults: per stage, the params a front end gives it when a request has none of
             its own (a talker's sampling, code2wav's ``AudioParams``), else ``None``.
+        stage_call_defaults: per stage, a diffusion stage's steps and guidance for a request that
+            sets none (:mod:`vllm_omni.config.call_defaults`), ``None`` for an LLM stage.
         max_adapters_per_request: what the entry stage allows: 1 on an LLM stage (vLLM applies
             one adapter per request), ``max_loras`` on a diffusion one.
         startup_lora_paths: the diffusion entry stage's ``lora_path`` entries, as given
@@ -69,6 +74,7 @@ class EntryStageInfo:
     voices: tuple[str, ...] = ()
     stages: tuple[StageDescription, ...] = ()
     stage_defaults: tuple[Any, ...] = ()
+    stage_call_defaults: tuple[CallDefaults | None, ...] = ()
     entry_final_output: bool = False
     startup_lora_paths: tuple[str, ...] = ()
     startup_adapters: tuple[LoRARequest, ...] = ()
@@ -85,6 +91,12 @@ class EntryStageInfo:
     @property
     def has_diffusion_stage(self) -> bool:
         return not all(self.stage_is_llm)
+
+    @property
+    def call_defaults(self) -> CallDefaults | None:
+        """The steps and guidance of a request that sets none, of the first diffusion stage (the one
+        an image or video request's fields describe); ``None`` without a diffusion stage."""
+        return next((d for d in self.stage_call_defaults if d is not None), None)
 
     def default_lora_scale(self, lora_int_id: int) -> float:
         """The scale an adapter gets when a request names it without one.
@@ -135,6 +147,17 @@ def _with_seed(params: Any, seed: int) -> Any:
     return dataclasses.replace(params, seed=seed)
 
 
+def _call_defaults(stage: Any) -> CallDefaults | None:
+    """A diffusion stage's :class:`CallDefaults` (from its options and its model), ``None`` for an LLM stage."""
+    if stage.is_llm:
+        return None
+    dcfg = stage.diffusion_config
+    # a description without a running stage (whose start checks the model) has the options only
+    with contextlib.suppress(ConfigError):
+        dcfg = dcfg.with_model(stage.model) if stage.model else dcfg
+    return call_defaults(dcfg)
+
+
 def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescription]) -> EntryStageInfo:
     """Build the :class:`EntryStageInfo` of a resolved pipeline config whose stages run.
 
@@ -162,6 +185,7 @@ def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescripti
         "voices": audio[0].voices if audio else (),
         "stages": tuple(stages),
         "stage_defaults": tuple(default_stage_params(s) for s in config.stages),
+        "stage_call_defaults": tuple(_call_defaults(s) for s in config.stages),
         "entry_final_output": bool(entry.final_output),
         "max_adapters_per_request": described.adapters.max_per_request if described.adapters else 1,
         "accepts_input_image": "image" in described.inputs,

@@ -153,12 +153,16 @@ class DiffusionFields(_Body):
                 )
         return height, width
 
-    def diffusion_params(self, n: int = 1):
-        """The request's diffusion settings (its adapters travel separately, as ``RequestAdapter`` s)."""
+    def diffusion_params(self, n: int = 1, defaults: Any = None):
+        """The request's diffusion settings (its adapters travel separately, as ``RequestAdapter`` s);
+        ``defaults`` (the stage's :class:`~vllm_omni.config.call_defaults.CallDefaults`, what ``/ui/info``
+        shows) gives the steps and guidance the request leaves unset."""
         height, width = self.hw()
         kwargs: dict[str, Any] = {"num_images_per_prompt": n, "height": height, "width": width}
         for name in ("num_inference_steps", "guidance_scale", "negative_prompt", "seed"):
             value = getattr(self, name)
+            if value is None and name in ("num_inference_steps", "guidance_scale"):
+                value = getattr(defaults, name, None)
             if value is not None:
                 kwargs[name] = value
         if self.num_frames is not None:

@@ -110,7 +110,7 @@ def prepare_text_chat(
     llm = req.model_copy(update={"max_tokens": req.max_completion_tokens or req.max_tokens})
     room = (state.info.max_model_len or 2048) - len(prompt["prompt_token_ids"])
     sp = llm.sampling_params(max(1, room), stream=req.stream)
-    diffusion = req.diffusion_params(1) if state.info.has_diffusion_stage else None
+    diffusion = req.diffusion_params(1, state.info.call_defaults) if state.info.has_diffusion_stage else None
     info = state.info
     # text only from an audio pipeline whose entry stage gives the text: its later stages do not run
     last = 0 if audio is None and "audio" in info.output_kinds and info.entry_final_output else None
@@ -120,7 +120,7 @@ def prepare_text_chat(
 def prepare_image_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:
     """The last user message as an image prompt, and its params."""
     prompt = last_user_text(req)
-    dparams = req.diffusion_params(req.n)
+    dparams = req.diffusion_params(req.n, state.info.call_defaults)
     sp = req.sampling_params() if state.info.has_llm_stage else None
     return PreparedRun(prompt, stage_params(state, sp, dparams), adapters)
 

@@ -233,7 +233,7 @@ async def run_diffusion(
     info = state.info
     if produces not in info.output_kinds:
         raise bad_request(f"pipeline {info.pipeline!r} does not produce {what}")
-    dparams = req.diffusion_params(n)
+    dparams = req.diffusion_params(n, info.call_defaults)
     prompt, lora = req.prompt, req.lora
     if produces == "image":  # A1111 <lora:name:weight> tokens (--prompt-lora-syntax)
         prompt, lora = prompt_lora_syntax(prompt, lora, state.settings.prompt_lora_syntax)

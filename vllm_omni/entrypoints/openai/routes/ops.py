@@ -96,10 +96,13 @@ async def ui_info(request: Request) -> JSONResponse:
     """What the page needs to know about the pipeline: ``{"model": served name, "pipeline",
     "is_llm": the entry stage is an LLM stage, "outputs": output kinds, "max_adapters": per request,
     "default_scale": of start-up adapters, "dir_adapters": [{"name", "path"}] the adapters found in
-    ``--lora-dirs`` (a request names one by path; it loads on first use)}``."""
+    ``--lora-dirs`` (a request names one by path; it loads on first use), "defaults":
+    {"num_inference_steps", "guidance_scale", "from": where each came from} what a request that sets
+    neither runs with (:mod:`vllm_omni.config.call_defaults`; ``null`` without a diffusion stage)}``."""
     check_query(request)
     state = get_state(request)
     info = state.info
+    defaults = info.call_defaults
     return JSONResponse(
         {
             "model": state.base_name,
@@ -108,6 +111,7 @@ async def ui_info(request: Request) -> JSONResponse:
             "outputs": sorted(info.output_kinds),
             "max_adapters": info.max_adapters_per_request,
             "default_scale": info.startup_lora_scale,
+            "defaults": defaults.as_dict() if defaults is not None else None,
             "dir_adapters": await asyncio.to_thread(dir_adapters, state.settings.lora_dirs),
         }
     )

@@ -1,6 +1,6 @@
 // The /ui page of vllm-omni: plain JavaScript, no build step. It talks to the server's own
-// OpenAI-compatible routes: /ui/info (what the pipeline is), /v1/models (the adapters),
-// /v1/images/generations (with the `lora` field) and /v1/chat/completions.
+// OpenAI-compatible routes: /ui/info (what the pipeline is, its default steps / guidance / scale),
+// /v1/models (the adapters), /v1/images/generations (with the `lora` field) and /v1/chat/completions.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -91,6 +91,19 @@ function limitChoices() {
   }
 }
 
+// Steps and guidance start at what the server runs when a request sets none (/ui/info "defaults": a stage
+// option, the model's model_index.json "_call_defaults", or its pipeline's __call__ defaults).
+function showDefaults() {
+  const d = state.info.defaults || {};
+  const from = d.from || {};
+  for (const [field, id] of [["num_inference_steps", "steps"], ["guidance_scale", "guidance"]]) {
+    const el = $(id);
+    el.value = d[field] ?? "";
+    el.placeholder = "server default";
+    el.title = from[field] ? `server default, from ${from[field]}` : "";
+  }
+}
+
 function tooMany(max) {
   return `this server applies at most ${max} adapter(s) per request; start it with --max-loras N to allow N`;
 }
@@ -117,10 +130,13 @@ function imageBody(overrides = {}, seed = null) {
     n: 1,
     size: `${Number($("width").value)}x${Number($("height").value)}`,
     response_format: "b64_json",
-    num_inference_steps: Number($("steps").value),
-    guidance_scale: Number($("guidance").value),
     seed: seed === null ? Number($("seed").value) : seed,
   };
+  // an empty field is left out: the server then runs its default (the one the field started with)
+  for (const [field, id] of [["num_inference_steps", "steps"], ["guidance_scale", "guidance"]]) {
+    const text = $(id).value.trim();
+    if (text !== "") body[field] = Number(text);
+  }
   const negative = $("negative").value.trim();
   if (negative) body.negative_prompt = negative;
   const lora = loraField(overrides);
@@ -304,6 +320,7 @@ async function init() {
     select.add(new Option("(base model)", ""));
     for (const name of state.adapters) if (!(name in state.paths)) select.add(new Option(name, name));
   } else {
+    showDefaults();
     renderAdapters();
     axisKinds();
   }
