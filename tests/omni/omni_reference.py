@@ -46,3 +46,48 @@ def thinker_greedy(
         do_sample=False,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def sine_noise_clip(seconds: float = 1.0, rate: int = 16000, seed: int = 0):
+    """A mono float32 test clip: a 440 Hz sine (amplitude 0.5) plus seeded Gaussian noise (0.05)."""
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    return (0.5 * np.sin(2 * np.pi * 440 * t) + 0.05 * noise).astype(np.float32)
+
+
+def qwen2_5_omni_audio_inputs(model_dir: str | os.PathLike, before: str, after: str, clip) -> dict:
+    """transformers' inputs of the Qwen2.5-Omni thinker for ``before <|audio_bos|><|AUDIO|><|audio_eos|> after``
+    with ``clip`` (16 kHz): ``input_features`` / ``feature_attention_mask`` from the checkpoint's
+    ``WhisperFeatureExtractor`` (padding ``max_length``, as ``Qwen2_5OmniProcessor`` calls it), and
+    ``input_ids`` with ``<|AUDIO|>`` repeated as that processor expands it
+    (``((frames - 1) // 2 + 1 - 2) // 2 + 1`` tokens for ``frames`` mel frames)."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    fe = WhisperFeatureExtractor.from_pretrained(model_dir)
+    feats = fe(
+        clip, sampling_rate=16000, return_attention_mask=True, padding="max_length", return_tensors="pt"
+    )
+    frames = int(feats["attention_mask"].sum(-1))
+    n = ((frames - 1) // 2 + 1 - 2) // 2 + 1
+    ids = tok.encode(before, add_special_tokens=False)
+    ids += tok.convert_tokens_to_ids(["<|audio_bos|>"] + ["<|AUDIO|>"] * n + ["<|audio_eos|>"])
+    ids += tok.encode(after, add_special_tokens=False)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "input_features": feats["input_features"],
+        "feature_attention_mask": feats["attention_mask"],
+    }
+
+
+@torch.inference_mode()
+def thinker_greedy_from(model_dir: str | os.PathLike, inputs: dict, max_new_tokens: int) -> list[int]:
+    """Greedy-decode ``max_new_tokens`` tokens with transformers' thinker on full ``inputs``; the new ids."""
+    model = thinker(str(model_dir))
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
+    )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

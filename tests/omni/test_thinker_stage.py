@@ -1,12 +1,14 @@
 """The ``qwen2_5_omni_thinker_only`` pipeline on the tiny checkpoint: vLLM's thinker, greedy
-tokens equal to transformers' thinker, a thinker adapter equal to peft, and the adapter-binding
-rule (an adapter vLLM would apply to nothing, or only partly, is refused before it reaches vLLM)."""
+tokens equal to transformers' thinker (text, and one audio clip through vLLM's multimodal path,
+torchvision or not), a thinker adapter equal to peft, the adapter-binding rule (an adapter vLLM
+would apply to nothing, or only partly, is refused before it reaches vLLM), and audio the encoder
+cannot take refused naming the culprit while the stage keeps serving."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from omni_reference import thinker_greedy
+from omni_reference import qwen2_5_omni_audio_inputs, sine_noise_clip, thinker_greedy, thinker_greedy_from
 
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.request import LoRARequest
@@ -40,12 +42,17 @@ def test_thinker_runs_vllms_thinker_class(thinker_omni):
     from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerForConditionalGeneration
 
     from vllm_omni.models import qwen2_5_omni_thinker
+    from vllm_omni.models.torchvision_free import torchvision_available
 
     assert thinker_omni.stage_configs[0].model_arch == "OmniQwen2_5OmniThinkerForConditionalGeneration"
-    assert (
-        qwen2_5_omni_thinker.Qwen2_5OmniThinkerForConditionalGeneration
-        is Qwen2_5OmniThinkerForConditionalGeneration
-    )
+    ours = qwen2_5_omni_thinker.Qwen2_5OmniThinkerForConditionalGeneration
+    if torchvision_available():
+        assert ours is Qwen2_5OmniThinkerForConditionalGeneration
+    else:  # vLLM's model; only its multimodal processor's info differs (no video processor)
+        assert ours.__bases__ == (Qwen2_5OmniThinkerForConditionalGeneration,)
+        assert ours.__name__ == Qwen2_5OmniThinkerForConditionalGeneration.__name__
+        assert "forward" not in ours.__dict__ and "load_weights" not in ours.__dict__
+        assert ours._processor_factory.info.__name__.endswith("WithoutTorchvision")
 
 
 def test_thinker_greedy_tokens_equal_transformers(thinker_omni, tiny_omni_assets):
@@ -113,3 +120,68 @@ def test_plain_q_v_adapter_hitting_the_encoders_is_refused(thinker_omni, tiny_om
     # the stage keeps serving
     (out,) = thinker_omni.generate(PROMPTS[0], _params(), use_tqdm=False)
     assert len(out.token_ids) == N
+
+
+AUDIO_PROMPT = ("Listen:", " What is it?")
+
+
+def _audio_prompt(clip, rate=16000, text=None):
+    before, after = AUDIO_PROMPT
+    text = text if text is not None else f"{before}<|audio_bos|><|AUDIO|><|audio_eos|>{after}"
+    return {"prompt": text, "multi_modal_data": {"audio": (clip, rate)}}
+
+
+@pytest.fixture(scope="module")
+def audio_reference(tiny_omni_assets):
+    """transformers' thinker on the 1 s clip: (input ids, greedy tokens)."""
+    inputs = qwen2_5_omni_audio_inputs(tiny_omni_assets.model_dir, *AUDIO_PROMPT, sine_noise_clip())
+    return inputs["input_ids"][0].tolist(), thinker_greedy_from(tiny_omni_assets.model_dir, inputs, N)
+
+
+def test_audio_prompt_greedy_tokens_equal_transformers(thinker_omni, audio_reference):
+    """One audio clip through vLLM's multimodal path (on a CPU install: the processor built
+    without its video processor): the placeholders expand to transformers' input ids and the greedy
+    tokens equal transformers' thinker fed the Whisper features of the same clip."""
+    (out,) = thinker_omni.generate(_audio_prompt(sine_noise_clip()), _params(), use_tqdm=False)
+    ids, tokens = audio_reference
+    assert list(out.request_output.prompt_token_ids) == ids
+    assert out.token_ids == tokens
+
+
+BAD_AUDIO = [
+    ("empty", lambda clip: (clip[:0], 16000), r"audio item 0: .*shape \(0,\)"),
+    ("complex", lambda clip: (clip.astype("complex64"), 16000), r"audio item 0: .*real numbers.*complex64"),
+    ("3-D", lambda clip: (clip.reshape(1, 2, -1), 16000), r"audio item 0: .*shape \(1, 2, 8000\)"),
+    ("NaN", lambda clip: (clip * float("nan"), 16000), r"audio item 0: .*NaN"),
+    ("text", lambda clip: ("clip.wav", 16000), r"audio item 0: expected an array of samples.*got str"),
+    ("rate 0", lambda clip: (clip, 0), r"audio item 0: sample rate 0 is not a positive number"),
+    ("too long", lambda clip: (clip.repeat(12), 16000), r"longer than the maximum model length of 256"),
+]
+
+
+def test_bad_audio_is_refused_naming_the_culprit_and_the_stage_keeps_serving(thinker_omni, audio_reference):
+    import numpy as np
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_omni.models.torchvision_free import torchvision_available
+
+    clip = sine_noise_clip()
+    cases = list(BAD_AUDIO)
+    if not torchvision_available():  # nor torchaudio (vLLM's resampler) on the CPU install
+        cases.append(("8 kHz", lambda c: (c, 8000), r"sample rate 8000 Hz: .*takes 16000 Hz.*torchaudio"))
+    for _name, make, message in cases:
+        clip_in, rate = make(clip)
+        with pytest.raises(VLLMValidationError, match=message):
+            thinker_omni.generate(_audio_prompt(clip_in, rate), _params(), use_tqdm=False)
+    with pytest.raises(Exception, match=r"prompt replacement for mm_items\['audio'\]\[0\]"):
+        thinker_omni.generate(_audio_prompt(clip, text="no placeholder"), _params(), use_tqdm=False)
+    if not torchvision_available():
+        video = {
+            "prompt": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+            "multi_modal_data": {"video": np.zeros((2, 28, 28, 3))},
+        }
+        with pytest.raises(VLLMValidationError, match=r"video input needs torchvision.*not installed"):
+            thinker_omni.generate(video, _params(), use_tqdm=False)
+    # nothing lost: the same clip (refused above without its placeholder) still gives transformers' tokens
+    (out,) = thinker_omni.generate(_audio_prompt(clip), _params(), use_tqdm=False)
+    assert out.token_ids == audio_reference[1]

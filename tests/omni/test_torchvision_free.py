@@ -44,20 +44,23 @@ def test_alias_is_not_applied_when_torchvision_is_installed(monkeypatch):
     assert torchvision_free.TORCHVISION_MODULE not in sys.modules
 
 
-def test_thinker_is_text_only_without_torchvision(monkeypatch):
+def test_thinker_takes_audio_not_video_without_torchvision(monkeypatch):
     monkeypatch.setattr(torchvision_free, "torchvision_available", lambda: False)
     kwargs: dict = {}
-    assert torchvision_free.text_only_without_torchvision("Stage 0 (llm_ar)", kwargs)
-    assert kwargs["limit_mm_per_prompt"] == {"audio": 0, "image": 0, "video": 0}
+    assert torchvision_free.video_off_without_torchvision("Stage 0 (llm_ar)", kwargs)
+    assert kwargs["limit_mm_per_prompt"] == {"audio": 1, "image": 0, "video": 0}
+    kwargs = {"limit_mm_per_prompt": {"audio": 2, "image": 1}}  # image and more audio: allowed
+    assert torchvision_free.video_off_without_torchvision("Stage 0 (llm_ar)", kwargs)
+    assert kwargs["limit_mm_per_prompt"] == {"audio": 2, "image": 1, "video": 0}
     with pytest.raises(
-        ConfigError, match=r"Stage 0 \(llm_ar\): limit_mm_per_prompt \{'audio': 1\}.*torchvision"
+        ConfigError, match=r"Stage 0 \(llm_ar\): limit_mm_per_prompt \{'video': 1\}.*torchvision"
     ):
-        torchvision_free.text_only_without_torchvision(
-            "Stage 0 (llm_ar)", {"limit_mm_per_prompt": {"audio": 1}}
+        torchvision_free.video_off_without_torchvision(
+            "Stage 0 (llm_ar)", {"limit_mm_per_prompt": {"video": 1}}
         )
     monkeypatch.setattr(torchvision_free, "torchvision_available", lambda: True)
     kwargs = {}
-    assert not torchvision_free.text_only_without_torchvision("Stage 0 (llm_ar)", kwargs)
+    assert not torchvision_free.video_off_without_torchvision("Stage 0 (llm_ar)", kwargs)
     assert kwargs == {}
 
 
@@ -78,6 +81,7 @@ def test_thinker_stage_engine_args_name_the_class(tiny_omni_assets, monkeypatch)
         "x": 1,
         "architectures": ["OmniQwen2_5OmniThinkerForConditionalGeneration"],
     }
-    assert kwargs["limit_mm_per_prompt"] == {"audio": 0, "image": 0, "video": 0}
+    assert kwargs["limit_mm_per_prompt"] == {"audio": 1, "image": 0, "video": 0}
+    assert kwargs["mm_processor_cache_gb"] == 0  # a refused request cannot leave the cache out of step
     # sized from the thinker's text config (thinker_config.text_config), not vLLM's 0.92 of all RAM
     assert kwargs["kv_cache_memory_bytes"] >= 256 << 20

@@ -23,7 +23,7 @@ from vllm_omni.config.lora import OmniStageLoRAConfig
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.errors import ConfigError
 from vllm_omni.models import OMNI_MODEL_CLASSES
-from vllm_omni.models.torchvision_free import text_only_without_torchvision
+from vllm_omni.models.torchvision_free import video_off_without_torchvision
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def project_stage_engine_args(stage: LLMStageConfig) -> EngineArgs:
 
 
 #: Omni thinker classes whose processor builds a video processor, which needs torchvision.
-TEXT_ONLY_WITHOUT_TORCHVISION = (
+VIDEO_OFF_WITHOUT_TORCHVISION = (
     "OmniQwen2_5OmniThinkerForConditionalGeneration",
     "OmniQwen3OmniMoeThinkerForConditionalGeneration",
 )
@@ -84,17 +84,22 @@ TEXT_ONLY_WITHOUT_TORCHVISION = (
 def _select_omni_model_class(stage: LLMStageConfig, kwargs: dict[str, Any]) -> None:
     """A stage whose class is one of :data:`vllm_omni.models.OMNI_MODEL_CLASSES` runs that class:
     ``hf_overrides["architectures"]`` names it (other ``hf_overrides`` entries are kept). A
-    Qwen2.5-Omni or Qwen3-Omni thinker without torchvision is made text-only
-    (:func:`~vllm_omni.models.torchvision_free.text_only_without_torchvision`)."""
+    Qwen2.5-Omni or Qwen3-Omni thinker without torchvision takes audio and images, not video
+    (:func:`~vllm_omni.models.torchvision_free.video_off_without_torchvision`)."""
     if stage.model_arch not in OMNI_MODEL_CLASSES:
         return
     overrides = kwargs.get("hf_overrides")
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"{stage.label}: hf_overrides must be a dict for model class {stage.model_arch!r}")
     kwargs["hf_overrides"] = {**(overrides or {}), "architectures": [stage.model_arch]}
-    thinker = stage.model_arch in TEXT_ONLY_WITHOUT_TORCHVISION
-    if thinker and text_only_without_torchvision(stage.label, kwargs):
-        logger.info("%s: torchvision is not installed: text input only", stage.label)
+    thinker = stage.model_arch in VIDEO_OFF_WITHOUT_TORCHVISION
+    if thinker:
+        # vLLM 0.32's multimodal processor cache: a request refused after its media were processed
+        # (e.g. no placeholder for them) leaves the sender cache believing the engine holds them, and
+        # the next request with the same media fails (MultiModalCacheMissError): no cache.
+        kwargs.setdefault("mm_processor_cache_gb", 0)
+    if thinker and video_off_without_torchvision(stage.label, kwargs):
+        logger.info("%s: torchvision is not installed: no video input (audio and image work)", stage.label)
 
 
 def _needs_cpu_kv_budget(kwargs: dict[str, Any]) -> bool:

@@ -140,7 +140,9 @@ class AsyncOmni(OmniBase):
     def _submit_versioned(
         self, prompt: Any, params: list[Any], adapters: dict[int, RequestAdapters], **kwargs: Any
     ) -> Future:
-        """The request's adapters in their per-version form (files are checked), then ``Orchestrator.submit``."""
+        """The request's adapters in their per-version form (files are checked), then ``Orchestrator.submit``
+        (a multimodal prompt that would reach a text-only talker is refused first)."""
+        self._check_multimodal_reach(prompt, kwargs.get("last_stage"))
         return self._orchestrator.submit(prompt, params, self._versioned(adapters), **kwargs)
 
     async def _submit(self, *args: Any, **kwargs: Any) -> Future:

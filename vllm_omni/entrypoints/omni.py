@@ -110,6 +110,7 @@ class Omni(OmniBase):
         entry_id = self.config.entry_stage.stage_id
         for prompt, adapters in requests:
             entry.validate_request(StageRequest(prompt, params[0], adapters.get(entry_id, NO_ADAPTERS)))
+            self._check_multimodal_reach(prompt, last_stage)
         with self._orchestrator.batching():
             return [
                 self._orchestrator.submit(prompt, params, adapters, last_stage=last_stage)

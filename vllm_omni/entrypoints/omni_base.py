@@ -76,6 +76,12 @@ def build_omni_config(
     )
 
 
+#: Hand-offs (a stage's ``input_processor``) that pass on the entry stage's token ids without its
+#: prompt's multimodal data: ``thinker2talker`` (the Qwen2.5-Omni and Qwen3-Omni talkers read the
+#: thinker's text, and refuse or cannot rebuild audio/image/video placeholders).
+TEXT_ONLY_HANDOFFS = frozenset({"thinker2talker"})
+
+
 class OmniBase:
     """Builds the config and the stage runtimes; both entry points share it.
 
@@ -212,6 +218,30 @@ class OmniBase:
             self._orchestrator.runtimes[index].validate_request(
                 StageRequest(None, SamplingParams(), RequestAdapters.of(lora))
             )
+
+    def _check_multimodal_reach(self, prompt: Any, last_stage: int | None) -> None:
+        """Refuse, before it starts, a request whose prompt carries ``multi_modal_data`` (audio, image,
+        video) and would run a stage fed by a text-only hand-off (:data:`TEXT_ONLY_HANDOFFS`).
+
+        Raises:
+            InvalidRequestError: naming that stage and the way to run the request (text only).
+        """
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return
+        entry_id = self.config.entry_stage.stage_id
+        for stage, spec in zip(self.config.stages, self.config.pipeline.stages, strict=True):
+            runs = stage.stage_id != entry_id and (last_stage is None or stage.stage_id <= last_stage)
+            handoff = spec.input_processor
+            if runs and handoff in TEXT_ONLY_HANDOFFS:
+                exc = InvalidRequestError(
+                    f"{stage.label}: the talker takes text prompts only: its hand-off ({handoff}) passes on "
+                    f"the thinker's token ids without the prompt's {sorted(data)} input, so the reply to this "
+                    f"prompt cannot be spoken; ask for text only (last_stage={entry_id}; over HTTP, "
+                    'modalities ["text"])'
+                )
+                exc.param = "multi_modal_data"  # the request field at fault (HTTP errors name it)
+                raise exc
 
     def _stage_denoisers(self, stage_id: int) -> tuple[str, ...] | None:
         """The denoisers adapters bind to on stage ``stage_id`` (``()`` on an LLM stage); ``None`` when

@@ -57,38 +57,41 @@ def ensure_qwen2_vl_importable() -> bool:
         return True
 
 
-#: The multimodal inputs of the Qwen2.5-Omni thinker. Its transformers processor always builds
-#: a video processor, which needs torchvision: without it, vLLM can build no multimodal processor
-#: for the model and the stage runs text only.
-QWEN2_5_OMNI_MODALITIES = ("audio", "image", "video")
+#: ``limit_mm_per_prompt`` of an Omni thinker stage (Qwen2.5-Omni, Qwen3-Omni) that does not set
+#: it, without torchvision: one audio clip, one image, no video. Its transformers processor builds a
+#: video processor, which needs torchvision; the thinker then loads the processor without it
+#: (:mod:`vllm_omni.models.thinker_without_torchvision`) and refuses video.
+LIMITS_WITHOUT_TORCHVISION = {"audio": 1, "image": 0, "video": 0}
 
 
-def text_only_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool:
-    """Without torchvision, make a Qwen2.5-Omni / Qwen3-Omni thinker stage text-only (in ``engine_kwargs``).
+def video_off_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool:
+    """Without torchvision, take video out of an Omni thinker stage's inputs (in ``engine_kwargs``).
 
-    Sets ``limit_mm_per_prompt`` to 0 for every modality (vLLM then builds no multimodal
-    processor) when the stage does not set it; a no-op when torchvision is installed.
+    Sets ``limit_mm_per_prompt`` to :data:`LIMITS_WITHOUT_TORCHVISION` when the stage does not
+    set it, and its ``video`` entry to 0 when the stage sets the others only; a no-op when
+    torchvision is installed.
 
     Returns:
-        True when the stage now runs text only for want of torchvision.
+        True when video is off for want of torchvision.
 
     Raises:
-        ConfigError: the stage asks for multimodal inputs (a non-zero ``limit_mm_per_prompt``)
-            and torchvision is not installed.
+        ConfigError: the stage asks for video inputs (a non-zero ``video`` limit) and
+            torchvision is not installed.
     """
     if torchvision_available():
         return False
     limits = engine_kwargs.get("limit_mm_per_prompt")
     if limits is None:
-        engine_kwargs["limit_mm_per_prompt"] = dict.fromkeys(QWEN2_5_OMNI_MODALITIES, 0)
+        engine_kwargs["limit_mm_per_prompt"] = dict(LIMITS_WITHOUT_TORCHVISION)
         return True
-    asked = {k: v for k, v in dict(limits).items() if v}
-    if asked:
+    limits = dict(limits)
+    if limits.get("video"):
         raise ConfigError(
-            f"{stage_label}: limit_mm_per_prompt {asked} asks for multimodal inputs, which the "
-            "Omni thinker's processor (Qwen2.5-Omni, Qwen3-Omni) cannot take without torchvision (not installed); "
-            "install torchvision (the CUDA extra has it) or set limit_mm_per_prompt to 0 for every modality"
+            f"{stage_label}: limit_mm_per_prompt {{'video': {limits['video']!r}}} asks for video inputs, which the "
+            "Omni thinker's processor (Qwen2.5-Omni, Qwen3-Omni) cannot take without torchvision (not installed; "
+            "audio and image inputs work); install torchvision (the CUDA extra has it) or set the video limit to 0"
         )
+    engine_kwargs["limit_mm_per_prompt"] = {**limits, "video": 0}
     return True
 
 
