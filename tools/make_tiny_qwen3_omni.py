@@ -328,6 +328,56 @@ def make_thinker_adapter(
     return save_adapter(peft_model, out_dir, "tiny-qwen3-omni")
 
 
+#: Talker modules a talker adapter targets (leaf names, peft on the talker sub-model): attention and the
+#: shared expert's MLP of both decoder layers, and the code predictor's attention and MLP. peft does not
+#: convert a talker config (``qwen3_omni_moe_talker`` is not in its MoE table), so these names stay
+#: ``nn.Linear`` modules; the fused experts (``mlp.experts``) are parameters, reached only through
+#: ``target_parameters`` (:data:`TALKER_EXPERT_PARAMETERS`).
+TALKER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The talker's fused expert parameters, as peft's ``target_parameters`` names them.
+TALKER_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def make_talker_adapter(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    r: int = 8,
+    lora_alpha: int = 16,
+    target_modules=TALKER_TARGETS,
+    target_parameters=None,
+    seed: int = 707,
+) -> Path:
+    """Write a PEFT LoRA adapter trained (as a user would) with peft on transformers'
+    ``Qwen3OmniMoeTalkerForConditionalGeneration`` (the checkpoint's ``talker``): keys
+    ``base_model.model.model.layers.{i}...`` and ``base_model.model.code_predictor...``.
+
+    Args:
+        target_modules: leaf names (default :data:`TALKER_TARGETS`).
+        target_parameters: peft's parameter targets (e.g. :data:`TALKER_EXPERT_PARAMETERS`: an
+            adapter on the fused experts, which the talker stage refuses).
+
+    ``lora_A`` and ``lora_B`` are seeded Gaussian noise (peft's default ``lora_B`` is zero).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    lcfg = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        target_modules=list(target_modules),
+        target_parameters=None if target_parameters is None else list(target_parameters),
+        lora_dropout=0.0,
+        bias="none",
+    )
+    peft_model = get_peft_model(full.talker, lcfg)
+    lora = [(n, p) for n, p in peft_model.named_parameters() if ".lora_A." in n or ".lora_B." in n]
+    _fill_random_(lora, seed, WEIGHT_STD)
+    return save_adapter(peft_model, out_dir, "tiny-qwen3-omni-talker")
+
+
 # --------------------------------------------------------------------------------------
 # Cached assets
 # --------------------------------------------------------------------------------------
@@ -338,10 +388,12 @@ class TinyQwen3OmniAssets:
     model_dir: Path
     thinker_adapter: Path  # attention of both thinker layers
     experts_adapter: Path  # peft's adapter for the MLP names of layer 1: every MoE block's experts
+    talker_adapter: Path  # peft on the talker: attention, shared expert, code predictor (TALKER_TARGETS)
+    talker_experts_adapter: Path  # peft on the talker: q_proj and the fused experts (target_parameters)
 
 
 def ensure_tiny_qwen3_omni_assets(root: str | os.PathLike) -> TinyQwen3OmniAssets:
-    """Build (only what is missing of) the tiny checkpoint and its adapter under ``root``.
+    """Build (only what is missing of) the tiny checkpoint and its adapters under ``root``.
 
     Safe under pytest-xdist (file lock; temp dir then rename), as :mod:`tools.make_tiny_llm`.
     """
@@ -349,7 +401,11 @@ def ensure_tiny_qwen3_omni_assets(root: str | os.PathLike) -> TinyQwen3OmniAsset
 
     base = Path(root) / f"tiny_qwen3_omni_v{QWEN3_OMNI_ASSETS_VERSION}"
     base.mkdir(parents=True, exist_ok=True)
-    assets = TinyQwen3OmniAssets(base / "model", base / "thinker_adapter", base / "experts_adapter")
+    assets = TinyQwen3OmniAssets(
+        *(base / name for name in ("model", "thinker_adapter", "experts_adapter")),
+        base / "talker_adapter",
+        base / "talker_experts_adapter",
+    )
     mlp = thinker_target_modules(MLP_PROJECTIONS, layers=(1,))
     with FileLock(str(base / ".lock")):
         _atomic_build(assets.model_dir, make_tiny_qwen3_omni)
@@ -357,6 +413,13 @@ def ensure_tiny_qwen3_omni_assets(root: str | os.PathLike) -> TinyQwen3OmniAsset
         _atomic_build(
             assets.experts_adapter,
             lambda tmp: make_thinker_adapter(assets.model_dir, tmp, target_modules=mlp),
+        )
+        _atomic_build(assets.talker_adapter, lambda tmp: make_talker_adapter(assets.model_dir, tmp))
+        _atomic_build(
+            assets.talker_experts_adapter,
+            lambda tmp: make_talker_adapter(
+                assets.model_dir, tmp, target_modules=("q_proj",), target_parameters=TALKER_EXPERT_PARAMETERS
+            ),
         )
     return assets
 
@@ -366,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("out", type=Path, help="directory for the checkpoint")
-    parser.add_argument("--adapter", action="store_true", help="also write a thinker adapter beside it")
+    parser.add_argument(
+        "--adapter", action="store_true", help="also write a thinker and a talker adapter beside it"
+    )
     args = parser.parse_args(argv)
     make_tiny_qwen3_omni(args.out)
     print(f"model: {args.out}")
@@ -374,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out.parent / f"{args.out.name}_thinker_adapter"
         make_thinker_adapter(args.out, path)
         print(f"adapter: {path}")
+        talker = args.out.parent / f"{args.out.name}_talker_adapter"
+        make_talker_adapter(args.out, talker)
+        print(f"talker adapter: {talker}")
     return 0
 
 

@@ -50,5 +50,6 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "omni_thinker_adapter": tiny_omni_assets.thinker_adapter,
         "qwen3_omni_model": qwen3_omni.model_dir,
         "qwen3_omni_thinker_adapter": qwen3_omni.thinker_adapter,
+        "qwen3_omni_talker_adapter": qwen3_omni.talker_adapter,
     }
     return build_assets(tmp_path_factory.mktemp("docs_assets"), assets)

@@ -91,6 +91,7 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "qwen2_5_omni_loras/thinker": ("omni_thinker_adapter", True),  # PEFT, whole-model keys
     "qwen3_omni": ("qwen3_omni_model", False),  # tiny Qwen3-Omni checkpoint (MoE thinker)
     "qwen3_omni_loras/thinker": ("qwen3_omni_thinker_adapter", True),  # PEFT, thinker attention
+    "qwen3_omni_loras/talker": ("qwen3_omni_talker_adapter", True),  # PEFT on model.talker
     "does_not_exist": (None, False),  # never created: for examples of errors
 }
 # folders that exist because their entries do (usable as --lora-dirs roots)

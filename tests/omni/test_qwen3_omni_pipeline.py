@@ -8,6 +8,10 @@
 - The whole pipeline: text, codes and waveform against transformers' ``generate(return_audio=True)``
   (run once), greedy thinker and talker on both sides (transformers mirrors the talker's ``do_sample``
   onto its code predictor), the thinker's stop at ``<|im_end|>`` on both sides.
+- The talker with LoRA (``enable_lora`` on stage 1): a talker adapter (attention, shared expert, code
+  predictor) gives the codes of transformers' ``generate`` with peft on ``model.talker``; with a thinker
+  adapter on the same request each reaches its stage; expert and wrong-model adapters are refused
+  before the request starts, naming the adapter and key, and the stage keeps serving.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ def omni(assets):
     # peft writes rank_pattern {".*\\.gate_up_proj": 2r} into every adapter of this model, and
     # vLLM checks that rank against max_lora_rank: 16 for the rank-8 adapters here
     stage = {"dtype": "float32", "max_model_len": 256, "enable_lora": True, "max_lora_rank": 16}
-    with Omni(str(assets.model_dir), stage_overrides={"0": stage}) as engine:
+    talker = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+    with Omni(str(assets.model_dir), stage_overrides={"0": stage, "1": talker}) as engine:
         yield engine
 
 
@@ -78,11 +83,24 @@ def _params(voice="Ethan"):
 
 
 @functools.cache
-def reference(model_dir: str, prompt_ids: tuple[int, ...], eos: int, voice: str):
-    """``(thinker tokens, talker codes [G, N], waveform)`` of transformers' Omni ``generate``."""
+def reference(
+    model_dir: str,
+    prompt_ids: tuple[int, ...],
+    eos: int,
+    voice: str,
+    thinker_adapter: str | None = None,
+    talker_adapter: str | None = None,
+):
+    """``(thinker tokens, talker codes [G, N], waveform)`` of transformers' Omni ``generate``, with
+    peft's adapters on the whole model (thinker) and on ``model.talker`` (talker) when given."""
+    from peft import PeftModel
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if thinker_adapter is not None:
+        PeftModel.from_pretrained(model, thinker_adapter)  # injects the LoRA layers into ``model``
+    if talker_adapter is not None:
+        PeftModel.from_pretrained(model.talker, talker_adapter)  # into the talker sub-model
     captured = {}
     decode = model.code2wav.chunked_decode
 
@@ -100,6 +118,7 @@ def reference(model_dir: str, prompt_ids: tuple[int, ...], eos: int, voice: str)
         thinker_eos_token_id=eos,
         talker_do_sample=False,
         talker_max_new_tokens=TALK,
+        talker_repetition_penalty=1.0,  # what _params() asks of the talker (transformers' default: 1.05)
     )
     return seq[0, ids.shape[1] :].tolist(), captured["codes"], wav.reshape(-1).numpy()
 
@@ -212,16 +231,15 @@ def test_text_codes_and_waveform_equal_transformers(omni, assets):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"lora_request": {1: "talker"}}, LoRANotEnabledError, r"Stage 1 \(llm_ar\)"),
         ({"lora_request": {2: "talker"}}, LoRANotEnabledError, r"Stage 2 \(llm_generation\)"),
         ({"voice": "nobody"}, InvalidRequestError, "unknown voice 'nobody'"),
         ({"prompt": TEXT}, InvalidRequestError, r"Stage 1 .*no '<\|im_start\|>assistant' turn"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_stage(omni, assets, kwargs, error, match):
-    """An adapter for a stage without LoRA or an unknown voice is refused before the request
-    starts; a prompt without the chat template's assistant turn is refused by the talker. The
-    pipeline keeps serving."""
+    """An adapter for a stage without LoRA (code2wav) or an unknown voice is refused before the
+    request starts; a prompt without the chat template's assistant turn is refused by the talker.
+    The pipeline keeps serving."""
     lora = kwargs.get("lora_request")
     if lora is not None:
         lora = {stage: LoRARequest(name, 7, str(assets.thinker_adapter)) for stage, name in lora.items()}
@@ -254,3 +272,114 @@ def test_global_lora_options_are_refused_naming_the_llm_stages(assets):
 
     with pytest.raises(ConfigError, match=r"qwen3_omni.*\[0, 1, 2\]"):
         build_omni_config(str(assets.model_dir), enable_lora=True)
+
+
+# ---------------------------------------------------------------------------- talker LoRA
+
+
+def _run_audio(omni, lora=None):
+    """``(text ids, talker codes, waveform)`` of the chat prompt through the whole pipeline."""
+    text, audio = omni.generate(_chat(omni), _params(), lora_request=lora, use_tqdm=False)
+    return text.token_ids, audio.stage_outputs[1].codes, audio.audio
+
+
+def _reference(omni, assets, thinker=None, talker=None):
+    tokenizer = omni._orchestrator.runtimes[0].tokenizer
+    ids = tuple(tokenizer.encode(_chat(omni), add_special_tokens=False))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    adapters = [None if a is None else str(a) for a in (thinker, talker)]
+    return reference(str(assets.model_dir), ids, eos, "Ethan", *adapters)
+
+
+def test_talker_adapter_codes_equal_peft_on_transformers_talker(omni, assets):
+    """``lora_request={1: adapter}``: the talker's codes (greedy, float32; attention, shared-expert MLP
+    and code-predictor layers adapted) equal transformers' ``generate`` with peft on ``model.talker``,
+    differ from the base codes, and the waveform follows (code2wav: same tolerance as without LoRA);
+    the thinker's text is untouched."""
+    description = omni._orchestrator.descriptions[1]
+    assert (description.adapters.kind, description.adapters.max_lora_rank) == ("llm", 8)
+    talker = LoRARequest("talker", 11, str(assets.talker_adapter))
+    tokens, codes, wav = _run_audio(omni, {1: talker})
+    base_tokens, base_codes, _ = _reference(omni, assets)
+    ref_tokens, ref_codes, ref_wav = _reference(omni, assets, talker=assets.talker_adapter)
+    assert tokens == ref_tokens == base_tokens
+    assert codes.shape == ref_codes.shape and torch.equal(codes, ref_codes)
+    assert codes.shape != base_codes.shape or not torch.equal(codes, base_codes)  # the adapter acts
+    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=WAVE_ATOL)
+
+
+def test_thinker_and_talker_adapters_on_one_request_each_reach_their_stage(omni, assets):
+    """``{0: thinker adapter, 1: talker adapter}``: text equals transformers with peft's thinker
+    adapter, codes equal transformers with both adapters (the talker reads the adapted reply)."""
+    lora = {
+        0: LoRARequest("thinker", 1, str(assets.thinker_adapter)),
+        1: LoRARequest("talker", 11, str(assets.talker_adapter)),
+    }
+    tokens, codes, wav = _run_audio(omni, lora)
+    ref_tokens, ref_codes, ref_wav = _reference(omni, assets, assets.thinker_adapter, assets.talker_adapter)
+    assert tokens == ref_tokens != _reference(omni, assets)[0]
+    assert torch.equal(codes, ref_codes)
+    thinker_only = _reference(omni, assets, thinker=assets.thinker_adapter)[1]
+    assert codes.shape != thinker_only.shape or not torch.equal(codes, thinker_only)
+    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=WAVE_ATOL)
+
+
+def _whole_model_adapter(assets, path):
+    """The talker adapter as peft saves it from the whole Omni model (keys ``base_model.model.talker.``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir()
+    shutil.copy(assets.talker_adapter / "adapter_config.json", path)
+    tensors = load_file(assets.talker_adapter / "adapter_model.safetensors")
+    prefix = "base_model.model."
+    save_file(
+        {prefix + "talker." + k[len(prefix) :]: v for k, v in tensors.items()},
+        path / "adapter_model.safetensors",
+    )
+    return path
+
+
+def test_talker_adapter_saved_from_the_whole_model_gives_the_same_codes(omni, assets, tmp_path):
+    lora = LoRARequest("talker_full", 12, str(_whole_model_adapter(assets, tmp_path / "full")))
+    codes = _run_audio(omni, {1: lora})[1]
+    assert torch.equal(codes, _reference(omni, assets, talker=assets.talker_adapter)[1])
+
+
+@pytest.mark.parametrize("which", ["experts", "thinker"])
+def test_talker_refuses_expert_and_wrong_model_adapters_and_keeps_serving(omni, assets, which):
+    """An adapter on the fused experts (peft ``target_parameters``) or one for another model (the
+    thinker's) is refused before the request starts, naming the adapter, file and key; the talker
+    adapter used before still gives the reference codes, and the base model the base codes."""
+    path = assets.talker_experts_adapter if which == "experts" else assets.thinker_adapter
+    lora = LoRARequest(f"bad_{which}", {"experts": 21, "thinker": 22}[which], str(path))
+    with pytest.raises(InvalidAdapterError) as err:
+        _run_audio(omni, {1: lora})
+    message = str(err.value)
+    assert f"'bad_{which}'" in message and "Stage 1 (llm_ar)" in message and str(path) in message
+    if which == "experts":
+        assert "'base_model.model.model.layers.0.mlp.experts.lora_A.weight'" in message
+        assert "fused parameters" in message and "not linear layers" in message
+    else:
+        assert "'thinker.model.layers.0.self_attn.q_proj'" in message and "bind no LoRA layer" in message
+    assert lora.lora_int_id not in omni._orchestrator.runtimes[1].list_loras()
+    talker = LoRARequest("talker", 11, str(assets.talker_adapter))
+    assert torch.equal(
+        _run_audio(omni, {1: talker})[1], _reference(omni, assets, talker=assets.talker_adapter)[1]
+    )
+    assert torch.equal(_run_audio(omni)[1], _reference(omni, assets)[1])
+
+
+def test_talker_adapters_are_managed_through_the_registry(omni, assets):
+    """``add_lora(..., stage_id=1)`` loads on the talker (its host cache), ``pin`` / ``remove`` act there;
+    an expert adapter is refused at registration and leaves nothing behind."""
+    talker = omni._orchestrator.runtimes[1]
+    with pytest.raises(InvalidAdapterError, match=r"'reg_experts'.*fused parameters"):
+        omni.add_lora(LoRARequest("reg_experts", 31, str(assets.talker_experts_adapter)), stage_id=1)
+    assert 31 not in omni.list_loras(stage_id=1) and 31 not in talker.list_loras()
+    assert omni.add_lora(LoRARequest("reg_talker", 32, str(assets.talker_adapter)), stage_id=1)
+    assert 32 in omni.list_loras(stage_id=1) and omni.pin_lora(32, stage_id=1)
+    codes = _run_audio(omni, {1: LoRARequest("reg_talker", 32, str(assets.talker_adapter))})[1]
+    assert torch.equal(codes, _reference(omni, assets, talker=assets.talker_adapter)[1])
+    assert omni.remove_lora(32, stage_id=1) and 32 not in omni.list_loras(stage_id=1)

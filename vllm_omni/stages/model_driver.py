@@ -5,7 +5,12 @@ talker and code2wav). A subclass implements :meth:`~ModelStageDriver.load` (its 
 stage's model directory; it sets ``output_kind`` / ``params_type`` / ``voices`` for ``describe``), :meth:`~ModelStageDriver.validate_request` (every check, nothing queued),
 :meth:`~ModelStageDriver.prepare` (what the driver thread needs of a request: tensors, params) and
 :meth:`~ModelStageDriver.run` (one result from that, on the driver thread).
-No LoRA: the LoRA management calls raise ``LoRANotEnabledError`` naming the stage.
+
+LoRA: a subclass whose module takes adapters returns a :class:`~vllm_omni.stages.module_lora.ModuleLoRASpec`
+from :meth:`~ModelStageDriver.lora_spec`; with ``enable_lora`` on the stage, :attr:`ModelStageDriver.lora`
+is then a :class:`~vllm_omni.stages.module_lora.ModuleLoRA` (the adapter gate, the management calls; ``run``
+applies a request's adapter with :meth:`~vllm_omni.stages.module_lora.ModuleLoRA.applied`). Without it,
+the LoRA management calls raise ``LoRANotEnabledError`` naming the stage.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.stages.module_lora import ModuleLoRA, ModuleLoRASpec
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +81,8 @@ class ModelStageDriver(StageDriver):
 
         Raises:
             StageEngineError: no model directory, a checkpoint that cannot be loaded, or LoRA
-                options on the stage (it runs without LoRA); the message names the stage.
+                options the stage does not take (all of them when :meth:`lora_spec` is ``None``);
+                the message names the stage.
         """
         self.stage = stage
         if not stage.model:
@@ -94,17 +101,26 @@ class ModelStageDriver(StageDriver):
         """Load the module and what requests need from ``model_dir`` (on the constructing thread)."""
         raise NotImplementedError
 
+    def lora_spec(self) -> ModuleLoRASpec | None:
+        """What LoRA binds to on this stage (after :meth:`load`); ``None``: it runs without LoRA."""
+        return None
+
     def _start(self) -> None:
-        """Start the driver thread (after the module is loaded).
+        """Set up LoRA (``enable_lora``) and start the driver thread (after the module is loaded).
 
         Raises:
-            StageEngineError: the stage's options enable LoRA, which it does not run.
+            StageEngineError: the stage's options enable LoRA, which it does not run, or LoRA
+                options it does not take.
         """
-        if getattr(self.stage, "lora_config", None) is not None:
+        config = getattr(self.stage, "lora_config", None)
+        spec = None if config is None else self.lora_spec()
+        if config is not None and spec is None:
             raise StageEngineError(
                 f"{self.stage.label} ({self.kind}) runs without LoRA: remove enable_lora (and the other "
                 "LoRA options) from this stage"
             )
+        #: the stage's LoRA (``None`` without ``enable_lora``)
+        self.lora = None if spec is None else ModuleLoRA(spec, config, self.stage.label, self.stage.options)
         self._init_driver()
         self._thread = threading.Thread(
             target=self._drive, name=f"omni-stage-{self.stage.stage_id}", daemon=True
@@ -117,7 +133,7 @@ class ModelStageDriver(StageDriver):
 
     def describe(self) -> StageDescription:
         """:attr:`output_kind` out, the previous stage's payload in, :attr:`params_type`, the
-        :attr:`voices`; no LoRA."""
+        :attr:`voices`; LoRA as an LLM stage's (one adapter per request) when enabled."""
         return StageDescription(
             self.stage.stage_id,
             self.stage.label,
@@ -125,23 +141,25 @@ class ModelStageDriver(StageDriver):
             frozenset({"stage_payload"}),
             self.params_type,
             voices=tuple(self.voices),
+            adapters=None if self.lora is None else self.lora.capabilities(),
         )
 
     def check_request(
         self, request: StageRequest, params_type: type, source: str, voice: str | None = None, voices=()
     ) -> None:
-        """The checks every such stage makes: no adapter, params of ``params_type`` (or none), a
-        ``voice`` among ``voices`` (when given), and a prompt that is the ``source`` stage's
-        :class:`~vllm_omni.engine.connectors.StagePayload` (when given).
+        """The checks every such stage makes: an adapter only with LoRA on (one, passing the
+        adapter gate :meth:`~vllm_omni.stages.module_lora.ModuleLoRA.check`), params of
+        ``params_type`` (or none), a ``voice`` among ``voices`` (when given), and a prompt that is
+        the ``source`` stage's :class:`~vllm_omni.engine.connectors.StagePayload` (when given).
 
         Raises:
-            LoRANotEnabledError / InvalidRequestError: naming the stage.
+            LoRANotEnabledError / InvalidAdapterError / InvalidRequestError: naming the stage.
         """
         prompt, params = request.prompt, request.params
+        if request.adapters and self.lora is None:
+            raise LoRANotEnabledError(self._no_lora_message())
         if request.adapters:
-            raise LoRANotEnabledError(
-                f"{self.stage.label} ({self.kind}) takes no adapter: it runs without LoRA"
-            )
+            self.lora.check(request.adapters.lora_request)
         if params is not None and not isinstance(params, params_type):
             raise InvalidRequestError(
                 f"{self.stage.label} takes {params_type.__name__}, got {type(params).__name__}"
@@ -175,10 +193,37 @@ class ModelStageDriver(StageDriver):
             self._cv.notify()
         return item.future
 
-    def _no_lora(self, *_: Any) -> Any:
-        raise LoRANotEnabledError(f"{self.stage.label} ({self.kind}) does not support LoRA")
+    def _no_lora_message(self) -> str:
+        if self.lora_spec() is None:
+            return f"{self.stage.label} ({self.kind}) does not support LoRA: it takes no adapter"
+        return (
+            f"{self.stage.label} ({self.kind}) does not have LoRA enabled; set enable_lora=True on this stage "
+            f'(stage_overrides={{"{self.stage.stage_id}": {{"enable_lora": true}}}})'
+        )
 
-    add_lora = remove_lora = list_loras = pin_lora = _no_lora
+    def _require_lora(self) -> ModuleLoRA:
+        if self.lora is None:
+            raise LoRANotEnabledError(self._no_lora_message())
+        return self.lora
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Check then load an adapter into the host cache; ``True`` when newly loaded.
+
+        Raises:
+            LoRANotEnabledError, InvalidAdapterError (nothing loaded), LoRACacheError.
+        """
+        return self._require_lora().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter (on the driver thread, between requests); ``False`` when not loaded."""
+        lora = self._require_lora()
+        return self._call(lambda: lora.remove(lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return self._require_lora().ids()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self._require_lora().pin(lora_int_id)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the driver (a running request finishes first, up to ``timeout`` s, default 60)."""

@@ -4,7 +4,17 @@ The stage runs transformers' own ``Qwen3OmniMoeTalkerForConditionalGeneration`` 
 whose every step also runs the code predictor for the ``num_code_groups - 1`` residual codebooks)
 in float32 on one driver thread, one request at a time. Its weights are the ``talker.*`` tensors
 of the Omni checkpoint, plus the thinker's token embedding table (``thinker.model.embed_tokens``).
-No LoRA (adapters for this stage are refused before a request starts).
+
+LoRA (``enable_lora`` on this stage; ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``,
+``lora_target_modules``): the project's LoRA layers on the talker's ``nn.Linear`` layers
+(:mod:`vllm_omni.stages.module_lora`: decoder attention, the shared expert's MLP and its gate, the
+text/hidden projections, ``codec_head``, and the code predictor's layers and heads). A request's
+adapter for this stage applies to its whole decode (every talker and code-predictor step) at scale
+1.0. Keys as peft saves an adapter trained on ``Qwen3OmniMoeTalkerForConditionalGeneration``
+(``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), or on the whole Omni model
+(``base_model.model.talker.model...``). Refused, naming the adapter and key, before a request starts:
+targets of the MoE experts (``mlp.experts``: fused parameters, not linear layers) and keys that bind
+no talker layer (an adapter for the thinker or another model).
 
 Hand-off: the thinker's :class:`~vllm_omni.engine.connectors.StagePayload` (``thinker2talker``:
 ``prompt_token_ids`` / ``output_token_ids`` int64 ``[T]`` / ``[n]``, the request's ``voice`` in
@@ -21,6 +31,7 @@ Decoding is transformers' ``generate`` of the talker, with the sampling it is gi
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +46,9 @@ from vllm import SamplingParams
 from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.errors import InvalidRequestError, StageEngineError
 from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stages.model_driver import ModelStageDriver, load_submodule
+from vllm_omni.stages.module_lora import ModuleLoRASpec
 from vllm_omni.stages.qwen2_5_omni.checkpoint import load_prefixed
 from vllm_omni.stages.qwen2_5_omni.talker import TalkerOutput
 
@@ -60,6 +73,22 @@ REFUSED_FIELDS = (
     "allowed_token_ids",
     "min_p",
     "structured_outputs",
+)
+
+
+#: Why the talker refuses adapters on its MoE experts (``ModuleLoRASpec.refused``).
+EXPERTS_REFUSAL = (
+    "the talker's MoE experts (mlp.experts): they are fused parameters (mlp.experts.gate_up_proj "
+    "[E, 2I, H], mlp.experts.down_proj [E, H, I]), not linear layers, and this stage applies LoRA to "
+    "linear layers only (attention, mlp.shared_expert, the code predictor); train the adapter without "
+    "expert targets (peft: no target_parameters on mlp.experts)"
+)
+#: How the talker's layers are named, for adapters whose keys bind none.
+KEYS_HINT = (
+    "talker adapters name its layers as peft does on Qwen3OmniMoeTalkerForConditionalGeneration "
+    "('base_model.model.model.layers.0.self_attn.q_proj', 'base_model.model.code_predictor.model.layers.0"
+    ".mlp.up_proj') or on the whole Omni model ('base_model.model.talker.model.layers...'); an adapter "
+    "for the thinker (keys 'thinker.') goes to the thinker stage"
 )
 
 
@@ -223,9 +252,20 @@ class TalkerStageEngine(ModelStageDriver):
     def voices(self) -> list[str]:
         return list(self.ids.speakers)
 
+    def lora_spec(self) -> ModuleLoRASpec:
+        """LoRA on the talker module (its MoE experts refused: :data:`EXPERTS_REFUSAL`)."""
+        return ModuleLoRASpec(
+            self.model,
+            "the Qwen3-Omni talker (Qwen3OmniMoeTalkerForConditionalGeneration)",
+            prefixes=("talker.",),
+            refused=((".mlp.experts.", EXPERTS_REFUSAL),),
+            hint=KEYS_HINT,
+        )
+
     def validate_request(self, request: StageRequest) -> None:
         """A thinker payload with a reply of at least 2 tokens, a known voice, ``SamplingParams``
-        without the :data:`REFUSED_FIELDS`, ``n == 1``, no adapter."""
+        without the :data:`REFUSED_FIELDS`, ``n == 1``; an adapter only with LoRA on, through the
+        adapter gate (``InvalidAdapterError`` naming the adapter and the key)."""
         prompt, params = request.prompt, request.params
         voice = None if prompt is None or prompt.meta.get("voice") is None else prompt.meta["voice"].lower()
         self.check_request(request, SamplingParams, "thinker", voice, self.voices)
@@ -253,7 +293,9 @@ class TalkerStageEngine(ModelStageDriver):
                 f"{self.stage.label}: the prompt has no '<|im_start|>assistant' turn (use the chat template)"
             )
 
-    def prepare(self, request: StageRequest) -> tuple[torch.Tensor, torch.Tensor, str, SamplingParams]:
+    def prepare(
+        self, request: StageRequest
+    ) -> tuple[torch.Tensor, torch.Tensor, str, SamplingParams, LoRARequest | None]:
         prompt = request.prompt
         ids = [
             prompt.tensor(k, consumer=self.stage.label).long()
@@ -262,21 +304,26 @@ class TalkerStageEngine(ModelStageDriver):
         voice = (
             prompt.meta.get("voice") or ("ethan" if "ethan" in self.ids.speakers else self.voices[0])
         ).lower()
-        return ids[0], ids[1], voice, request.params or default_talker_params()
+        lora = request.adapters.lora_request if request.adapters else None
+        return ids[0], ids[1], voice, request.params or default_talker_params(), lora
 
     @torch.inference_mode()
-    def run(self, work: tuple[torch.Tensor, torch.Tensor, str, SamplingParams]) -> TalkerOutput:
-        prompt, reply, voice, params = work
-        inputs = build_talker_inputs(
-            self.model, self.embed, self.ids, prompt, reply, self.ids.speakers[voice]
-        )
-        kwargs = generate_kwargs(params, self.vocab, self.ids.codec_eos)
-        with torch.random.fork_rng(devices=[]):
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            out = self.model.generate(
-                **inputs, attention_mask=torch.ones_like(inputs["talker_input_ids"]), **kwargs
+    def run(
+        self, work: tuple[torch.Tensor, torch.Tensor, str, SamplingParams, LoRARequest | None]
+    ) -> TalkerOutput:
+        """The codes of one request; its adapter (if any) acts on every step, projections included."""
+        prompt, reply, voice, params, lora = work
+        with self.lora.applied(lora) if self.lora is not None else contextlib.nullcontext():
+            inputs = build_talker_inputs(
+                self.model, self.embed, self.ids, prompt, reply, self.ids.speakers[voice]
             )
+            kwargs = generate_kwargs(params, self.vocab, self.ids.codec_eos)
+            with torch.random.fork_rng(devices=[]):
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                out = self.model.generate(
+                    **inputs, attention_mask=torch.ones_like(inputs["talker_input_ids"]), **kwargs
+                )
         steps = [h[-1] for h in out.hidden_states if h[-1] is not None]
         groups = self.model.config.num_code_groups
         codes = torch.stack(steps, 1)[0].T.contiguous() if steps else torch.zeros(groups, 0, dtype=torch.long)
