@@ -91,7 +91,7 @@ def omni(tiny_omni_assets):
     from vllm_omni import Omni
 
     overrides = {
-        "0": LLM_OPTIONS | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}},
+        "0": LLM_OPTIONS | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 1}},
         "1": LLM_OPTIONS,
     }
     with Omni(str(tiny_omni_assets.model_dir), pipeline="qwen2_5_omni", stage_overrides=overrides) as engine:
@@ -208,6 +208,32 @@ def test_last_stage_returns_text_without_running_the_audio_stages(omni, monkeypa
     monkeypatch.setattr(talker, "submit", lambda *a, **k: pytest.fail("the talker ran"))
     outs = omni.generate({"prompt_token_ids": list(PROMPTS[0])}, _params(), last_stage=0)
     assert [o.final_output_type for o in outs] == ["text"] and outs[0].token_ids
+
+
+def test_audio_prompt_is_refused_before_it_starts_naming_the_talker(omni, monkeypatch):
+    """The talker reads the thinker's token ids only (no audio features): a prompt with audio is
+    refused before any stage runs, naming the talker stage and the way to get text; with
+    ``last_stage=0`` the thinker answers it."""
+    from omni_reference import sine_noise_clip
+
+    from vllm_omni.errors import InvalidRequestError
+
+    prompt = {
+        "prompt": "Listen:<|audio_bos|><|AUDIO|><|audio_eos|>",
+        "multi_modal_data": {"audio": (sine_noise_clip(), 16000)},
+    }
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            omni._orchestrator.runtimes[0], "submit", lambda *a, **k: pytest.fail("the thinker ran")
+        )
+        with pytest.raises(
+            InvalidRequestError,
+            match=r"Stage 1 \(llm_ar\): the talker takes text prompts only.*\['audio'\].*last_stage=0",
+        ) as err:
+            omni.generate(prompt, _params())
+    assert err.value.param == "multi_modal_data"
+    outs = omni.generate(prompt, _params(), last_stage=0)
+    assert [o.final_output_type for o in outs] == ["text"] and len(outs[0].token_ids) == THINK
 
 
 def _hf_codes(model_dir: str, prompt, **talker_kwargs) -> list[int]:
