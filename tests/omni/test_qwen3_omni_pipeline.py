@@ -382,4 +382,7 @@ def test_talker_adapters_are_managed_through_the_registry(omni, assets):
     assert 32 in omni.list_loras(stage_id=1) and omni.pin_lora(32, stage_id=1)
     codes = _run_audio(omni, {1: LoRARequest("reg_talker", 32, str(assets.talker_adapter))})[1]
     assert torch.equal(codes, _reference(omni, assets, talker=assets.talker_adapter)[1])
+    stats = talker.stats().adapters["reg_talker"]
+    assert stats.loaded and stats.pinned and stats.requests == 1
     assert omni.remove_lora(32, stage_id=1) and 32 not in omni.list_loras(stage_id=1)
+    assert not talker.stats().adapters["reg_talker"].loaded

@@ -61,6 +61,7 @@ class _Pending:
     work: Any
     future: Future
     submitted: float = field(default_factory=time.monotonic)
+    adapters: tuple[str, ...] = ()  # the request's adapter names, for the statistics
 
 
 class ModelStageDriver(StageDriver):
@@ -186,7 +187,8 @@ class ModelStageDriver(StageDriver):
         down / dead).
         """
         self.validate_request(request)
-        item = _Pending(self.prepare(request), Future())
+        names = tuple(a.lora.lora_name or str(a.lora.lora_int_id) for a in request.adapters or ())
+        item = _Pending(self.prepare(request), Future(), adapters=names)
         with self._cv:
             self._raise_if_unusable()
             self._queue.append(item)
@@ -212,18 +214,29 @@ class ModelStageDriver(StageDriver):
         Raises:
             LoRANotEnabledError, InvalidAdapterError (nothing loaded), LoRACacheError.
         """
-        return self._require_lora().add(lora_request)
+        start = time.perf_counter()
+        added = self._require_lora().add(lora_request)
+        name = lora_request.lora_name or str(lora_request.lora_int_id)
+        self.recorder.loaded(name, time.perf_counter() - start if added else None, lora_request.lora_int_id)
+        return added
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter (on the driver thread, between requests); ``False`` when not loaded."""
         lora = self._require_lora()
-        return self._call(lambda: lora.remove(lora_int_id))
+        entry = lora.manager.cache_entry(lora_int_id)
+        removed = self._call(lambda: lora.remove(lora_int_id))
+        if removed and entry is not None:
+            self.recorder.unloaded(entry.name or str(lora_int_id), version=lora_int_id)
+        return removed
 
     def list_loras(self) -> set[int]:
         return self._require_lora().ids()
 
     def pin_lora(self, lora_int_id: int) -> bool:
-        return self._require_lora().pin(lora_int_id)
+        pinned = self._require_lora().pin(lora_int_id)
+        entry = self.lora.manager.cache_entry(lora_int_id)
+        self.recorder.pinned(entry.name or str(lora_int_id), lora_int_id)
+        return pinned
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the driver (a running request finishes first, up to ``timeout`` s, default 60)."""
@@ -240,8 +253,8 @@ class ModelStageDriver(StageDriver):
                 result = self.run(item.work)
             except Exception as exc:
                 logger.warning("%s: %s failed: %s", self.stage.label, self.kind, exc)
-                self.recorder.request_done((), time.monotonic() - item.submitted, False)
+                self.recorder.request_done(item.adapters, time.monotonic() - item.submitted, False)
                 item.future.set_exception(StageEngineError(f"{self.stage.label}: {self.kind} failed: {exc}"))
                 continue
-            self.recorder.request_done((), time.monotonic() - item.submitted, True)
+            self.recorder.request_done(item.adapters, time.monotonic() - item.submitted, True)
             item.future.set_result(result)
