@@ -91,3 +91,25 @@ def thinker_greedy_from(model_dir: str | os.PathLike, inputs: dict, max_new_toke
         **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def qwen3_omni_audio_inputs(model_dir: str | os.PathLike, before: str, after: str, clip) -> dict:
+    """As :func:`qwen2_5_omni_audio_inputs` for Qwen3-Omni (``<|audio_start|><|audio_pad|><|audio_end|>``):
+    ``Qwen3OmniMoeProcessor`` calls the feature extractor with ``padding=True`` (no padding for one
+    clip) and expands ``<|audio_pad|>`` to transformers' ``_get_feat_extract_output_lengths(frames, 50)``."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    fe = WhisperFeatureExtractor.from_pretrained(model_dir)
+    feats = fe(clip, sampling_rate=16000, return_attention_mask=True, padding=True, return_tensors="pt")
+    n = int(_get_feat_extract_output_lengths(feats["attention_mask"].sum(-1), 50))
+    ids = tok.encode(before, add_special_tokens=False)
+    ids += tok.convert_tokens_to_ids(["<|audio_start|>"] + ["<|audio_pad|>"] * n + ["<|audio_end|>"])
+    ids += tok.encode(after, add_special_tokens=False)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "input_features": feats["input_features"],
+        "feature_attention_mask": feats["attention_mask"],
+    }
