@@ -113,3 +113,28 @@ def qwen3_omni_audio_inputs(model_dir: str | os.PathLike, before: str, after: st
         "input_features": feats["input_features"],
         "feature_attention_mask": feats["attention_mask"],
     }
+
+
+def qwen2_5_omni_image_inputs(
+    model_dir: str | os.PathLike, before: str, after: str, image, max_pixels: int
+) -> dict:
+    """transformers' inputs of the Qwen2.5-Omni thinker for ``before <|vision_bos|><|IMAGE|><|vision_eos|> after``:
+    ``pixel_values`` / ``image_grid_thw`` from transformers' ``Qwen2VLImageProcessorPil`` (the processor
+    transformers itself uses without torchvision) with the checkpoint's settings and ``max_pixels``, and
+    ``<|IMAGE|>`` repeated ``grid_t * grid_h * grid_w / merge_size**2`` times, as the processor expands it."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir, max_pixels=max_pixels)
+    pix = proc(images=[image], return_tensors="pt")
+    n = int(pix["image_grid_thw"].prod()) // proc.merge_size**2
+    ids = tok.encode(before, add_special_tokens=False)
+    ids += tok.convert_tokens_to_ids(["<|vision_bos|>"] + ["<|IMAGE|>"] * n + ["<|vision_eos|>"])
+    ids += tok.encode(after, add_special_tokens=False)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "pixel_values": pix["pixel_values"],
+        "image_grid_thw": pix["image_grid_thw"],
+    }

@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omni_reference import qwen2_5_omni_audio_inputs, sine_noise_clip, thinker_greedy, thinker_greedy_from
+from omni_reference import (
+    qwen2_5_omni_audio_inputs,
+    qwen2_5_omni_image_inputs,
+    sine_noise_clip,
+    thinker_greedy,
+    thinker_greedy_from,
+)
 
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.request import LoRARequest
 
 PROMPTS = ["Once upon a time", "The weather today is"]
 N = 8
+MAX_PIXELS = {"max_pixels": 56 * 56 * 4}
 
 
 @pytest.fixture(scope="module")
 def thinker_omni(tiny_omni_assets):
     from vllm_omni import Omni
 
-    overrides = {"0": {"dtype": "float32", "enable_lora": True, "max_lora_rank": 8, "max_model_len": 256}}
+    stage = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 8, "max_model_len": 256}
+    # images too (the CPU default is audio only): small ones, so that the start-up profile stays cheap
+    stage |= {"limit_mm_per_prompt": {"audio": 1, "image": 1, "video": 0}, "mm_processor_kwargs": MAX_PIXELS}
+    overrides = {"0": stage}
     with Omni(
         str(tiny_omni_assets.model_dir), pipeline="qwen2_5_omni_thinker_only", stage_overrides=overrides
     ) as omni:
@@ -185,3 +195,20 @@ def test_bad_audio_is_refused_naming_the_culprit_and_the_stage_keeps_serving(thi
     # nothing lost: the same clip (refused above without its placeholder) still gives transformers' tokens
     (out,) = thinker_omni.generate(_audio_prompt(clip), _params(), use_tqdm=False)
     assert out.token_ids == audio_reference[1]
+
+
+def test_image_prompt_greedy_tokens_equal_transformers(thinker_omni, tiny_omni_assets):
+    """One image through vLLM's multimodal path (on a CPU install: transformers' PIL image processor):
+    prompt ids and greedy tokens equal transformers' thinker fed ``Qwen2VLImageProcessorPil``'s pixels."""
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
+    inputs = qwen2_5_omni_image_inputs(tiny_omni_assets.model_dir, "Look:", " What?", image, **MAX_PIXELS)
+    prompt = {
+        "prompt": "Look:<|vision_bos|><|IMAGE|><|vision_eos|> What?",
+        "multi_modal_data": {"image": image},
+    }
+    (out,) = thinker_omni.generate(prompt, _params(), use_tqdm=False)
+    assert list(out.request_output.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    assert out.token_ids == thinker_greedy_from(tiny_omni_assets.model_dir, inputs, N)
