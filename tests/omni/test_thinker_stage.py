@@ -187,7 +187,7 @@ def test_bad_audio_is_refused_naming_the_culprit_and_the_stage_keeps_serving(thi
         clip_in, rate = make(clip)
         with pytest.raises(VLLMValidationError, match=message):
             thinker_omni.generate(_audio_prompt(clip_in, rate), _params(), use_tqdm=False)
-    with pytest.raises(Exception, match=r"prompt replacement for mm_items\['audio'\]\[0\]"):
+    with pytest.raises(VLLMValidationError, match=r"audio item 0: the prompt has no <\|AUDIO\|> placeholder"):
         thinker_omni.generate(_audio_prompt(clip, text="no placeholder"), _params(), use_tqdm=False)
     video = {
         "prompt": "<|vision_bos|><|VIDEO|><|vision_eos|>",

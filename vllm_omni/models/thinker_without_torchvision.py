@@ -8,7 +8,10 @@ without that video processor (:func:`processor_without_video`): the Whisper feat
 the image processor (transformers' PIL one, see :mod:`vllm_omni.models.torchvision_free`) and
 the tokenizer load as they do with torchvision, and the placeholders are expanded by
 transformers' own code. Video input is refused with :class:`VideoNeedsTorchvision` (an
-``VLLMValidationError``): the request fails before it starts; the engine keeps serving.
+``VLLMValidationError``): the request fails before it starts; the engine keeps serving. Audio
+items are checked before vLLM parses them (:func:`check_audio_items`): audio the encoder cannot
+take is refused naming the item and why, instead of failing deeper (or, for NaN samples,
+answering garbage).
 
 Used **only when torchvision is not installed**; with it, the thinker modules export vLLM's
 classes unchanged.
@@ -179,8 +182,9 @@ def _context_swapping(ctx: InputProcessingContext, swap: dict[type, type]) -> In
 
 def thinker_class_without_torchvision(model_cls: type, processor_cls: type, module: str) -> type:
     """A subclass of vLLM's thinker ``model_cls`` (same name, defined in ``module``) whose multimodal processor loads
-    :func:`processor_without_video` of ``processor_cls`` and refuses video items
-    (:class:`VideoNeedsTorchvision`, before the request starts). The model itself is unchanged."""
+    :func:`processor_without_video` of ``processor_cls`` and refuses, before the request starts, video items
+    (:class:`VideoNeedsTorchvision`), audio the encoder cannot take (:func:`check_audio_items`) and items without
+    a placeholder in the prompt. The model itself is unchanged."""
     factories = model_cls._processor_factory
     swap = {processor_cls: processor_without_video(processor_cls)}
 
@@ -201,9 +205,24 @@ def thinker_class_without_torchvision(model_cls: type, processor_cls: type, modu
                 raise VideoNeedsTorchvision()
             super().validate_num_items(modality, num_items)
 
+    class Processor(factories.processor):  # type: ignore[misc, name-defined]
+        def _matched_updates_from_result(self, mm_prompt_updates, match_result):
+            # vLLM asserts here (an AssertionError, HTTP 500) when an item has no placeholder
+            for modality, update_idxs in match_result.items():
+                missing = [i for i, u in enumerate(update_idxs) if u is None]
+                if missing:
+                    token = getattr(self.info.get_hf_processor(), f"{modality}_token", modality)
+                    raise VLLMValidationError(
+                        f"{modality} item {missing[0]}: the prompt has no {token} placeholder for it "
+                        f"(one per {modality} item)",
+                        parameter=modality,
+                    )
+            return super()._matched_updates_from_result(mm_prompt_updates, match_result)
+
     Info.__name__ = Info.__qualname__ = f"{factories.info.__name__}WithoutTorchvision"
+    Processor.__name__ = Processor.__qualname__ = f"{factories.processor.__name__}WithoutTorchvision"
     sub = type(model_cls.__name__, (model_cls,), {"__module__": module, "__doc__": model_cls.__doc__})
     register = MULTIMODAL_REGISTRY.register_processor(
-        factories.processor, info=Info, dummy_inputs=factories.dummy_inputs
+        Processor, info=Info, dummy_inputs=factories.dummy_inputs
     )
     return register(sub)
