@@ -58,6 +58,9 @@ def test_thinker_takes_audio_not_video_without_torchvision(monkeypatch):
         torchvision_free.video_off_without_torchvision(
             "Stage 0 (llm_ar)", {"limit_mm_per_prompt": {"video": 1}}
         )
+    kwargs = {"limit_mm_per_prompt": {"audio": 1, "video": {"count": 0}}}  # vLLM's dict form
+    assert torchvision_free.video_off_without_torchvision("Stage 0 (llm_ar)", kwargs)
+    assert kwargs["limit_mm_per_prompt"] == {"audio": 1, "video": 0}
     monkeypatch.setattr(torchvision_free, "torchvision_available", lambda: True)
     kwargs = {}
     assert not torchvision_free.video_off_without_torchvision("Stage 0 (llm_ar)", kwargs)

@@ -85,7 +85,10 @@ def video_off_without_torchvision(stage_label: str, engine_kwargs: dict) -> bool
         engine_kwargs["limit_mm_per_prompt"] = dict(LIMITS_WITHOUT_TORCHVISION)
         return True
     limits = dict(limits)
-    if limits.get("video"):
+    video = limits.get("video")
+    if isinstance(video, dict):  # vLLM's per-modality options: {"count": n, ...}
+        video = video.get("count")
+    if video:
         raise ConfigError(
             f"{stage_label}: limit_mm_per_prompt {{'video': {limits['video']!r}}} asks for video inputs, which the "
             "Omni thinker's processor (Qwen2.5-Omni, Qwen3-Omni) cannot take without torchvision (not installed; "
