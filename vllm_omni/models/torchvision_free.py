@@ -58,8 +58,9 @@ def ensure_qwen2_vl_importable() -> bool:
 
 
 #: ``limit_mm_per_prompt`` of an Omni thinker stage (Qwen2.5-Omni, Qwen3-Omni) that does not set
-#: it, without torchvision: one audio clip, one image, no video. Its transformers processor builds a
-#: video processor, which needs torchvision; the thinker then loads the processor without it
+#: it, without torchvision: one audio clip, no image (they work when the stage allows them; vLLM's
+#: start-up profile of the largest image costs ~20 s of CPU), no video. Its transformers processor
+#: builds a video processor, which needs torchvision; the thinker then loads the processor without it
 #: (:mod:`vllm_omni.models.thinker_without_torchvision`) and refuses video.
 LIMITS_WITHOUT_TORCHVISION = {"audio": 1, "image": 0, "video": 0}
 
