@@ -58,6 +58,7 @@ def test_stage_carries_typed_config_with_defaults_and_explicit_options():
         ({"max_loras": 2, "max_cpu_loras": 1}, r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),
         # one set of limits with a request's adapter scale (MAX_ADAPTER_SCALE)
         ({"lora_scale": 1e6}, r"lora_scale must be a finite number in \[-100, 100\], got float: 1000000.0"),
+        ({"compile_backend": "inductr"}, r"compile_backend must be a registered dynamo backend: 'inductor', "),
     ],
 )
 def test_every_option_check_runs_at_resolution_with_config_error(options, message):

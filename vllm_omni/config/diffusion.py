@@ -111,6 +111,10 @@ class OmniDiffusionConfig:
         compile_warm_up: a compiled stage compiles every graph variant a request can need when it
             starts (:mod:`vllm_omni.diffusion.compile_warmup`: six short generations), instead of
             in the first requests that need them; ignored by an eager stage.
+        compile_backend: the ``torch.compile`` backend of a compiled stage (vLLM's
+            ``compilation_config.backend``): ``"inductor"`` (default: generated kernels, cached in
+            ``compile_cache_dir``), or any registered dynamo backend such as ``"aot_eager"`` (traced
+            graphs run by eager kernels: to tell an inductor fault from a tracing one) or ``"eager"``.
         keep_base_weights: (internal) keep dense base weights in ``layer.weight`` of vLLM
             linear layers on CPU instead of repacking (see ``finalize_linear_layers``).
         distributed_init_method: (internal) torch.distributed URL for TP workers; ``None``
@@ -151,6 +155,7 @@ class OmniDiffusionConfig:
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None
     compile_warm_up: bool = False
+    compile_backend: str = "inductor"
     keep_base_weights: bool = field(default=True, metadata=_INTERNAL)
     distributed_init_method: str | None = field(default=None, metadata=_INTERNAL)
     lora_path: str | list[str] | None = field(default=None, metadata=_LORA)
@@ -167,6 +172,15 @@ class OmniDiffusionConfig:
         self._check_lora()
         if self.model is not None:
             self._check_model()
+
+    def _check_compile_backend(self) -> None:
+        """Raises ConfigError unless ``compile_backend`` names a registered dynamo backend."""
+        if not (isinstance(self.compile_backend, str) and self.compile_backend):
+            raise _bad("compile_backend", self.compile_backend, "a torch.compile backend name")
+        from torch._dynamo import list_backends
+
+        if self.compile_backend not in list_backends(exclude_tags=()):
+            raise _bad("compile_backend", self.compile_backend, "a registered dynamo backend: 'inductor', 'aot_eager', 'eager', ...")
 
     def with_model(self, model: str | os.PathLike) -> OmniDiffusionConfig:
         """A copy bound to ``model`` (checked: directory, ``model_index.json``, pipeline class).
@@ -196,6 +210,8 @@ class OmniDiffusionConfig:
             isinstance(self.compile_cache_dir, str) and self.compile_cache_dir
         ):
             raise _bad("compile_cache_dir", self.compile_cache_dir, "a directory path (or unset)")
+        if self.compile_backend != "inductor":
+            self._check_compile_backend()
         if not isinstance(self.dtype, str | torch.dtype):
             raise _bad("dtype", self.dtype, "a string or a torch.dtype")
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:

@@ -271,6 +271,7 @@ def compile_denoisers(manager, od_config: OmniDiffusionConfig, rank: int, world_
                 RegionalCompiler(
                     denoiser,
                     cache_dir=cache_dir,
+                    backend=od_config.compile_backend,
                     before_call=manager.sync_step,
                     check_rows=None if banks is None else banks.check_rows,
                     variant=lambda: "lora" if manager.lora_on else "base",
