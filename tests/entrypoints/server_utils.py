@@ -199,3 +199,24 @@ def assert_openai_error(response: httpx.Response, statuses=(400, 422)) -> dict:
 def copy_adapter(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete", ".lock"))
     return dst
+
+
+def input_audio_part(samples, rate: int = 16000, fmt: str = "wav") -> dict:
+    """An OpenAI ``input_audio`` chat content part: ``samples`` (floats in [-1, 1]) as a 16-bit PCM
+    mono WAV at ``rate``, base64."""
+    import base64
+    import io
+    import wave
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.round(np.asarray(samples) * 32767).astype("<i2").tobytes())
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": fmt},
+    }

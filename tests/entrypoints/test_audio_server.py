@@ -2,7 +2,9 @@
 
 One server for the module. The openai client reads ``message.audio`` (base64 WAV and its
 transcript); a request that does not ask for audio gets text only; bad audio fields are 400s
-naming the field.
+naming the field. Audio input (``input_audio`` parts, the thinker takes one clip): the prompt ids
+and greedy tokens equal transformers' thinker on the same WAV samples; bad parts are 400s naming
+``messages[i].content[j]``, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import wave
 
 import httpx
@@ -19,6 +22,7 @@ import pytest
 from tests.entrypoints.server_utils import (
     assert_openai_error,
     free_port,
+    input_audio_part,
     serve_command,
     server_env,
     start_server,
@@ -28,7 +32,7 @@ from tools.make_tiny_qwen2_5_omni import SPEAKER
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
 STAGE = {"dtype": "float32", "max_model_len": 128}
-OVERRIDES = {"0": STAGE | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}}, "1": STAGE}
+OVERRIDES = {"0": STAGE | {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 1}}, "1": STAGE}
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +126,72 @@ def test_min_tokens_acts_on_the_thinker_only(client):
     with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
         frames = w.readframes(w.getnframes())
     assert len(frames) > 0 and frames != b"\x00" * len(frames)
+
+
+AUDIO_QUESTION = "What is it?"
+N = 6
+
+
+def _audio_messages(*parts):
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": AUDIO_QUESTION}]}]
+
+
+def test_input_audio_equals_transformers_thinker(client, tiny_omni_assets):
+    """The openai client sends a 1 s 16 kHz WAV and a question: the prompt (the tiny checkpoint's
+    string template: the placeholder, a newline, the text) expands to transformers' input ids and the
+    greedy tokens equal transformers' thinker fed the Whisper features of the WAV's samples."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from tests.omni.omni_reference import qwen2_5_omni_audio_inputs, sine_noise_clip, thinker_greedy_from
+
+    clip = sine_noise_clip()
+    reply = client.chat.completions.create(
+        model="tiny-omni",
+        messages=_audio_messages(input_audio_part(clip)),
+        modalities=["text"],
+        max_tokens=N,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    pcm = np.round(clip * 32767).astype(np.int16).astype(np.float32) / 32768  # what the WAV holds
+    after = f"\n{AUDIO_QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    inputs = qwen2_5_omni_audio_inputs(tiny_omni_assets.model_dir, "<|im_start|>user\n", after, pcm)
+    tokens = thinker_greedy_from(tiny_omni_assets.model_dir, inputs, N)
+    assert reply.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert reply.choices[0].token_ids == tokens
+    text = AutoTokenizer.from_pretrained(tiny_omni_assets.model_dir).decode(tokens, skip_special_tokens=True)
+    assert reply.choices[0].message.content == text.rstrip("\ufffd")  # vLLM holds back a partial character
+    assert reply.usage.prompt_tokens == len(reply.prompt_token_ids)
+
+
+def test_bad_input_audio_is_400_naming_the_part(server):
+    """Each bad part is refused naming ``messages[0].content[j]`` (and the rate, the format, the talker);
+    then the same clip is answered."""
+    from tests.omni.omni_reference import sine_noise_clip
+
+    clip = sine_noise_clip()
+    good = input_audio_part(clip)
+    not_wav = {"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "wav"}}
+    cases = [
+        (_audio_messages({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}), "base64"),
+        (_audio_messages(input_audio_part(clip, fmt="mp3")), "'mp3' cannot be decoded"),
+        (_audio_messages(not_wav), "not a WAV file"),
+        (_audio_messages(input_audio_part(clip[::2], rate=8000)), "sample rate 8000 Hz: .*16000 Hz"),
+        (_audio_messages(good, input_audio_part(clip[:8000])), "2 audio parts; .* at most 1"),
+    ]
+    url = server.url("/v1/chat/completions")
+    for j, (messages, message) in enumerate(cases):
+        body = {"model": "tiny-omni", "messages": messages, "max_tokens": 2, "modalities": ["text"]}
+        err = assert_openai_error(httpx.post(url, json=body, timeout=600), (400,))
+        part = "messages[0].content[1]" if j == len(cases) - 1 else "messages[0].content[0]"
+        assert err["param"] == part and err["message"].startswith(part + ": ")
+        assert re.search(message, err["message"]), err["message"]
+    # speech out: the talker reads the thinker's token ids only; refused before any stage runs
+    body = {"model": "tiny-omni", "messages": _audio_messages(good), "max_tokens": 2}
+    body |= {"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "wav"}}
+    err = assert_openai_error(httpx.post(url, json=body, timeout=600), (400,))
+    assert err["param"] == "modalities" and "Stage 1" in err["message"] and "talker" in err["message"]
+    body = {"model": "tiny-omni", "messages": _audio_messages(good), "max_tokens": 2, "modalities": ["text"]}
+    ok = httpx.post(url, json=body, timeout=600)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1

@@ -34,6 +34,7 @@ from vllm.v1.engine.llm_engine import LLMEngine
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine import tensor_lora
 from vllm_omni.engine.lora_validation import LLMAdapterValidator, lora_compute_dtype
+from vllm_omni.engine.media_inputs import media_inputs
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
@@ -204,8 +205,8 @@ class LLMStageEngine(StageDriver):
         return self._engine.get_tokenizer()
 
     def describe(self) -> StageDescription:
-        """Text out; text or token ids in; ``max_model_len`` and LoRA limits as the engine
-        resolved them (vLLM's ``max_loras`` / ``max_lora_rank``; one adapter per request)."""
+        """Text out; text or token ids in; ``max_model_len``, LoRA limits (vLLM's ``max_loras`` /
+        ``max_lora_rank``; one adapter per request) and media inputs as the engine resolved them."""
         config = self._engine.vllm_config
         lora = config.lora_config
         return StageDescription(
@@ -218,6 +219,7 @@ class LLMStageEngine(StageDriver):
             adapters=None
             if lora is None
             else AdapterCapabilities("llm", int(lora.max_loras), 1, int(lora.max_lora_rank)),
+            **media_inputs(config.model_config),
         )
 
     def submit(self, request: StageRequest) -> Future:

@@ -10,9 +10,10 @@ engine itself is only touched by the stage's driver thread.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class StageDescription:
         max_image_size: diffusion stages: the largest ``(height, width)`` in pixels (``None``: none declared).
         size_multiple: diffusion stages: image sides must be multiples of it (pixels).
         voices: audio stages: the voices a request may choose.
+        media_limits: LLM stages of a multimodal model: the most items of each input modality
+            (``"audio"``, ``"image"``, ...) one prompt may carry, as vLLM resolved them (the model's
+            support and ``limit_mm_per_prompt``); empty for a text-only model.
+        audio_sample_rate: LLM stages taking audio: the rate (Hz) of its feature extractor.
         adapters: what it does with LoRA adapters, ``None`` when LoRA is not enabled.
     """
 
@@ -85,6 +90,8 @@ class StageDescription:
     size_multiple: int | None = None
     voices: tuple[str, ...] = ()
     adapters: AdapterCapabilities | None = None
+    media_limits: Mapping[str, int] = field(default_factory=dict)
+    audio_sample_rate: int | None = None
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,6 +58,10 @@ class EntryStageInfo:
         accepts_input_image: whether the entry stage takes an input image (its pipeline's call
             takes one: an image-to-image diffusers pipeline; in-tree pipelines here are text-to-image).
         max_model_len: the LLM entry stage's context in tokens, as its engine resolved it.
+        media_limits: the most items of each input modality (``"audio"``, ...) one prompt to the
+            entry stage may carry (its description's); empty when it takes none.
+        audio_sample_rate: the rate (Hz) audio input to the entry stage must have, unless vLLM
+            can resample (torchaudio); ``None`` when it takes no audio.
         tokenizer: tokenizer to template chat prompts with (LLM entry stage with a model).
         trust_remote_code: the LLM entry stage's ``trust_remote_code`` option.
     """
@@ -81,6 +85,8 @@ class EntryStageInfo:
     startup_lora_scale: float = 1.0
     accepts_input_image: bool = False
     max_model_len: int | None = None
+    media_limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    audio_sample_rate: int | None = None
     tokenizer: str | None = None
     trust_remote_code: bool = False
 
@@ -195,6 +201,8 @@ def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescripti
         return EntryStageInfo(
             **common,
             max_model_len=described.max_model_len,
+            media_limits=dict(described.media_limits),
+            audio_sample_rate=described.audio_sample_rate,
             tokenizer=(options.get("tokenizer") or entry.model) if entry.model else None,
             trust_remote_code=bool(options.get("trust_remote_code", False)),
         )

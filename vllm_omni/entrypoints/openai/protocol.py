@@ -46,19 +46,39 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class InputAudio(BaseModel):
+    """OpenAI's ``input_audio``: base64 audio (no ``data:`` prefix) and its format."""
+
+    model_config = ConfigDict(extra="ignore")
+    data: str
+    format: str = Field(max_length=32)
+
+
+class InputAudioPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | InputAudioPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
+        """The message's text; ``where``: its place in the request (``messages[i]``), named when an
+        audio part is refused (callers that take audio read it first, :mod:`..audio_input`)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         if any(isinstance(p, ImagePart) for p in self.content):
             raise bad_request("image inputs in chat messages are not supported by this server", "messages")
+        for j, part in enumerate(self.content):
+            if isinstance(part, InputAudioPart):
+                at = f"{where}.content[{j}]"
+                raise bad_request(f"{at}: this model takes no audio input", at)
         return "".join(p.text for p in self.content)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from vllm_omni.entrypoints.openai import media
+from vllm_omni.entrypoints.openai import audio_input, media
 from vllm_omni.entrypoints.openai.audio import audio_message, audio_request_params
 from vllm_omni.entrypoints.openai.errors import bad_request
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -38,6 +38,7 @@ from vllm_omni.entrypoints.openai.routes.common import (
 )
 from vllm_omni.entrypoints.openai.routes.streaming import StreamRun, TextStream, stream_text
 from vllm_omni.entrypoints.openai.state import ServerState, get_state
+from vllm_omni.errors import OpenAIError
 
 router = APIRouter()
 
@@ -89,7 +90,12 @@ async def chat_completions(request: Request) -> Response:
         )
         runs = [StreamRun(run.prompt, run.params, run.adapters, run.last_stage)]
         return await stream_text(request, state, runs, spec)
-    outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request, run.last_stage)
+    try:
+        outputs = await run_pipeline(state, run.prompt, run.params, run.adapters, request, run.last_stage)
+    except OpenAIError as exc:  # audio in and speech out: refused before any stage runs, naming the talker
+        if exc.param == "multi_modal_data":
+            exc.param = "modalities"
+        raise
     if text:
         body = head | text_chat_reply(state, req, outputs)
         if audio is not None:
@@ -109,7 +115,8 @@ def prepare_text_chat(
     prompt = chat_prompt(state, req)
     llm = req.model_copy(update={"max_tokens": req.max_completion_tokens or req.max_tokens})
     room = (state.info.max_model_len or 2048) - len(prompt["prompt_token_ids"])
-    sp = llm.sampling_params(max(1, room), stream=req.stream)
+    # audio placeholders grow when vLLM expands them: vLLM then gives the room left (max_tokens None)
+    sp = llm.sampling_params(None if "multi_modal_data" in prompt else max(1, room), stream=req.stream)
     diffusion = req.diffusion_params(1, state.info.call_defaults) if state.info.has_diffusion_stage else None
     info = state.info
     # text only from an audio pipeline whose entry stage gives the text: its later stages do not run
@@ -119,6 +126,7 @@ def prepare_text_chat(
 
 def prepare_image_chat(state: ServerState, req: ChatCompletionRequest, adapters: Adapters) -> PreparedRun:
     """The last user message as an image prompt, and its params."""
+    audio_input.refuse_audio(req, f"pipeline {state.info.pipeline!r} takes no audio input")
     prompt = last_user_text(req)
     dparams = req.diffusion_params(req.n, state.info.call_defaults)
     sp = req.sampling_params() if state.info.has_llm_stage else None
@@ -175,16 +183,16 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
             conversation has more characters than the context can hold as tokens.
     """
     tok = state.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     template = state.settings.chat_template
     if template is not None and os.path.isfile(template):
         with open(template) as f:
             template = f.read()
     if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with --chat-template")
+    audio = audio_input.chat_audio(state.info, tok, template or tok.chat_template, req)
     try:
         text = tok.apply_chat_template(
-            messages,
+            audio.messages,
             tokenize=False,
             add_generation_prompt=True,
             chat_template=template,
@@ -201,14 +209,18 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
             f"{context} tokens",
             "messages",
         )
-    return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    prompt: dict[str, Any] = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    if audio.clips:
+        audio_input.check_placeholders(audio, text)
+        prompt["multi_modal_data"] = {"audio": audio.clips}
+    return prompt
 
 
 def last_user_text(req: ChatCompletionRequest) -> str:
     """The text of the last user message that has any (the prompt of an image chat)."""
-    for m in reversed(req.messages):
-        if m.role == "user" and m.text().strip():
-            return m.text()
+    for i, m in reversed(list(enumerate(req.messages))):
+        if m.role == "user" and m.text(f"messages[{i}]").strip():
+            return m.text(f"messages[{i}]")
     raise bad_request("messages need a user message with text", "messages")
 
 
