@@ -26,6 +26,7 @@ from tests.entrypoints.server_utils import (
     copy_adapter,
     decode_png,
     free_port,
+    input_audio_part,
     serve_command,
     server_env,
     start_server,
@@ -190,6 +191,16 @@ def test_single_object_lora_and_chat_image_reply(client, server, paths):
     part = reply.choices[0].message.content[0]
     assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
     assert close(decode(part["image_url"]["url"].split(",", 1)[1]), via_images, 0)
+
+
+def test_input_audio_to_an_image_pipeline_is_400_naming_the_part(server):
+    messages = [
+        {"role": "user", "content": [input_audio_part([0.1] * 1600), {"type": "text", "text": PROMPT}]}
+    ]
+    err = assert_openai_error(
+        httpx.post(server.url("/v1/chat/completions"), json={"messages": messages}, timeout=600), (400,)
+    )
+    assert err["param"] == "messages[0].content[0]" and "takes no audio input" in err["message"]
 
 
 def test_peer_spellings_give_byte_identical_images(client, paths):

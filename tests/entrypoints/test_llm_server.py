@@ -28,6 +28,7 @@ from tests.entrypoints.server_utils import (
     console_script,
     copy_adapter,
     free_port,
+    input_audio_part,
     server_env,
     start_server,
 )
@@ -371,6 +372,17 @@ def test_peer_spellings_give_identical_text(client, paths):
         assert chat_tokens(reply) == chat_tokens(canonical)
     tokens, prompt_ids = chat_tokens(canonical)
     assert tokens == ref(paths, prompt_ids, "b")
+
+
+def test_input_audio_to_a_text_model_is_400_naming_the_part(server, client, paths):
+    """A text-only LLM takes no audio: the part is named; the next request still equals transformers."""
+    content = [{"type": "text", "text": PROMPT}, input_audio_part([0.1] * 1600)]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
+    assert err["param"] == "messages[0].content[1]"
+    assert err["message"] == "messages[0].content[1]: this model takes no audio input"
+    tokens, prompt_ids = chat_tokens(chat(client))
+    assert tokens == ref(paths, prompt_ids, None)
 
 
 def test_unknown_model_is_404(client, server):
