@@ -12,8 +12,10 @@ minimal ``AutoencoderKLWan`` (8x spatial, 4x temporal compression), a 2-layer
 ``WanPipeline`` runs the high-noise steps on ``transformer`` and the low-noise steps on
 ``transformer_2``.
 
-``tiny-wan-ti2v`` is the Wan2.2 TI2V-5B form asked for image-to-video (``WanImageToVideoPipeline`` with
-``expand_timesteps``): one denoiser whose input is the latent alone (48 channels, no mask or image
+``tiny-wan-ti2v`` is the Wan2.2 TI2V-5B form, its ``model_index.json`` written as the published
+``Wan-AI/Wan2.2-TI2V-5B-Diffusers`` one (``_class_name: "WanPipeline"``, ``expand_timesteps: true``,
+``boundary_ratio: null``, no image encoder): diffusers runs it as ``WanPipeline`` (text-to-video) and as
+``WanImageToVideoPipeline`` (image-to-video) from the same folder. One denoiser whose input is the latent alone (48 channels, no mask or image
 channels, no image encoder) and a Wan2.2-style VAE (48 latent channels, ``is_residual``, a 2x2 pixel
 patch in front of the 8x compression: 16x spatial, 4x temporal).
 
@@ -43,6 +45,9 @@ WAN_TI2V_DIR = "tiny-wan-ti2v"
 TI2V_Z_DIM = 48
 # Bump when the layout or any size changes so stale caches are rebuilt.
 WAN_ASSET_VERSION = "1"
+#: ``tiny-wan-ti2v``'s own stamp (2: ``_class_name`` ``WanPipeline``, as published), so that the other
+#: folders are not rebuilt for it
+WAN_TI2V_ASSET_VERSION = "2"
 
 _WORDS = ("a", "the", "red", "blue", "green", "cat", "dog", "on", "mat", "ball", "video", "of", "running")
 
@@ -126,7 +131,7 @@ def build_tiny_wan(out: Path, moe: bool = False, i2v: bool = False, ti2v: bool =
     if encoder:
         _write_image_encoder(out)
     index = {
-        "_class_name": "WanImageToVideoPipeline" if i2v or ti2v else "WanPipeline",
+        "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
         "_diffusers_version": "0.42.1",
         "boundary_ratio": 0.5 if moe else None,
         "expand_timesteps": ti2v,
@@ -215,13 +220,14 @@ def ensure_tiny_wan(
     )
     name = WAN_TI2V_DIR if ti2v else name
     final = root / name
+    version = WAN_TI2V_ASSET_VERSION if ti2v else WAN_ASSET_VERSION
     with FileLock(str(root / ".tiny_wan.lock")):
         stamp = final / ".asset_version"
-        if not (stamp.is_file() and stamp.read_text().strip() == WAN_ASSET_VERSION):
+        if not (stamp.is_file() and stamp.read_text().strip() == version):
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
                 build_tiny_wan(tmp / name, moe=moe, i2v=i2v, ti2v=ti2v)
-                (tmp / name / ".asset_version").write_text(WAN_ASSET_VERSION + "\n")
+                (tmp / name / ".asset_version").write_text(version + "\n")
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp / name, final)
@@ -320,7 +326,7 @@ def main() -> None:
         "--i2v", action="store_true", help="the image-to-video form (WanImageToVideoPipeline)"
     )
     parser.add_argument(
-        "--ti2v", action="store_true", help="the Wan2.2 TI2V-5B image-to-video form (expand_timesteps)"
+        "--ti2v", action="store_true", help="the Wan2.2 TI2V-5B form (WanPipeline with expand_timesteps)"
     )
     args = parser.parse_args()
     print(ensure_tiny_wan(args.out, moe=args.moe, i2v=args.i2v, ti2v=args.ti2v))

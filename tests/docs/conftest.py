@@ -44,6 +44,7 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "qwen_image_kohya": qwen_loras["attn_kohya"],
         "qwen_image_mlp": qwen_loras["mlp"],
         "wan_moe": ensure_tiny_wan(root, moe=True),
+        "wan_ti2v": ensure_tiny_wan(root, ti2v=True),
         "wan_high": wan_loras["high"],
         "wan_low": wan_loras["low"],
         "omni_model": tiny_omni_assets.model_dir,

@@ -85,6 +85,7 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "qwen_image_loras/style.safetensors": ("qwen_image_kohya", True),  # kohya / musubi file, attention
     "qwen_image_loras/detail": ("qwen_image_mlp", True),  # PEFT, r 4, MLPs and txt_mod
     "wan2.2": ("wan_moe", False),  # tiny Wan2.2-style two-expert directory (tools/make_tiny_wan.py --moe)
+    "wan2.2-ti2v-5b": ("wan_ti2v", False),  # tiny TI2V-5B folder, WanPipeline + expand_timesteps (--ti2v)
     "wan_loras/high_noise.safetensors": ("wan_high", True),  # diffusers-format file for transformer
     "wan_loras/low_noise.safetensors": ("wan_low", True),  # diffusers-format file for transformer_2
     "qwen2_5_omni": ("omni_model", False),  # tiny Qwen2.5-Omni checkpoint

@@ -45,10 +45,10 @@ class _Recorder(_Engine):
         yield  # an async generator, as AsyncOmni.generate
 
 
-def _video_client(config, inputs) -> tuple[TestClient, _Recorder]:
+def _video_client(config, inputs, image_optional: bool = False) -> tuple[TestClient, _Recorder]:
     described = StageDescription(
         0, "Stage 0", "video", frozenset(inputs), OmniDiffusionSamplingParams,
-        adapters=AdapterCapabilities("diffusion", 1, 1, 64, ("transformer",)),
+        adapters=AdapterCapabilities("diffusion", 1, 1, 64, ("transformer",)), image_optional=image_optional,
     )  # fmt: skip
     engine = _Recorder(describe_entry_stage(config, [described]))
     app = build_app(make_state(engine, ServerSettings(served_model_names=["m"])))
@@ -89,3 +89,14 @@ def test_a_text_to_video_stage_refuses_input_reference_by_name(config):
     err = _error(client.post("/v1/videos/generations", data={"prompt": "a cat"}, files=files))
     assert err["param"] == "input_reference" and "generates video from text only" in err["message"]
     assert engine.params == []
+
+
+def test_a_stage_whose_image_is_optional_takes_requests_with_and_without_input_reference(config):
+    """Wan2.2 TI2V-5B (``WanPipeline`` with ``expand_timesteps``): text-to-video without the field, image-to-video
+    with it, from one stage (the real pipeline: ``tests/diffusion/test_wan_in_tree_ti2v.py``)."""
+    client, engine = _video_client(config, ("text", "image"), image_optional=True)
+    body = {"prompt": "a cat", "model": "m", "num_frames": 5}
+    client.post("/v1/videos/generations", json=body)
+    client.post("/v1/videos/generations", json={**body, "input_reference": base64.b64encode(_png()).decode()})
+    assert [sorted(p.extra_args) for p in engine.params] == [["num_frames"], ["image", "num_frames"]]
+    assert engine.params[1].extra_args["image"].size == (32, 32)

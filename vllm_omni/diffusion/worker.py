@@ -206,10 +206,12 @@ class DiffusionWorker:
     def describe(self) -> dict[str, Any]:
         """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "max_size",
         "mixed_lora_batch", "lora_layers", "startup_loras", "output_kind", "accepts_image",
-        "denoisers"}`` (class names, device as str; sizes must be multiples of ``size_factor``;
-        ``max_size``: the pipeline's largest ``(height, width)``, ``None`` when it does not declare
-        one; ``output_kind``: ``"image"`` or ``"video"``; ``accepts_image``: whether a request may
-        carry an input image; ``denoisers``: the pipeline attributes adapters bind to)."""
+        "image_optional", "denoisers"}`` (class names, device as str; sizes must be multiples of
+        ``size_factor``; ``max_size``: the pipeline's largest ``(height, width)``, ``None`` when it does
+        not declare one; ``output_kind``: ``"image"`` or ``"video"``; ``accepts_image``: whether a request may
+        carry an input image; ``image_optional``: whether such a pipeline also runs without one (its
+        ``requires_image`` is false: Wan2.2 TI2V-5B text- and image-to-video); ``denoisers``: the
+        pipeline attributes adapters bind to)."""
         denoiser = self.pipeline.transformer
         max_size = getattr(self.pipeline, "max_image_size", None)
         return {
@@ -225,6 +227,7 @@ class DiffusionWorker:
             "startup_loras": [r.lora_int_id for r in self.lora.startup_requests],
             "output_kind": getattr(self.pipeline, "output_kind", "image"),
             "accepts_image": bool(getattr(self.pipeline, "accepts_image", False)),
+            "image_optional": not getattr(self.pipeline, "requires_image", True),
             "denoisers": list(self.lora.denoisers),
         }
 

@@ -173,6 +173,7 @@ class DiffusionStageEngine(StageDriver):
             "video" if info["output_kind"] == "video" else "image",
             frozenset(inputs),
             OmniDiffusionSamplingParams,
+            image_optional=bool(info["accepts_image"] and info.get("image_optional")),
             max_batch_size=self.max_batch_size,
             max_image_size=self.max_size,
             size_multiple=self.size_factor,

@@ -77,6 +77,8 @@ class StageDescription:
             support and ``limit_mm_per_prompt``); empty for a text-only model.
         audio_sample_rate: LLM stages taking audio: the rate (Hz) of its feature extractor.
         adapters: what it does with LoRA adapters, ``None`` when LoRA is not enabled.
+        image_optional: a stage whose ``inputs`` hold ``"image"`` also takes requests without one (Wan2.2
+            TI2V-5B: text-to-video, image-to-video with one); ``False``: such a stage needs the image.
     """
 
     stage_id: int
@@ -92,6 +94,7 @@ class StageDescription:
     adapters: AdapterCapabilities | None = None
     media_limits: Mapping[str, int] = field(default_factory=dict)
     audio_sample_rate: int | None = None
+    image_optional: bool = False
 
 
 @runtime_checkable

@@ -57,6 +57,8 @@ class EntryStageInfo:
         startup_lora_scale: the default scale of ``startup_adapters`` (``lora_scale``).
         accepts_input_image: whether the entry stage takes an input image (its pipeline's call
             takes one: an image-to-image diffusers pipeline; in-tree pipelines here are text-to-image).
+        input_image_optional: such an entry stage also runs without the image (Wan2.2 TI2V-5B:
+            text-to-video without one); ``False``: it needs one.
         max_model_len: the LLM entry stage's context in tokens, as its engine resolved it.
         media_limits: the most items of each input modality (``"audio"``, ...) one prompt to the
             entry stage may carry (its description's); empty when it takes none.
@@ -84,6 +86,7 @@ class EntryStageInfo:
     startup_adapters: tuple[LoRARequest, ...] = ()
     startup_lora_scale: float = 1.0
     accepts_input_image: bool = False
+    input_image_optional: bool = False
     max_model_len: int | None = None
     media_limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
     audio_sample_rate: int | None = None
@@ -195,6 +198,7 @@ def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescripti
         "entry_final_output": bool(entry.final_output),
         "max_adapters_per_request": described.adapters.max_per_request if described.adapters else 1,
         "accepts_input_image": "image" in described.inputs,
+        "input_image_optional": "image" in described.inputs and described.image_optional,
     }
     if entry.is_llm:
         options = entry.options

@@ -17,10 +17,13 @@ diffusers' ``WanPipeline.__call__``:
 4. latents ``(B, C, (num_frames - 1) / t + 1, H / s, W / s)`` (``t``, ``s``: the VAE's temporal and
    spatial factors) are decoded as ``vae.decode(latents * std + mean)`` and post-processed.
 
-``expand_timesteps`` (TI2V-5B) gives every token the step's timestep; in text-to-video every token
-has the same one, so the denoiser is called with one timestep per sample (the same maths). In
-image-to-video (:class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`) the tokens of the
-first latent frame get timestep 0 and that frame is the clean image latent (:class:`Conditioning`).
+``expand_timesteps`` (Wan2.2 TI2V-5B, whose published ``model_index.json`` names ``WanPipeline``) gives the
+denoiser one timestep per token, as diffusers does: in text-to-video every token has the step's. The same
+folder also makes image-to-video, as diffusers' ``WanImageToVideoPipeline.from_pretrained`` runs it: a request
+with ``extra_args["image"]`` gets the image VAE-encoded (one latent frame, normalised) as the clean first
+latent frame of every step's input and of the result, whose tokens get timestep 0 (:class:`Conditioning`).
+Requests without an image are text-to-video; the stage batches the two kinds apart (their ``extra_args``
+differ), so one denoiser batch is all text-to-video or all image-to-video.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ DEFAULT_FRAMES = 81
 DEFAULT_GUIDANCE = 5.0
 #: ``extra_args`` this pipeline takes (diffusers' call arguments of the same names)
 EXTRA_ARGS = ("num_frames", "guidance_scale_2", "attention_kwargs")
+#: the input image(s) of a request, diffusers' call arguments of the same names
+IMAGE_ARGS = ("image", "last_image")
 
 
 class Conditioning(NamedTuple):
@@ -82,12 +87,15 @@ def with_first_frame(latents: torch.Tensor, first_frame: torch.Tensor | None) ->
     return torch.cat([first_frame.to(latents.dtype), latents[:, :, 1:]], dim=2)
 
 
-def first_frame_timesteps(t: torch.Tensor, latent_shape, patch_size) -> torch.Tensor:
+def first_frame_timesteps(
+    t: torch.Tensor, latent_shape, patch_size, first_frame: bool = True
+) -> torch.Tensor:
     """Per-token timesteps ``(F' * H' * W',)`` of a latent ``(..., F, h, w)`` patched by ``patch_size``:
-    ``t`` everywhere but 0 on the tokens of latent frame 0 (diffusers' ``first_frame_mask`` sampled at
-    every patch's corner, times ``t``)."""
+    ``t`` everywhere but (with ``first_frame``) 0 on the tokens of latent frame 0 (diffusers'
+    ``first_frame_mask`` sampled at every patch's corner, times ``t``)."""
     mask = torch.ones(latent_shape[-3:], dtype=torch.float32, device=t.device)
-    mask[0] = 0
+    if first_frame:
+        mask[0] = 0
     p_t, p_h, p_w = patch_size
     return (mask[::p_t, ::p_h, ::p_w] * t).flatten()
 
@@ -100,6 +108,9 @@ class WanPipeline(InTreePipelineBase):
         transformer: the (high-noise) :class:`WanTransformer3DModel`; LoRA patches it.
         transformer_2: the low-noise expert of Wan2.2 A14B directories, else ``None``.
         boundary_ratio: expert switch (``model_index.json``), ``None`` with one expert.
+        expand_timesteps: the Wan2.2 TI2V-5B layout (``model_index.json``): per-token timesteps, and an
+            optional input image (``accepts_image``; image-to-video as in the module docstring).
+        accepts_image / requires_image: whether a request may / must carry ``extra_args["image"]``.
         text_encoder, tokenizer, vae, scheduler, video_processor: the library components.
         vae_scale_factor: spatial VAE compression; sizes must be multiples of twice it.
 
@@ -137,6 +148,10 @@ class WanPipeline(InTreePipelineBase):
         self.vae_scale_factor = int(self.vae.config.scale_factor_spatial)
         self.vae_scale_factor_temporal = int(self.vae.config.scale_factor_temporal)
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor)
+        self.expand_timesteps = bool(od_config.model_index.get("expand_timesteps"))
+        self.accepts_image, self.requires_image = self.expand_timesteps, False
+        if self.expand_timesteps:
+            self.extra_args_taken = EXTRA_ARGS + IMAGE_ARGS
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -299,16 +314,63 @@ class WanPipeline(InTreePipelineBase):
         boundary = self.boundary_ratio * self.scheduler.config.num_train_timesteps
         return (self.transformer, 0) if timestep >= boundary else (self.transformer_2, 1)
 
+    def _input_images(self, sp) -> list:
+        """``[]`` (text-to-video), ``[image]`` or ``[image, last_image]`` from ``extra_args``.
+
+        Raises:
+            InvalidRequestError: no ``image`` where :attr:`requires_image` (naming the argument to pass); a
+                ``last_image`` without an ``image``, or for the ``expand_timesteps`` layout.
+        """
+        image, last = sp.extra_args.get("image"), sp.extra_args.get("last_image")
+        if image is None and (self.requires_image or last is not None):
+            raise InvalidRequestError(
+                f"{type(self).__name__} needs an input image: pass extra_args['image'] (a PIL image, "
+                "numpy array or tensor)"
+            )
+        if last is not None and self.expand_timesteps:
+            raise InvalidRequestError(
+                "extra_args['last_image'] is not used by expand_timesteps image-to-video (Wan2.2 TI2V-5B "
+                "conditions on the first frame only); pass extra_args['image'] alone"
+            )
+        return [im for im in (image, last) if im is not None]
+
+    def _pixels(self, images: list, height: int, width: int) -> list[torch.Tensor]:
+        """Each image ``(1, 3, height, width)`` float32 in [-1, 1] (``VideoProcessor.preprocess``).
+
+        Raises:
+            InvalidRequestError: an input that is not an image.
+        """
+        try:
+            return [
+                self.video_processor.preprocess(im, height=height, width=width).to(self.device, torch.float32)
+                for im in images
+            ]
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"extra_args['image'] cannot be read as an image: {exc}") from exc
+
+    @torch.no_grad()
     def _conditioning(self, sp, shape, frames: int, height: int, width: int) -> Conditioning:
-        """What the denoiser sees beside the latents; text-to-video has nothing
-        (image-to-video: :class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`)."""
-        return Conditioning()
+        """What the denoiser sees beside the latents of the batch of ``shape``: nothing (text-to-video), or
+        with ``expand_timesteps`` and an image ``first_frame`` ``(B, z_dim, 1, h, w)`` (other image-to-video
+        layouts: :class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`)."""
+        images = self._input_images(sp)
+        if not images:
+            return Conditioning()
+        first = self._encode(self._pixels(images[:1], height, width)[0].unsqueeze(2))
+        return Conditioning(first_frame=first.repeat(shape[0], 1, 1, 1, 1))
+
+    def _encode(self, video: torch.Tensor) -> torch.Tensor:
+        """The VAE latent (the distribution's mode) of ``video`` ``(1, 3, F, H, W)``, float32, normalised
+        ``(z - mean) / std``."""
+        latent = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().to(torch.float32)
+        mean, inv_std = self.latent_stats(latent)
+        return (latent - mean) * inv_std
 
     def _predictor(self, embeds: torch.Tensor, guidances: tuple[float, float], cfg: bool, cond: Conditioning):
         """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG) against
         ``embeds`` (``B`` positive then ``B`` negative rows) with ``cond`` (:class:`Conditioning`: channels
-        after the latent channels, image features, or the clean first frame with per-token timesteps),
-        ``neg + g * (pos - neg)``, float32."""
+        after the latent channels, image features, or the clean first frame; per-token timesteps with
+        ``expand_timesteps``), ``neg + g * (pos - neg)``, float32."""
 
         def predict(_step: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             batch = latents.shape[0]
@@ -317,10 +379,11 @@ class WanPipeline(InTreePipelineBase):
             x = x if cond.channels is None else torch.cat([x, cond.channels], dim=1)
             x = x.to(model.dtype)
             x = torch.cat([x, x]) if cfg else x
-            if cond.first_frame is None:
-                timestep = t.expand(x.shape[0])
+            if self.expand_timesteps:  # per token, 0 on a given first frame's (diffusers' mask)
+                timestep = first_frame_timesteps(t, x.shape, model.patch_size, cond.first_frame is not None)
+                timestep = timestep.expand(x.shape[0], -1)
             else:
-                timestep = first_frame_timesteps(t, x.shape, model.patch_size).expand(x.shape[0], -1)
+                timestep = t.expand(x.shape[0])
             image = None if cond.image_embeds is None else cond.image_embeds.repeat(x.shape[0], 1, 1)
             out = model(x, timestep, embeds, image).float()
             return out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out

@@ -55,7 +55,8 @@ async def videos_generations(request: Request) -> JSONResponse:
 
 
 def _check_image(state: ServerState, image: Any) -> None:
-    """An image-to-video stage needs ``input_reference``; a text-to-video stage takes none.
+    """An image-to-video stage needs ``input_reference`` (unless it also makes video from text alone: Wan2.2
+    TI2V-5B); a text-to-video stage takes none.
 
     Raises:
         OpenAIError: (400, ``param`` ``input_reference``) either mismatch, naming the pipeline.
@@ -69,7 +70,7 @@ def _check_image(state: ServerState, image: Any) -> None:
             f"{IMAGE_FIELD} needs an image-to-video pipeline",
             IMAGE_FIELD,
         )
-    if image is None and info.accepts_input_image:
+    if image is None and info.accepts_input_image and not info.input_image_optional:
         raise bad_request(
             f"pipeline {info.pipeline!r} ({info.model_arch}) makes video from an image: {IMAGE_FIELD} is "
             "required (a file in a multipart/form-data body, or base64 / a data:image URI in JSON)",
