@@ -66,7 +66,8 @@ def warm_up_compiled(worker: Any, *, height: int = 64, width: int = 64, steps: i
             tensor-parallel stage must call it, as for a request).
         height, width: image size in pixels of the warm-up runs (a size the model accepts with more
             than one latent patch per side; the graphs do not depend on it). Pipelines that take an
-            input image (edit, image-to-video) get a grey one of that size.
+            input image (edit, image-to-video) get a grey one of that size; on a Wan2.2 TI2V-5B stage,
+            whose image is optional, requests without one run the same (per-token timestep) graphs.
         steps: denoising steps per run.
 
     Returns:
