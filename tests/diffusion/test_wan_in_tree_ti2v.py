@@ -161,3 +161,32 @@ def test_warmed_compiled_ti2v_stage_compiles_nothing_for_image_or_text_requests(
     finally:
         compiled.shutdown()
         eager.shutdown()
+
+
+def test_a_ti2v_folder_naming_the_image_to_video_class_needs_the_image(ti2v_dir, reference, tmp_path):
+    """The same weights under ``_class_name: "WanImageToVideoPipeline"`` (as diffusers' class, the image is
+    required): the stage describes the image as required, a request without one is refused naming
+    ``extra_args['image']``, and one with it equals diffusers' image-to-video latents."""
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+    from vllm_omni.diffusion.pipelines.wan_i2v import WanImageToVideoPipeline
+
+    folder = tmp_path / "ti2v-i2v-class"
+    folder.mkdir()
+    for entry in ti2v_dir.iterdir():
+        if entry.is_dir():
+            (folder / entry.name).symlink_to(entry)
+    index = json.loads((ti2v_dir / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    config = OmniDiffusionConfig(model=str(folder), dtype="float32", device="cpu", enable_progress_bar=False)
+    engine = DiffusionEngine(config)
+    try:
+        assert isinstance(engine.worker.pipeline, WanImageToVideoPipeline)
+        info = engine.collective_rpc("describe")[0]
+        assert info["accepts_image"] and not info["image_optional"]
+        with pytest.raises(InvalidRequestError, match=r"needs an input image: pass extra_args\['image'\]"):
+            engine.worker.generate([PROMPT], _sp())
+        [out] = engine.worker.generate([PROMPT], _sp(image=_image(0)))
+    finally:
+        engine.shutdown()
+    assert _err(out.latents, reference["latents"]) <= TOL
