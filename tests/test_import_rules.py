@@ -26,10 +26,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_omni"
 #: ``Omni`` / ``AsyncOmni`` on first use) is the top layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "errors, process guard, stats, ipc",
+        "errors, process guard and start, stats, ipc",
         (
             "vllm_omni.errors",
             "vllm_omni.process_guard",
+            "vllm_omni.engine.workers.start",  # standard library only; the diffusion ranks start with it
             "vllm_omni.stats",
             "vllm_omni.version",
             "vllm_omni.ipc",

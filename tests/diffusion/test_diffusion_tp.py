@@ -1,11 +1,18 @@
-"""Tensor-parallel (TP=2, gloo, two spawned worker processes) equals TP=1."""
+"""Tensor-parallel (TP=2, gloo, two rank processes) equals TP=1; the ranks fork from the
+preloaded worker fork server (``vllm_omni/engine/workers/start.py``) or, when they must, spawn."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
+
 import pytest
 
+from tests.fork_server import match_the_fork_server
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.engine import DiffusionEngine, _guarded_worker_main, rank_process
+from vllm_omni.engine.workers import start
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 pytestmark = pytest.mark.slow
@@ -13,11 +20,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tp2_engine(tiny_z_image_dir):
-    engine = DiffusionEngine(
-        OmniDiffusionConfig(
-            model=str(tiny_z_image_dir), tensor_parallel_size=2, device="cpu", enable_progress_bar=False
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        match_the_fork_server(monkeypatch)  # not what earlier tests of this pytest worker left set
+        engine = DiffusionEngine(
+            OmniDiffusionConfig(
+                model=str(tiny_z_image_dir), tensor_parallel_size=2, device="cpu", enable_progress_bar=False
+            )
         )
-    )
     yield engine
     engine.shutdown()
 
@@ -59,3 +68,44 @@ def test_tp2_worker_errors_propagate(tp2_engine):
         tp2_engine.collective_rpc("no_such_method")
     # The engine is still usable afterwards.
     assert tp2_engine.collective_rpc(getattr, "world_size") == [2, 2]
+
+
+def _how_started(worker):
+    """Runs in each rank: its parent process and whether vLLM was imported before its entry point ran."""
+    return os.getppid(), start.preloaded_at_entry
+
+
+def test_tp2_ranks_fork_from_the_preloaded_server(tp2_engine):
+    assert tp2_engine.start_methods == ["forkserver", "forkserver"]
+    server = start._server_pid
+    assert server is not None and server != os.getpid()
+    # children of the fork server, which had imported vLLM (and the rank's modules) before either began
+    assert tp2_engine.collective_rpc(_how_started) == [(server, True), (server, True)]
+
+
+def _rank(od_config):
+    """The unstarted process of rank 1 and how it would start (its pipe closed: it never starts)."""
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        return rank_process(od_config, 1, 2, "file:///never-used", theirs)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_rank_spawns_when_its_environment_cannot_fork_or_when_asked(tp2_engine, monkeypatch, caplog):
+    match_the_fork_server(monkeypatch)
+    proc, how = _rank(tp2_engine.od_config)
+    assert (how, proc._start_method, proc.daemon) == ("forkserver", "forkserver", True)
+    assert proc._target is start.preloaded_main and proc._args[0] is _guarded_worker_main
+    # a variable an import may have read differs from the fork server's: this rank is spawned, and says why
+    with monkeypatch.context() as m, caplog.at_level(logging.DEBUG, logger=start.__name__):
+        m.setenv("HF_HUB_OFFLINE", "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
+        proc, how = _rank(tp2_engine.od_config)
+    assert (how, proc._start_method, proc.daemon) == ("spawn", "spawn", True)
+    assert proc._target is _guarded_worker_main
+    assert "diffusion rank 1: worker spawned as a fresh interpreter: HF_HUB_OFFLINE differ(s)" in caplog.text
+    # the opt-out
+    monkeypatch.setenv(start.START_ENV, "spawn")
+    proc, how = _rank(tp2_engine.od_config)
+    assert (how, proc._start_method, proc._target) == ("spawn", "spawn", _guarded_worker_main)

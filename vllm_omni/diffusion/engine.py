@@ -6,9 +6,19 @@
 >>> engine.shutdown()
 
 ``tensor_parallel_size == 1`` keeps the pipeline in this process (``engine.pipeline``);
-larger sizes spawn one worker process per rank (``torch.multiprocessing`` ``spawn``,
-gloo on CPU / NCCL on CUDA) and everything that must touch the pipelines — LoRA loading
-included — goes through :meth:`DiffusionEngine.collective_rpc`. The ranks speak the messages
+larger sizes start one worker process per rank (gloo on CPU / NCCL on CUDA) and everything that
+must touch the pipelines — LoRA loading included — goes through :meth:`DiffusionEngine.collective_rpc`.
+
+A rank starts as an ``mp`` stage worker does (:mod:`vllm_omni.engine.workers.start`): forked
+from this process's preloaded fork server, which imported torch, vLLM and this module once, so a
+rank pays no import (about 7 s of CPU per rank on a 2-core machine); it gets this process's
+environment, stdout and stderr. A rank whose environment differs from the fork server's in a
+variable an import may read is spawned as a fresh interpreter instead (the reason logged at DEBUG
+by ``vllm_omni.engine.workers.start``), and so is every rank with ``VLLM_OMNI_WORKER_START=spawn``.
+CUDA is never initialised in the fork server: each rank selects ``cuda:<rank>`` itself, after the
+fork (:class:`~vllm_omni.diffusion.worker.DiffusionWorker`). A rank watches its parent
+(:mod:`vllm_omni.process_guard`): a forked rank's parent is the fork server, which exits when
+this process does (SIGKILL included), so the ranks die with this process either way. The ranks speak the messages
 and error convention of every worker of ours (:mod:`vllm_omni.ipc`): :class:`~vllm_omni.ipc.Ready`
 or :class:`~vllm_omni.ipc.Failed` at start-up, :class:`~vllm_omni.ipc.Call` answered by
 :class:`~vllm_omni.ipc.CallResult` (errors keep their class), :class:`~vllm_omni.ipc.Shutdown`.
@@ -18,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -25,16 +37,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
+from vllm_omni.engine.workers import start
 from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.ipc import Call, CallResult, Failed, Ready, Shutdown, decoder, dump, encode, load, load_error
 from vllm_omni.process_guard import join_exit, mark_owner, watch_parent
 
 __all__ = ["DiffusionEngine", "DiffusionOutput"]
+
+logger = logging.getLogger(__name__)
 
 #: Seconds ``shutdown()`` gives the ranks to finish their call and exit when no timeout is given.
 _WORKER_EXIT_S = 30.0
@@ -48,6 +61,22 @@ def _guarded_worker_main(*args) -> None:
     """A rank: :func:`worker_main` in a process that exits when its parent is gone (SIGKILL included)."""
     watch_parent()
     worker_main(*args)
+
+
+def rank_process(
+    od_config: OmniDiffusionConfig, rank: int, world: int, init_method: str, conn
+) -> tuple[Any, str]:
+    """The unstarted process of tensor-parallel rank ``rank`` (serving ``conn``) and how it starts,
+    ``"forkserver"`` or ``"spawn"`` (:func:`vllm_omni.engine.workers.start.process_for`; start it
+    with :func:`~vllm_omni.engine.workers.start.start_process`)."""
+    return start.process_for(
+        f"diffusion rank {rank}",
+        _guarded_worker_main,
+        (od_config, rank, world, init_method, conn),
+        {},  # a rank runs with this process's environment
+        name=f"vllm-omni-diffusion-tp{rank}",
+        daemon=True,  # terminated at this process's exit, as before
+    )
 
 
 class DiffusionEngine:
@@ -73,6 +102,8 @@ class DiffusionEngine:
         self._tmpdir: str | None = None
         self._closed = False
         self._cids = itertools.count()
+        #: per rank, how its process started: ``"forkserver"`` or ``"spawn"`` (empty with one rank)
+        self.start_methods: list[str] = []
         world = od_config.tensor_parallel_size
         if world == 1:
             self._local = DiffusionWorker(od_config)
@@ -81,27 +112,35 @@ class DiffusionEngine:
         if init_method is None:
             self._tmpdir = tempfile.mkdtemp(prefix="vllm_omni_diffusion_")
             init_method = f"file://{os.path.join(self._tmpdir, 'pg')}"
-        ctx = mp.get_context("spawn")
         mark_owner()  # the ranks exit with this process, however it ends (process_guard)
+        started = time.monotonic()
         try:
             for rank in range(world):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_guarded_worker_main,
-                    args=(od_config, rank, world, init_method, child),
-                    name=f"vllm-omni-diffusion-tp{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child.close()
+                parent, child = multiprocessing.Pipe()
+                try:
+                    proc, how = rank_process(od_config, rank, world, init_method, child)
+                    start.start_process(proc, how, {})
+                except BaseException:
+                    parent.close()
+                    raise
+                finally:
+                    child.close()
                 self._procs.append(proc)
                 self._conns.append(parent)
+                self.start_methods.append(how)
             for rank, conn in enumerate(self._conns):
                 msg = self._recv(rank, conn)
                 if isinstance(msg, Failed):
                     raise StageEngineError(f"diffusion worker {rank} failed to start") from load_error(
                         msg.error
                     )
+            kinds = {"forkserver": "forked preloaded", "spawn": "fresh interpreter"}
+            logger.info(
+                "diffusion: %d tensor-parallel ranks ready in %.1f s (%s)",
+                world,
+                time.monotonic() - started,
+                ", ".join(sorted({kinds[h] for h in self.start_methods})),
+            )
         except BaseException:
             self.shutdown()
             raise

@@ -1,7 +1,8 @@
 """Diffusion worker: one per tensor-parallel rank, owning one pipeline instance.
 
 With ``tensor_parallel_size == 1`` the engine keeps a worker in its own process; with
-more ranks every rank (rank 0 included) runs :func:`worker_main` in a spawned process
+more ranks every rank (rank 0 included) runs :func:`worker_main` in a process of its own
+(forked from the preloaded worker fork server, or spawned: :mod:`vllm_omni.diffusion.engine`)
 and talks to the engine through a pipe. Every rank builds the full pipeline (text
 encoder, VAE and scheduler are replicated, the denoiser is sharded) and executes the
 same calls on the same inputs, so the all-reduces inside the denoiser line up and all
@@ -293,7 +294,7 @@ def _picklable_error(exc: BaseException) -> BaseException:
 
 
 def worker_main(od_config: OmniDiffusionConfig, rank: int, world_size: int, init_method: str, conn) -> None:
-    """Entry point of a spawned TP worker process.
+    """Entry point of a TP worker process (forked from the worker fork server, or spawned).
 
     Messages on ``conn`` (:mod:`vllm_omni.ipc`, one frame each): after start-up the worker sends
     :class:`~vllm_omni.ipc.Ready` or :class:`~vllm_omni.ipc.Failed` (``rid`` -1, the start-up

@@ -12,6 +12,7 @@ import os
 import psutil
 import pytest
 
+from tests.fork_server import match_the_fork_server
 from tests.waiting import wait_until
 from vllm_omni.engine.workers import start
 from vllm_omni.entrypoints.omni_base import build_omni_config
@@ -49,19 +50,9 @@ def stage(tiny_llm_assets):
 @pytest.fixture
 def server_env(monkeypatch):
     """This process's environment as the fork server saw it when it started, but for variables read
-    after import: earlier tests of the same pytest worker may have left variables set (a test's
-    precondition, not the product's rule, which :func:`test_an_env_read_at_import_or_the_opt_out_spawns`
-    checks)."""
-    monkeypatch.delenv(start.START_ENV, raising=False)
-    start.start_preloaded()
-    base = start._server_env or {}
-    for key in set(base) | set(os.environ):
-        if key in start.READ_AFTER_IMPORT or base.get(key) == os.environ.get(key):
-            continue
-        if key in base:
-            monkeypatch.setenv(key, base[key])
-        else:
-            monkeypatch.delenv(key)
+    after import (:func:`tests.fork_server.match_the_fork_server`; the product's rule is checked by
+    :func:`test_an_env_read_at_import_or_the_opt_out_spawns`)."""
+    match_the_fork_server(monkeypatch)
     return monkeypatch
 
 

@@ -1,14 +1,21 @@
-"""How ``mp`` stage workers start: forked from a preloaded interpreter, or spawned fresh.
+"""How our worker processes start: forked from a preloaded interpreter, or spawned fresh.
+
+Two kinds of workers start here: ``mp`` stage workers (:mod:`vllm_omni.engine.workers.client`)
+and the tensor-parallel ranks of a diffusion stage (:class:`vllm_omni.diffusion.engine.DiffusionEngine`).
+This module imports only the standard library (and :mod:`vllm_omni.log_noise`), so it sits in
+the lowest import layer, below the diffusion runtime that uses it.
 
 Why: a spawned worker is a new interpreter that imports torch and vLLM again before it loads
-its stage (about 8-16 s of CPU on a 2-core machine), once per stage, per replica and per
-restart. The default (:data:`START_ENV` unset or ``forkserver``) starts the worker from
+its stage (about 7-16 s of CPU on a 2-core machine), once per stage, per replica, per rank and
+per restart. The default (:data:`START_ENV` unset or ``forkserver``) starts the worker from
 ``multiprocessing``'s *fork server*: a process started once per driver process that imports
-:data:`PRELOAD` (the worker module, hence torch and vLLM) and then forks one child per worker.
-Every later worker of the process (each stage, replica, restart, each ``Omni`` a test builds)
-pays no import; ``vllm-omni serve`` starts the fork server first thing
-(:func:`start_preloaded`), so its import runs on another core while the command imports vLLM
-to parse its flags.
+:data:`PRELOAD` (the workers' entry modules, hence torch and vLLM) and then forks one child per
+worker. Every later worker of the process (each stage, replica, rank, restart, each ``Omni`` or
+``DiffusionEngine`` a test builds) pays no import; ``vllm-omni serve`` starts the fork server
+first thing (:func:`start_preloaded`), so its import runs on another core while the command
+imports vLLM to parse its flags. A process that is itself a forked worker (an ``mp`` worker whose
+diffusion stage has several ranks) starts a fork server of its own for its children, so they
+die with it.
 
 Why a fork server rather than forking the driver itself: the driver has run torch ops and runs
 threads (engine, HTTP server, stage drivers) when it starts workers; ``fork`` of such a process
@@ -22,7 +29,10 @@ Fidelity (what a spawned worker would have):
   worker's ``env`` (and the variables the preload imports set, as a spawned worker's imports
   would), set before the stage is built. ``OMP_NUM_THREADS`` is applied with
   ``torch.set_num_threads`` (libgomp read it when the fork server imported torch);
-  ``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, after the fork. Any other variable that
+  ``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, after the fork (the fork server only
+  imports: nothing in :data:`PRELOAD` initialises CUDA, and a rank picks its device with
+  ``torch.cuda.set_device`` in :class:`~vllm_omni.diffusion.worker.DiffusionWorker`, after the
+  fork). Any other variable that
   differs from the fork server's environment and is not in :data:`READ_AFTER_IMPORT` may have
   been read at import time: that worker is spawned instead (the reason logged at DEBUG);
 - stdout / stderr: the driver's current ones (passed as file descriptors), not the fork
@@ -56,8 +66,11 @@ logger = logging.getLogger(__name__)
 #: Environment variable choosing how workers start: ``forkserver`` (default) or ``spawn``.
 START_ENV = "VLLM_OMNI_WORKER_START"
 START_METHODS = ("forkserver", "spawn")
-#: Modules the fork server imports before it forks workers.
-PRELOAD = ("vllm_omni.engine.workers.start", "vllm_omni.engine.workers.mp")
+#: Modules the fork server imports before it forks workers: this module, the entry modules of an
+#: ``mp`` stage worker and of a diffusion tensor-parallel rank (torch, vLLM; a pipeline's own
+#: module, diffusers included, is imported by the rank that builds it: ~0.7 s of CPU that a
+#: process without diffusion stages never pays).
+PRELOAD = ("vllm_omni.engine.workers.start", "vllm_omni.engine.workers.mp", "vllm_omni.diffusion.engine")
 #: Variables no import reads (or that the child applies itself): a worker's environment may
 #: differ from the fork server's in these and still be forked.
 READ_AFTER_IMPORT = frozenset({
@@ -226,10 +239,14 @@ def _worker_environ(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     return environ, bad
 
 
-def process_for(label: str, target: Any, args: tuple, env: Mapping[str, str], name: str) -> tuple[Any, str]:
+def process_for(
+    label: str, target: Any, args: tuple, env: Mapping[str, str], name: str, daemon: bool = False
+) -> tuple[Any, str]:
     """An unstarted ``multiprocessing`` process running ``target(*args)`` as the worker of
     ``label``, and how it starts (``"forkserver"`` or ``"spawn"``).
 
+    ``daemon``: the process's ``daemon`` flag (a daemon is terminated at this process's exit and
+    may start no ``multiprocessing`` children; a stage worker is not one, a diffusion rank is).
     Start it with :func:`start_process` (the spawn path needs ``env`` in this process's
     environment while it starts). Raises ValueError for a bad :data:`START_ENV`.
     """
@@ -249,7 +266,7 @@ def process_for(label: str, target: Any, args: tuple, env: Mapping[str, str], na
     if how == "forkserver":
         args = (target, (_StdFd(1), _StdFd(2)), environ, *args)
         target = preloaded_main
-    proc = ctx.Process(target=target, args=args, name=name, daemon=False)  # a stage may start processes
+    proc = ctx.Process(target=target, args=args, name=name, daemon=daemon)
     return proc, how
 
 
