@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from stage_workers import kill_and_wait_restart
 from test_qwen2_5_omni_audio import PROMPTS, _params, hf_reference
 
 from vllm_omni.engine.workers.client import WorkerStageRuntime
@@ -50,13 +51,6 @@ def _run(omni):
     return text.token_ids, audio.stage_outputs[1].codes.tolist(), audio.audio
 
 
-def _wait_ready(omni, timeout: float = 900.0) -> None:
-    start = time.monotonic()
-    while set(omni.stage_health().values()) != {"ready"}:
-        assert time.monotonic() - start < timeout, f"stages did not come back: {omni.stage_health()}"
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def before(omni, tiny_omni_assets):
     """Text, codes and waveform before any kill, checked against transformers."""
@@ -78,21 +72,7 @@ def test_every_stage_runs_in_its_own_worker(omni):
 
 @pytest.mark.parametrize("stage_id", [1, 2], ids=["talker", "code2wav"])
 def test_kill_9_restarts_the_stage_and_the_output_is_unchanged(omni, before, stage_id):
-    runtimes = omni._orchestrator.runtimes
-    runtime = runtimes[stage_id]
-    others = {i: r.pid for i, r in enumerate(runtimes) if i != stage_id}
-    pid, restarts = runtime.pid, runtime.restarts
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while omni.stage_health()[stage_id] == "ready" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert omni.stage_health()[stage_id] in ("restarting", "ready")
-    if omni.stage_health()[stage_id] == "restarting":  # the pipeline fails fast while the stage is down
-        with pytest.raises(StageDeadError, match=rf"Stage {stage_id} \(llm_"):
-            _run(omni)
-    _wait_ready(omni)
-    assert runtime.pid != pid and runtime.restarts == restarts + 1
-    assert {i: r.pid for i, r in enumerate(runtimes) if i != stage_id} == others  # the others never stopped
+    kill_and_wait_restart(omni, stage_id, lambda: _run(omni))
     tokens, codes, wav = _run(omni)
     assert tokens == before[0] and codes == before[1]
     np.testing.assert_array_equal(wav, before[2])
