@@ -139,7 +139,8 @@ def _audio_messages(*parts):
 def test_input_audio_equals_transformers_thinker(client, tiny_omni_assets):
     """The openai client sends a 1 s 16 kHz WAV and a question: the prompt (the tiny checkpoint's
     string template: the placeholder, a newline, the text) expands to transformers' input ids and the
-    greedy tokens equal transformers' thinker fed the Whisper features of the WAV's samples."""
+    greedy tokens equal transformers' thinker fed the Whisper features of the WAV's samples; streamed, the
+    same text."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -163,6 +164,19 @@ def test_input_audio_equals_transformers_thinker(client, tiny_omni_assets):
     text = AutoTokenizer.from_pretrained(tiny_omni_assets.model_dir).decode(tokens, skip_special_tokens=True)
     assert reply.choices[0].message.content == text.rstrip("\ufffd")  # vLLM holds back a partial character
     assert reply.usage.prompt_tokens == len(reply.prompt_token_ids)
+    streamed = client.chat.completions.create(
+        model="tiny-omni",
+        messages=_audio_messages(input_audio_part(clip)),
+        modalities=["text"],
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == reply.choices[0].message.content
+    )
 
 
 def test_bad_input_audio_is_400_naming_the_part(server):
