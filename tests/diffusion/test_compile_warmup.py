@@ -12,14 +12,11 @@ without inductor's code generation, which costs up to a minute per graph here);
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 import torch
 
-import vllm_omni.diffusion.worker as worker_module
-from vllm_omni.diffusion.compile import RegionalCompiler
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -38,9 +35,9 @@ def _engines(model, cache_dir):
             model=str(model), dtype="float32", device="cpu", enable_progress_bar=False, max_loras=3, **kw
         )
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(worker_module, "RegionalCompiler", functools.partial(RegionalCompiler, backend=BACKEND))
-        compiled = DiffusionEngine(config(enforce_eager=False, compile_cache_dir=str(cache_dir)))
+    compiled = DiffusionEngine(
+        config(enforce_eager=False, compile_cache_dir=str(cache_dir), compile_backend=BACKEND)
+    )
     return compiled, DiffusionEngine(config(enforce_eager=True))
 
 

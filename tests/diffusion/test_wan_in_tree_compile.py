@@ -15,8 +15,6 @@ under LoRA in the suite: Z-Image's ``test_diffusion_compile``.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -44,13 +42,7 @@ def test_compiled_equals_eager_and_an_adapter_switch_does_not_recompile(tmp_path
     from tests.conftest import test_assets_root
     from tools.make_tiny_wan import ensure_tiny_wan, ensure_tiny_wan_loras
     from vllm_omni import Omni
-    from vllm_omni.diffusion import worker as worker_module
 
-    monkeypatch.setattr(
-        worker_module,
-        "RegionalCompiler",
-        functools.partial(worker_module.RegionalCompiler, backend="aot_eager"),
-    )
     root = test_assets_root()
     model_dir = ensure_tiny_wan(root, moe=True)
     files = ensure_tiny_wan_loras(root)
@@ -62,7 +54,11 @@ def test_compiled_equals_eager_and_an_adapter_switch_does_not_recompile(tmp_path
     switches = {"swapped": {"lora_requests": [low_first, high], "lora_scales": [0.5, -1.5]}}
     latents: dict[bool, dict[str, torch.Tensor]] = {}
     for eager in (True, False):
-        kwargs = {} if eager else {"compile_cache_dir": str(tmp_path / "compile_cache")}
+        kwargs = (
+            {}
+            if eager
+            else {"compile_cache_dir": str(tmp_path / "compile_cache"), "compile_backend": "aot_eager"}
+        )
         with Omni(
             str(model_dir),
             max_loras=2,
