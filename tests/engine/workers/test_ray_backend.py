@@ -281,3 +281,29 @@ def test_ray_address_from_kwarg_or_deploy_yaml(z_image_dir, tmp_path):
     assert build_omni_config(None, deploy_config=str(deploy)).ray_address == "auto"
     with pytest.raises(ConfigError, match="ray_address must be a string"):
         build_omni_config(model=str(z_image_dir), ray_address=6379)
+
+
+def test_no_address_starts_its_own_cluster_not_the_one_running_here(cluster):
+    """Without ``ray_address`` / ``RAY_ADDRESS`` a pipeline starts a local cluster of its own.
+
+    Ray's default ``ray.init()`` attaches to the latest cluster started on the machine (this
+    module's, while it runs): a pipeline of another program (another test, in the CI run that
+    found it) then queued its stage in this cluster, whose CPUs were taken (placement group left
+    PENDING). The driver below runs while ``cluster`` is up and must report another GCS.
+    """
+    import subprocess
+    import sys
+
+    code = (
+        "import ray\n"
+        "from vllm_omni.engine.workers.ray_backend import connect, disconnect\n"
+        "connect()\n"
+        "print(ray.get_runtime_context().gcs_address)\n"
+        "disconnect()\n"
+        "assert not ray.is_initialized()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    own = done.stdout.strip().splitlines()[-1]
+    assert own and own != cluster.address and own != cluster.gcs_address

@@ -7,7 +7,7 @@ and streaming behave as with the inline backend. Outputs travel through Ray's ob
 (CPU tensors as numpy arrays).
 
 Cluster. The first runtime connects (``address``, else ``RAY_ADDRESS``, else a new local
-cluster without dashboard; ``RAY_AUTH_MODE=disabled`` unless set); a local cluster started
+cluster without dashboard, never one found on the machine; ``RAY_AUTH_MODE=disabled`` unless set); a local cluster started
 here is shut down when the last runtime shuts down. A driver that is already connected
 (``ray.init`` called before) keeps its connection.
 
@@ -65,8 +65,12 @@ def connect(address: str | None = None) -> None:
     with _cluster_lock:
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS") or None
-            # a new local cluster: no dashboard (connecting to one, Ray refuses local options)
-            ray.init(**({"address": address} if address else {"include_dashboard": False}))
+            # no address: a new local cluster, no dashboard. ``address="local"`` because Ray's own
+            # default attaches to the latest cluster started on this machine (``ray start``, another
+            # program's), whose resources and lifetime are not this pipeline's.
+            ray.init(
+                **({"address": address} if address else {"address": "local", "include_dashboard": False})
+            )
             _cluster["owned"] = address is None
         _cluster["users"] += 1
 
