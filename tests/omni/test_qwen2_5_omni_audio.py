@@ -133,7 +133,8 @@ def test_the_stages_describe_text_codec_and_audio(omni, tiny_omni_assets):
     voices = tuple(torch.load(Path(tiny_omni_assets.model_dir) / "spk_dict.pt", weights_only=True))
     thinker, talker, code2wav = omni._orchestrator.descriptions
     assert (thinker.output_kind, talker.output_kind, code2wav.output_kind) == ("text", "codec", "audio")
-    assert thinker.inputs == {"text", "token_ids"} and talker.inputs == code2wav.inputs == {"stage_payload"}
+    assert thinker.inputs == {"text", "token_ids"} and code2wav.inputs == {"stage_payload"}
+    assert talker.inputs == {"stage_payload", "media_payload"}  # speaks replies to prompts with audio
     assert thinker.params_type is talker.params_type is SamplingParams and code2wav.params_type is AudioParams
     assert talker.voices == code2wav.voices == voices and SPEAKER in voices
     assert thinker.max_model_len == talker.max_model_len == 256
@@ -156,7 +157,7 @@ def test_waveform_depends_on_codes_voice_and_seed(omni):
 
 def test_thinker_adapter_reaches_the_thinker_and_its_hidden_states(omni, tiny_omni_assets):
     """The entry adapter changes the thinker's tokens and the hidden states the talker reads
-    (its pooling pass runs with the same adapter): equal to peft on transformers' thinker."""
+    (the thinker's own pass, with the adapter): equal to peft on transformers' thinker."""
     adapter = LoRARequest("thinker", 1, str(tiny_omni_assets.thinker_adapter))
     text, audio = _run(omni, PROMPTS[0], lora_request=adapter)
     tokens, codes, wav = hf_reference(
@@ -210,30 +211,100 @@ def test_last_stage_returns_text_without_running_the_audio_stages(omni, monkeypa
     assert [o.final_output_type for o in outs] == ["text"] and outs[0].token_ids
 
 
-def test_audio_prompt_is_refused_before_it_starts_naming_the_talker(omni, monkeypatch):
-    """The talker reads the thinker's token ids only (no audio features): a prompt with audio is
-    refused before any stage runs, naming the talker stage and the way to get text; with
-    ``last_stage=0`` the thinker answers it."""
-    from omni_reference import sine_noise_clip
+def test_audio_prompt_is_spoken_like_transformers(omni, tiny_omni_assets):
+    """A prompt with audio runs all three stages: the talker reads the thinker's hidden states of
+    the audio positions from the thinker's own pass. Tokens, codes and waveform equal transformers'
+    ``generate(return_audio=True)`` on the same Whisper features (the prompt ids too)."""
+    from omni_reference import qwen2_5_omni_audio_inputs, sine_noise_clip
 
-    from vllm_omni.errors import InvalidRequestError
-
+    model_dir = str(tiny_omni_assets.model_dir)
+    clip = sine_noise_clip()
     prompt = {
-        "prompt": "Listen:<|audio_bos|><|AUDIO|><|audio_eos|>",
-        "multi_modal_data": {"audio": (sine_noise_clip(), 16000)},
+        "prompt": "Listen:<|audio_bos|><|AUDIO|><|audio_eos|> now",
+        "multi_modal_data": {"audio": (clip, 16000)},
     }
-    with monkeypatch.context() as patch:
-        patch.setattr(
-            omni._orchestrator.runtimes[0], "submit", lambda *a, **k: pytest.fail("the thinker ran")
+    text, audio = omni.generate(prompt, _params())
+    inputs = qwen2_5_omni_audio_inputs(model_dir, "Listen:", " now", clip)
+    assert text.stage_outputs[0].prompt_token_ids == inputs["input_ids"][0].tolist()
+    tokens, codes, wav = _hf_generate(model_dir, inputs)
+    assert text.token_ids == tokens
+    assert audio.stage_outputs[1].codes.tolist() == codes and len(codes) > 0
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
+
+
+def _hf_generate(model_dir: str, inputs: dict):
+    """``(thinker tokens, talker codes, waveform)`` of transformers' ``generate`` on full ``inputs``."""
+    model = _hf_model(model_dir, None, None)
+    captured = {}
+    talker_generate = model.talker.generate
+
+    def capture(*args, **kwargs):
+        out = talker_generate(*args, **kwargs)
+        captured["codes"] = out[0, kwargs["input_ids"].shape[1] :].tolist()
+        return out
+
+    model.talker.generate = capture
+    torch.manual_seed(SEED)
+    try:
+        seq, wav = model.generate(
+            **inputs,
+            speaker=SPEAKER,
+            return_audio=True,
+            thinker_max_new_tokens=THINK,
+            thinker_do_sample=False,
+            talker_max_new_tokens=TALK,
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+            talker_eos_token_id=list(TALKER_EOS_TOKEN_IDS),
+            token2wav_num_steps=STEPS,
         )
-        with pytest.raises(
-            InvalidRequestError,
-            match=r"Stage 1 \(llm_ar\): the talker takes text prompts only.*\['audio'\].*last_stage=0",
-        ) as err:
-            omni.generate(prompt, _params())
-    assert err.value.param == "multi_modal_data"
-    outs = omni.generate(prompt, _params(), last_stage=0)
-    assert [o.final_output_type for o in outs] == ["text"] and len(outs[0].token_ids) == THINK
+    finally:
+        del model.talker.generate
+    codes = captured["codes"]
+    stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
+    return seq[0, inputs["input_ids"].shape[1] :].tolist(), codes[:stop], wav.numpy()
+
+
+def test_thinker_returns_its_hidden_states_and_the_talker_one_request_per_reply(omni, tiny_omni_assets):
+    """The hand-off's hidden states are the thinker stage's own (== transformers' thinker
+    ``hidden_states[-1]`` over prompt + reply[:-1]); two replies decoded side by side in the talker's
+    engine (one batch, a stream each) equal their references, and each reply is one engine request."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    model_dir = str(tiny_omni_assets.model_dir)
+    talker = omni._orchestrator.runtimes[1]
+    before = talker.stats().requests
+    outs = omni.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], _params())
+    assert talker.stats().requests - before == 2
+    for prompt, (text, audio) in zip(PROMPTS, (outs[0:2], outs[2:4]), strict=True):
+        tokens, codes, wav = hf_reference(model_dir, prompt)
+        assert (text.token_ids, audio.stage_outputs[1].codes.tolist()) == (tokens, codes), prompt
+        np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
+    first = outs[0].stage_outputs[0]
+    hidden = first.omni_hidden_states
+    seq = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)[:-1]
+    assert hidden.dtype == torch.float32 and hidden.shape[0] == len(seq)
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = model.thinker(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(hidden, ref, rtol=0, atol=1e-4)
+    assert not hasattr(talker, "states")  # no second thinker in the talker
+
+
+def test_a_talker_payload_without_hidden_states_is_refused_naming_the_stage(omni):
+    from vllm_omni.engine.connectors import StagePayload
+    from vllm_omni.errors import StageEngineError
+    from vllm_omni.inputs.stage_request import StageRequest
+
+    payload = StagePayload(
+        {"prompt_token_ids": torch.tensor(PROMPTS[0]), "output_token_ids": torch.tensor([5, 6])}, {}
+    )
+    talker = omni._orchestrator.runtimes[1]
+    with pytest.raises(
+        StageEngineError, match=r"Stage 1 \(llm_ar\): the thinker's payload has no hidden_states"
+    ):
+        talker.submit(StageRequest(payload, SamplingParams(temperature=0, max_tokens=4)))
+    assert _run(omni, PROMPTS[0])[1].stage_outputs[1].codes.numel() > 0  # the stage keeps serving
 
 
 def _hf_codes(model_dir: str, prompt, **talker_kwargs) -> list[int]:

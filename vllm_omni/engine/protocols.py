@@ -30,8 +30,10 @@ LoRAMethod = Literal["add_lora", "remove_lora", "list_loras", "pin_lora"]
 OutputKind = Literal["text", "image", "video", "audio", "codec"]
 #: What a stage's prompt may be: ``"text"``, ``"token_ids"`` (a vLLM prompt of ids), ``"image"``
 #: (an input image beside the text: image-to-image), ``"stage_payload"`` (tensors an earlier stage
-#: handed over, :class:`~vllm_omni.engine.connectors.StagePayload`).
-InputKind = Literal["text", "token_ids", "image", "stage_payload"]
+#: handed over, :class:`~vllm_omni.engine.connectors.StagePayload`), ``"media_payload"`` (such tensors
+#: for an entry prompt with audio / image / video: the hand-off carries what the stage needs of those
+#: positions, e.g. the thinker's hidden states).
+InputKind = Literal["text", "token_ids", "image", "stage_payload", "media_payload"]
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,11 @@ def build_omni_config(
     )
 
 
-#: Hand-offs (a stage's ``input_processor``) that pass on the entry stage's token ids without its
-#: prompt's multimodal data: ``thinker2talker`` (the Qwen2.5-Omni and Qwen3-Omni talkers read the
-#: thinker's text, and refuse or cannot rebuild audio/image/video placeholders).
+#: Hand-offs (a stage's ``input_processor``) that pass on the entry stage's output without its
+#: prompt's multimodal data: ``thinker2talker``. A stage fed by one speaks a reply to a prompt with
+#: audio / image / video only when its description takes ``"media_payload"`` (the Qwen2.5-Omni talker:
+#: the thinker's hidden states of those positions come with the hand-off; the Qwen3-Omni talker reads
+#: token embeddings only).
 TEXT_ONLY_HANDOFFS = frozenset({"thinker2talker"})
 
 
@@ -221,7 +223,8 @@ class OmniBase:
 
     def _check_multimodal_reach(self, prompt: Any, last_stage: int | None) -> None:
         """Refuse, before it starts, a request whose prompt carries ``multi_modal_data`` (audio, image,
-        video) and would run a stage fed by a text-only hand-off (:data:`TEXT_ONLY_HANDOFFS`).
+        video) and would run a stage fed by a text-only hand-off (:data:`TEXT_ONLY_HANDOFFS`) that does
+        not take ``"media_payload"``.
 
         Raises:
             InvalidRequestError: naming that stage and the way to run the request (text only).
@@ -233,7 +236,8 @@ class OmniBase:
         for stage, spec in zip(self.config.stages, self.config.pipeline.stages, strict=True):
             runs = stage.stage_id != entry_id and (last_stage is None or stage.stage_id <= last_stage)
             handoff = spec.input_processor
-            if runs and handoff in TEXT_ONLY_HANDOFFS:
+            takes_media = "media_payload" in self._orchestrator.descriptions[stage.stage_id].inputs
+            if runs and handoff in TEXT_ONLY_HANDOFFS and not takes_media:
                 exc = InvalidRequestError(
                     f"{stage.label}: the talker takes text prompts only: its hand-off ({handoff}) passes on "
                     f"the thinker's token ids without the prompt's {sorted(data)} input, so the reply to this "

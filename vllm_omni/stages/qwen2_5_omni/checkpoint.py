@@ -171,24 +171,6 @@ def derive_talker_checkpoint(model_dir: str) -> str:
     return _write_once(dest, write)
 
 
-def derive_thinker_text_checkpoint(model_dir: str) -> str:
-    """The thinker's text decoder as a ``Qwen2ForCausalLM`` directory (with the tokenizer); its path."""
-    cfg = omni_config(model_dir)
-    dest = os.path.join(cache_root(), f"thinker-text-{_fingerprint(model_dir)}")
-
-    def write(tmp: str) -> None:
-        text = cfg["thinker_config"].get("text_config") or cfg["thinker_config"]
-        weights = {f"model.{k}": v for k, v in load_prefixed(model_dir, "thinker.model.").items()}
-        weights["lm_head.weight"] = load_prefixed(model_dir, "thinker.lm_head.")["weight"]
-        dtype = str(cfg.get("dtype") or text.get("dtype") or "float32")
-        _save_model(tmp, _qwen2_config(text, text["vocab_size"], dtype), weights)
-        for name in _TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(model_dir, name)):
-                shutil.copy(os.path.join(model_dir, name), tmp)
-
-    return _write_once(dest, write)
-
-
 def derive_adapter(adapter_dir: str, sub_model: str) -> str:
     """A peft adapter of the Omni ``sub_model`` (``"thinker"`` / ``"talker"``) keyed for its derived
     Qwen2 directory: ``<sub_model>.model.`` -> ``model.``; ``<sub_model>.codec_head`` -> ``lm_head``.

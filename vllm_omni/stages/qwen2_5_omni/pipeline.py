@@ -13,6 +13,8 @@ import torch
 from vllm import SamplingParams
 
 from vllm_omni.engine.connectors import StagePayload
+from vllm_omni.engine.hidden_states_stage import HIDDEN_STATES_ATTR, HiddenStatesStageEngine
+from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.engine.stage_registry import InputProcessor, StageRuntimeEntry
 from vllm_omni.errors import StageEngineError
 from vllm_omni.stages.qwen2_5_omni.code2wav import (
@@ -31,6 +33,7 @@ __all__ = [
     "default_talker_params",
     "make_code2wav",
     "make_talker",
+    "make_thinker",
     "talker2code2wav",
     "thinker2talker",
 ]
@@ -46,17 +49,31 @@ def default_talker_params() -> SamplingParams:
 
 
 def make_talker(stage: Any, config: Any) -> TalkerStageEngine:
-    """The talker runtime; its pooling pass takes the options of the stage feeding it (the thinker).
+    """The talker runtime (``config`` is not read).
 
     Raises:
-        StageEngineError: no model directory, or no pipeline ``config`` to find the thinker's stage in.
+        StageEngineError: no model directory.
     """
-    source = (stage.engine_input_source or [stage.stage_id - 1])[0]
     if not stage.model:
         raise StageEngineError(f"{stage.label}: no model directory given for the talker stage")
-    if config is None:
-        raise StageEngineError(f"{stage.label}: the talker needs the pipeline config (its thinker's stage)")
-    return TalkerStageEngine(stage, config.stage_by_id(source), load_speakers(stage.model))
+    return TalkerStageEngine(stage, load_speakers(stage.model))
+
+
+def make_thinker(stage: Any, config: Any) -> LLMStageEngine:
+    """The thinker runtime: a vLLM engine that also returns its hidden states
+    (:class:`~vllm_omni.engine.hidden_states_stage.HiddenStatesStageEngine`) when a stage of
+    ``config`` takes its output through ``thinker2talker``, else a plain one (thinker-only pipelines)."""
+    if config is None or not _feeds_a_talker(stage.stage_id, config):
+        return LLMStageEngine(stage)
+    return HiddenStatesStageEngine(stage)
+
+
+def _feeds_a_talker(stage_id: int, config: Any) -> bool:
+    for i, spec in enumerate(config.pipeline.stages):
+        sources = config.stages[i].engine_input_source or [i - 1]
+        if spec.input_processor == "thinker2talker" and stage_id in sources:
+            return True
+    return False
 
 
 def make_code2wav(stage: Any, config: Any) -> Code2WavStageEngine:
@@ -66,17 +83,20 @@ def make_code2wav(stage: Any, config: Any) -> Code2WavStageEngine:
 
 def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: Any) -> StagePayload:
     """The talker's input from the thinker's ``RequestOutput``: ``prompt_token_ids`` /
-    ``output_token_ids`` (int64 ``[T]`` / ``[n]``); ``meta``: the thinker's adapter and the voice
-    of the request (the ``AudioParams`` among ``stage_params``, if any)."""
+    ``output_token_ids`` (int64 ``[T]`` / ``[n]``) and, when the thinker stage returned them
+    (:data:`~vllm_omni.engine.hidden_states_stage.HIDDEN_STATES_ATTR`), ``hidden_states`` (float32
+    ``[T + n - 1, E]``); ``meta``: the voice of the request (the
+    ``AudioParams`` among ``stage_params``, if any)."""
     completion = thinker_output.outputs[0]
     voice = next((p.voice for p in stage_params if isinstance(p, AudioParams)), None)
-    return StagePayload(
-        {
-            "prompt_token_ids": torch.tensor(list(thinker_output.prompt_token_ids or []), dtype=torch.long),
-            "output_token_ids": torch.tensor(list(completion.token_ids), dtype=torch.long),
-        },
-        {"thinker_lora_request": lora_request, "voice": voice},
-    )
+    tensors = {
+        "prompt_token_ids": torch.tensor(list(thinker_output.prompt_token_ids or []), dtype=torch.long),
+        "output_token_ids": torch.tensor(list(completion.token_ids), dtype=torch.long),
+    }
+    hidden = getattr(thinker_output, HIDDEN_STATES_ATTR, None)
+    if hidden is not None:
+        tensors["hidden_states"] = hidden
+    return StagePayload(tensors, {"voice": voice})
 
 
 def talker2code2wav(talker_output: Any, stage_params: list[Any], lora_request: Any) -> StagePayload:
@@ -86,6 +106,7 @@ def talker2code2wav(talker_output: Any, stage_params: list[Any], lora_request: A
 
 #: model class (a stage's ``model_arch``) -> how the engine runs it.
 STAGE_RUNTIMES: dict[str, StageRuntimeEntry] = {
+    "OmniQwen2_5OmniThinkerForConditionalGeneration": StageRuntimeEntry(make_thinker),
     "OmniQwen2_5OmniTalkerForConditionalGeneration": StageRuntimeEntry(
         make_talker, default_params=default_talker_params
     ),

@@ -1,58 +1,57 @@
-"""Qwen2.5-Omni's talker stage: thinker reply -> codec tokens, on vLLM engines.
+"""Qwen2.5-Omni's talker stage: thinker reply -> codec tokens, one vLLM request per reply.
 
 Hand-off. The thinker stage's output reaches this stage as a
-:class:`~vllm_omni.engine.connectors.StagePayload` with ``"prompt_token_ids"`` and
-``"output_token_ids"`` (int64 ``[T]`` / ``[n]``) and, in ``meta``, the thinker's adapter of the
-request. vLLM 0.32 returns no per-token hidden states from generation, so this stage runs a
-**pooling pass** of the thinker's text decoder (``runner="pooling"``, ``token_embed`` / ``ALL``,
-no activation: the final, normed hidden states, as transformers' ``hidden_states[-1]``) over
-``prompt + output[:-1]`` with the same adapter; the payload gains ``"hidden_states"``
-(float32 ``[T + n - 1, E]``). Its cost per request is one prefill of that many tokens
-(docs/benchmarks.md).
+:class:`~vllm_omni.engine.connectors.StagePayload` with ``"prompt_token_ids"`` / ``"output_token_ids"``
+(int64 ``[T]`` / ``[n]``) and ``"hidden_states"`` (float32 ``[T + n - 1, E]``): the thinker's final,
+normed hidden states of ``prompt + output[:-1]`` from its own generation pass, as transformers'
+``hidden_states[-1]`` (:mod:`vllm_omni.engine.hidden_states_stage`). The thinker's weights are held
+once, by the thinker stage; audio / image / video positions of the prompt carry what the thinker
+computed there, so a prompt with media can be spoken (the stage describes ``"media_payload"``).
 
-Inputs, as ``Qwen2_5OmniForConditionalGeneration.generate`` builds them (text prompts):
-``x_i = hidden_i + embed(token_i)`` (placeholders of audio/image/video: embedding 0);
-prefix = ``[x_0 .. x_{T-1}, embed(speaker bos), x_T]``; the reply stream ``[x_{T+1} .. x_{T+n-2}, embed(text eos),
-embed(text pad)]``, whose row ``k`` (the last one once exhausted) is added to the codec
-embedding of the token fed at decode step ``k + 1``. Every row goes through
-``thinker_to_talker_proj`` before the decoder. (The talker's ``forward`` would add the codec
+Inputs, as ``Qwen2_5OmniForConditionalGeneration.generate`` builds them:
+``x_i = hidden_i + embed(token_i)`` (placeholders of audio/image/video: embedding 0, as transformers
+zeroes them); prefix = ``[x_0 .. x_{T-1}, embed(speaker bos), x_T]``; the reply stream
+``[x_{T+1} .. x_{T+n-2}, embed(text eos), embed(text pad)]``, whose row ``k`` (the last one once
+exhausted) is added to the codec embedding of the token fed at decode step ``k + 1``. Every row goes
+through ``thinker_to_talker_proj`` before the decoder. (The talker's ``forward`` would add the codec
 pad / bos embeddings to the prefix's last two rows when called with an attention mask and no
 position ids; transformers 5.19's ``generate`` never calls it so, and this stage computes what
 that ``generate`` computes.)
 
 Decoding. The decoder runs on vLLM as a derived ``Qwen2ForCausalLM``
-(:func:`~.checkpoint.derive_talker_checkpoint`) fed ``prompt_embeds``. Since each decode
-step's input depends on the step (the reply stream), every step is one vLLM request of one
-token over the embeddings so far; prefix caching (keyed by the embeddings) recomputes only the
-last partial block per step. Greedy or seeded sampling (seed ``s`` -> step ``k`` uses ``s + k``);
-``codec bos`` is never sampled (transformers' ``suppress_tokens``); decoding stops at the
-talker's ``stop_token_ids`` (default: codec pad and codec end, transformers' default
-``talker_eos_token_id``), at ``max_tokens``, or when the sequence fills the stage's
-``max_model_len``. Penalties that look at earlier tokens are refused.
+(:func:`~.checkpoint.derive_talker_checkpoint`, whose ``embed_tokens`` is the projected codec
+table) fed the prefix as ``prompt_embeds``; the whole reply is one vLLM request. The engine runs
+the stepping worker (:mod:`vllm_omni.engine.step_io`), which adds the projected stream row
+``W_proj @ row_k`` to the embedding of the token at position ``T + 2 + k`` (``prefix length + k``):
+``embed(c) + W row = W (codec(c) + row) + b``, the projected sum transformers feeds. Greedy or seeded
+sampling (vLLM's per-request generator); ``codec bos`` is never sampled (transformers'
+``suppress_tokens``); decoding stops at the talker's ``stop_token_ids`` (default: codec pad and codec
+end, transformers' default ``talker_eos_token_id``; the stop token is not returned), at
+``max_tokens``, or when the sequence fills the stage's ``max_model_len``; ``min_tokens`` holds the
+stop tokens back (transformers' ``min_new_tokens``). Penalties that look at earlier tokens are
+refused (the prompt is embeddings, whose ids vLLM would count as token 0).
 
-The request's ``SamplingParams`` describe the whole codec sequence, never one step: each step's
-params are built anew (:meth:`_TalkerRun.step_params`) from the per-token fields of
-:data:`STEP_FIELDS`; ``max_tokens`` / ``min_tokens`` / ``stop_token_ids`` / ``allowed_token_ids``
-are applied by this stage over the sequence (``min_tokens``: no stop token is sampled before that
-many codes, transformers' ``min_new_tokens``), and fields that need text or the whole sequence
-(:data:`REFUSED_FIELDS`) are refused.
+The request's ``SamplingParams`` describe the whole codec sequence: the per-token fields of
+:data:`STEP_FIELDS`, ``seed``, ``max_tokens`` / ``min_tokens`` / ``stop_token_ids`` /
+``allowed_token_ids`` are applied (:meth:`TalkerStageEngine.reply_params`); fields that need
+text (:data:`REFUSED_FIELDS`) are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
-from vllm import PoolingParams, SamplingParams
-from vllm.config import PoolerConfig
-from vllm.outputs import PoolingRequestOutput
+from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from vllm_omni.engine import step_io
 from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.engine.protocols import StageDescription
@@ -63,16 +62,15 @@ from vllm_omni.stages.qwen2_5_omni.checkpoint import (
     TalkerTables,
     derive_adapter,
     derive_talker_checkpoint,
-    derive_thinker_text_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
 
 _MM_PLACEHOLDERS = ("audio_token_index", "image_token_index", "video_token_index")
-#: ``SamplingParams`` fields that act per sampled token, carried into every one-token step.
+#: ``SamplingParams`` fields that act per sampled token, carried into the reply's request.
 STEP_FIELDS = ("temperature", "top_p", "top_k", "min_p", "logit_bias")
-#: fields that need text, a whole sequence in one vLLM request or log-probabilities this stage does
-#: not return: refused (``InvalidRequestError``) rather than silently dropped.
+#: fields that need text or log-probabilities this stage does not return: refused
+#: (``InvalidRequestError``) rather than silently dropped.
 REFUSED_FIELDS = ("stop", "bad_words", "structured_outputs", "logprobs", "prompt_logprobs")
 
 
@@ -135,31 +133,22 @@ def derived_adapter(lora_request: LoRARequest | None, sub_model: str) -> LoRAReq
     return msgspec.structs.replace(lora_request, lora_path=derive_adapter(lora_request.lora_path, sub_model))
 
 
-class ThinkerStatesEngine(LLMStageEngine):
-    """A pooling vLLM engine over the thinker's text decoder; ``submit(ids, PoolingParams)``
-    resolves to a ``PoolingRequestOutput`` whose ``outputs.data`` is float32 ``[len(ids), E]``."""
-
-    _params_type = PoolingParams
-    _output_types = (PoolingRequestOutput,)
-
-
 class TalkerStageEngine(LLMStageEngine):
     """Runs the talker stage (module docstring): ``submit(payload, SamplingParams, lora_request)``
     -> future of :class:`TalkerOutput`.
 
     Args:
         stage: the talker stage (its ``model`` is the Omni checkpoint; LoRA options are stage-scoped).
-        thinker_stage: the thinker's stage; its options (and LoRA options) configure the pooling pass.
         speakers: ``{voice: {"bos_token": int, ...}}`` (``spk_dict.pt``).
 
     Raises:
         StageEngineError: a checkpoint this stage cannot derive, or an engine that fails to start.
+        ConfigError: the stage cannot run the stepping worker (:func:`~vllm_omni.engine.step_io.check_in_process`).
     """
 
-    def __init__(self, stage: Any, thinker_stage: Any, speakers: dict[str, dict[str, Any]]):
+    def __init__(self, stage: Any, speakers: dict[str, dict[str, Any]]):
         try:
             talker_dir = derive_talker_checkpoint(stage.model)
-            thinker_dir = derive_thinker_text_checkpoint(stage.model)
             self.tables = TalkerTables.load(stage.model)
         except Exception as exc:
             raise StageEngineError(
@@ -167,27 +156,13 @@ class TalkerStageEngine(LLMStageEngine):
             ) from exc
         self.speakers = speakers
         self.default_voice = next(iter(speakers))
-        options = dict(stage.options) | {"enable_prompt_embeds": True, "skip_tokenizer_init": True}
+        options = step_io.check_in_process(stage, "the talker's reply stream")
+        options |= {"enable_prompt_embeds": True, "skip_tokenizer_init": True}
         super().__init__(
             dataclasses.replace(stage, model=talker_dir, model_arch="Qwen2ForCausalLM", options=options)
         )
         #: the longest sequence (prefix + codes) the talker's engine holds
         self.max_len = int(self._engine.vllm_config.model_config.max_model_len)
-
-        pool = PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False)
-        keep = {k: v for k, v in thinker_stage.options.items() if k not in ("enable_prompt_embeds", "runner")}
-        pooling_stage = dataclasses.replace(
-            thinker_stage,
-            stage_id=stage.stage_id,
-            model=thinker_dir,
-            model_arch="Qwen2ForCausalLM",
-            options=keep | {"runner": "pooling", "pooler_config": pool},
-        )
-        try:
-            self.states = ThinkerStatesEngine(pooling_stage)
-        except BaseException:
-            super().shutdown()
-            raise
 
     def describe(self) -> StageDescription:
         """The LLM stage's description, with codec tokens out (:class:`TalkerOutput`), the
@@ -195,7 +170,7 @@ class TalkerStageEngine(LLMStageEngine):
         return dataclasses.replace(
             super().describe(),
             output_kind="codec",
-            inputs=frozenset({"stage_payload"}),
+            inputs=frozenset({"stage_payload", "media_payload"}),
             voices=tuple(self.speakers),
         )
 
@@ -221,7 +196,7 @@ class TalkerStageEngine(LLMStageEngine):
         refused = [name for name in REFUSED_FIELDS if getattr(params, name, None)]
         if refused:
             raise InvalidRequestError(
-                f"{self.stage.label}: the talker samples codec tokens one vLLM step at a time and cannot apply "
+                f"{self.stage.label}: the talker samples codec tokens, not text, and cannot apply "
                 f"{refused} (it applies {list(STEP_FIELDS)}, seed, max_tokens, min_tokens, stop_token_ids and "
                 "allowed_token_ids); leave them unset in the talker's SamplingParams"
             )
@@ -232,153 +207,106 @@ class TalkerStageEngine(LLMStageEngine):
             )
 
     def submit(self, request: StageRequest) -> Future:
-        """Queue one talker request (class docstring); errors as :meth:`validate_request`."""
+        """Queue one talker request, one vLLM request for the whole reply (class docstring);
+        errors as :meth:`validate_request`, plus ``StageEngineError`` when the payload has no
+        ``hidden_states`` and ``InvalidRequestError`` when the prefix fills ``max_model_len``."""
         self.validate_request(request)
-        prompt, params, lora_request = request.prompt, request.params, request.adapters.lora_request
-        done: Future = Future()
-        ids = [
-            prompt.tensor(k, consumer=self.stage.label).long()
-            for k in ("prompt_token_ids", "output_token_ids")
-        ]
+        prompt, params = request.prompt, request.params
+        label = self.stage.label
+        ids = [prompt.tensor(k, consumer=label).long() for k in ("prompt_token_ids", "output_token_ids")]
         if ids[1].numel() == 0:
-            raise InvalidRequestError(f"{self.stage.label}: the thinker generated no token")
-        thinker_lora = derived_adapter(prompt.meta.get("thinker_lora_request"), "thinker")
-        if thinker_lora is not None:
-            self._refresh_pooling_adapter(thinker_lora)
-        seq = torch.cat([ids[0], ids[1][:-1]]).tolist()
-        run = _TalkerRun(self, prompt, ids, params, lora_request, done)
-        pooled = self.states.submit(
-            StageRequest(
-                {"prompt_token_ids": seq}, PoolingParams(task="token_embed"), RequestAdapters.of(thinker_lora)
+            raise InvalidRequestError(f"{label}: the thinker generated no token")
+        if "hidden_states" not in prompt.tensors:
+            raise StageEngineError(
+                f"{label}: the thinker's payload has no hidden_states (the thinker stage returns them when "
+                "a thinker2talker stage consumes it: run the qwen2_5_omni pipeline)"
             )
-        )
-        run.current = pooled
-        pooled.add_done_callback(run.on_hidden)
+        hidden = prompt.tensor("hidden_states", consumer=label).float()
+        voice = prompt.meta.get("voice") or self.default_voice
+        bos = int(self.speakers[voice]["bos_token"])
+        prefix, reply = build_talker_inputs(self.tables, *ids, hidden, bos)
+        if prefix.shape[0] >= self.max_len:
+            raise InvalidRequestError(
+                f"{label}: the talker's prefix ({prefix.shape[0]} positions) leaves no room in its "
+                f"max_model_len {self.max_len}"
+            )
+        # embed_tokens holds project(codec) = W codec + b, so project(codec + row) adds W row
+        stream = torch.nn.functional.linear(reply, self.tables.proj_weight)
+        key = step_io.open_entry(step_io.StepIOEntry(stream=stream, stream_start=prefix.shape[0]))
+        try:
+            inner = self._enqueue(
+                {"prompt_embeds": prefix},
+                step_io.with_entry(self.reply_params(params, prefix.shape[0]), key),
+                derived_adapter(request.adapters.lora_request, "talker"),
+            )
+        except BaseException:
+            step_io.close_entry(key)
+            raise
+        done: Future = Future()
+        done.add_done_callback(lambda f: f.cancelled() and inner.cancel())
+        inner.add_done_callback(lambda f: self._finish(f, done, key, prompt, params))
         return done
 
-    def _refresh_pooling_adapter(self, lora: LoRARequest) -> None:
-        """Drop the pooling engine's copy of ``lora.lora_int_id`` when it was loaded from another
-        path: the thinker stage's ``remove_lora`` does not reach this engine, and an id reused for
-        other weights must not be served the old ones."""
-        known = self.states._valid_adapters.get(lora.lora_int_id)
-        if known is not None and known != lora.lora_path:
-            self.states.remove_lora(lora.lora_int_id)
+    def reply_params(self, params: SamplingParams, prefix_len: int) -> SamplingParams:
+        """The vLLM params of the reply's one request: the request's per-token fields
+        (:data:`STEP_FIELDS`) and seed; ``max_tokens`` (default 4096) capped by the room left after
+        the prefix; stops (default codec pad and codec end) that ``min_tokens`` holds back; the
+        codec start token never sampled.
 
-    def step(self, embeds: torch.Tensor, params: SamplingParams, lora_request: LoRARequest | None) -> Future:
-        """One decode step: the vLLM request of one token over ``embeds`` (float32 ``[L, H]``)."""
-        return self._enqueue({"prompt_embeds": embeds}, params, lora_request)
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        return super().add_lora(derived_adapter(lora_request, "talker"))
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        self.states.shutdown(timeout)
-        super().shutdown(timeout)
-
-
-class _TalkerRun:
-    """The state of one talker request between its vLLM steps (callbacks on the driver threads)."""
-
-    def __init__(
-        self, engine: TalkerStageEngine, payload: StagePayload, ids, params, lora_request, done: Future
-    ):
-        self.engine, self.payload, self.ids, self.done = engine, payload, ids, done
-        self.lora = derived_adapter(lora_request, "talker")
-        tid = engine.tables.ids
-        self.stops = set(
-            params.stop_token_ids or [tid["tts_codec_pad_token_id"], tid["tts_codec_end_token_id"]]
-        )
-        self.max_tokens = params.max_tokens or 4096
-        self.min_tokens = int(params.min_tokens or 0)
-        self.seed = params.seed
-        self.step_fields = {name: getattr(params, name) for name in STEP_FIELDS}
+        Raises:
+            InvalidRequestError: ``allowed_token_ids`` leaves no codec token.
+        """
+        tid = self.tables.ids
+        stops = list(params.stop_token_ids or self._default_stops())
         bos = tid["tts_codec_start_token_id"]
         wanted = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
-        self.allowed = [
-            i
-            for i in range(engine.tables.codec_embed.shape[0])
-            if i != bos and (wanted is None or i in wanted)
+        allowed = [
+            i for i in range(self.tables.codec_embed.shape[0]) if i != bos and (wanted is None or i in wanted)
         ]
-        if not self.allowed:
+        if not allowed:
             raise InvalidRequestError(
-                f"{engine.stage.label}: allowed_token_ids leaves no codec token to sample "
-                f"(codec ids 0..{engine.tables.codec_embed.shape[0] - 1}, the codec start token excluded)"
+                f"{self.stage.label}: allowed_token_ids leaves no codec token to sample "
+                f"(codec ids 0..{self.tables.codec_embed.shape[0] - 1}, the codec start token excluded)"
             )
-        self.allowed_before_min = [i for i in self.allowed if i not in self.stops] or self.allowed
-        self.codes: list[int] = []
-        self.current: Future | None = None
-        done.add_done_callback(self._on_done)
-
-    def _on_done(self, done: Future) -> None:
-        current = self.current
-        if done.cancelled() and current is not None:
-            current.cancel()
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc if isinstance(exc, Exception) else StageEngineError(str(exc)))
-
-    def on_hidden(self, fut: Future) -> None:
-        if fut.cancelled() or self.done.done():
-            return
-        try:
-            hidden = fut.result().outputs.data.float().cpu()
-            voice = self.payload.meta.get("voice") or self.engine.default_voice
-            bos = int(self.engine.speakers[voice]["bos_token"])
-            self.payload.tensors["hidden_states"] = hidden
-            self.embeds, self.reply = build_talker_inputs(self.engine.tables, *self.ids, hidden, bos)
-            if self.embeds.shape[0] >= self.engine.max_len:
-                raise InvalidRequestError(
-                    f"{self.engine.stage.label}: the talker's prefix ({self.embeds.shape[0]} positions) "
-                    f"leaves no room in its max_model_len {self.engine.max_len}"
-                )
-            self._next()
-        except BaseException as exc:
-            self._fail(exc)
-
-    def step_params(self) -> SamplingParams:
-        """The params of the next one-token step, built from the request's per-token fields only (the
-        request's ``max_tokens`` / ``min_tokens`` / stops describe the sequence, which this run tracks)."""
-        n = len(self.codes)
         return SamplingParams(
-            **self.step_fields,
-            seed=None if self.seed is None else self.seed + n,
-            max_tokens=1,
+            **{name: getattr(params, name) for name in STEP_FIELDS},
+            seed=params.seed,
+            max_tokens=max(1, min(params.max_tokens or 4096, self.max_len - prefix_len)),
+            min_tokens=int(params.min_tokens or 0),
+            stop_token_ids=stops,
             ignore_eos=True,
             detokenize=False,
-            allowed_token_ids=self.allowed if n >= self.min_tokens else self.allowed_before_min,
+            allowed_token_ids=allowed,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def _next(self) -> None:
-        self.current = fut = self.engine.step(self.embeds, self.step_params(), self.lora)
-        if self.done.cancelled():
-            fut.cancel()
-        fut.add_done_callback(self.on_token)
-
-    def on_token(self, fut: Future) -> None:
-        if fut.cancelled() or self.done.done():
+    def _finish(self, inner: Future, done: Future, key: str, payload: StagePayload, params) -> None:
+        """Resolve ``done`` with the reply's codes (the stop token dropped) or ``inner``'s failure."""
+        step_io.close_entry(key)
+        if done.done():
+            return
+        if inner.cancelled():
+            done.cancel()
             return
         try:
-            token = int(fut.result().outputs[0].token_ids[0])
-            if token in self.stops or len(self.codes) >= self.max_tokens:
-                self._finish("stop" if token in self.stops else "length")
-                return
-            self.codes.append(token)
-            if len(self.codes) >= self.max_tokens or self.embeds.shape[0] >= self.engine.max_len:
-                self._finish("length")
-                return
-            tables = self.engine.tables
-            row = self.reply[min(len(self.codes) - 1, self.reply.shape[0] - 1)]
-            x = tables.project((tables.codec_embed[token] + row).unsqueeze(0))
-            self.embeds = torch.cat([self.embeds, x])
-            self._next()
+            completion = inner.result().outputs[0]
+            codes = list(completion.token_ids)
+            stopped = completion.finish_reason == "stop"
+            if stopped and codes and codes[-1] in set(params.stop_token_ids or self._default_stops()):
+                codes = codes[:-1]
+            tensor = torch.tensor(codes, dtype=torch.long)
+            meta = {"voice": payload.meta.get("voice")}
+            out = TalkerOutput(tensor, "stop" if stopped else "length", StagePayload({"codes": tensor}, meta))
         except BaseException as exc:
-            self._fail(exc)
+            with contextlib.suppress(InvalidStateError):
+                done.set_exception(exc if isinstance(exc, Exception) else StageEngineError(str(exc)))
+            return
+        with contextlib.suppress(InvalidStateError):
+            done.set_result(out)
 
-    def _finish(self, reason: str) -> None:
-        codes = torch.tensor(self.codes, dtype=torch.long)
-        meta = {"voice": self.payload.meta.get("voice")}
-        out = TalkerOutput(codes, reason, StagePayload({"codes": codes}, meta))
-        if not self.done.done():
-            self.done.set_result(out)
+    def _default_stops(self) -> list[int]:
+        tid = self.tables.ids
+        return [tid["tts_codec_pad_token_id"], tid["tts_codec_end_token_id"]]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return super().add_lora(derived_adapter(lora_request, "talker"))

@@ -1,0 +1,104 @@
+"""An LLM stage whose outputs carry the final hidden states of the engine's own pass.
+
+:class:`HiddenStatesStageEngine` is :class:`~vllm_omni.engine.llm_stage.LLMStageEngine` with every
+request captured by the stepping worker (:mod:`vllm_omni.engine.step_io`): when a request
+finishes, its ``RequestOutput`` gains ``omni_hidden_states``, float32 ``[T + n - 1, H]``: the
+final (normed) hidden state of each prompt position and of each generated token but the last
+(the last one is never fed back), what transformers returns as ``hidden_states[-1]`` of a
+forward over ``prompt + output[:-1]``. A downstream stage (the Qwen2.5-Omni talker) reads them, so
+the model's weights are held once, by this stage.
+
+Cost: the rows are copied out each step (``H`` floats per computed position), and the request
+reads nothing from the prefix cache (``skip_reading_prefix_cache``: a cached prefix would not be
+computed, hence not captured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from vllm import RequestOutput
+
+from vllm_omni.engine import step_io
+from vllm_omni.engine.llm_stage import LLMStageEngine
+from vllm_omni.errors import InvalidRequestError, StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
+
+#: the ``RequestOutput`` attribute that holds the captured hidden states
+HIDDEN_STATES_ATTR = "omni_hidden_states"
+
+
+class HiddenStatesStageEngine(LLMStageEngine):
+    """An LLM stage returning hidden states with each output (module docstring).
+
+    Raises:
+        ConfigError: the stage cannot run the stepping worker (:func:`step_io.check_in_process`).
+        StageEngineError: as ``LLMStageEngine``.
+    """
+
+    def __init__(self, stage: Any):
+        options = step_io.check_in_process(stage, "returning the hidden states to the next stage")
+        super().__init__(dataclasses.replace(stage, options=options))
+
+    def validate_request(self, request: StageRequest) -> None:
+        """The LLM stage's checks plus one completion per request (the hidden states are one sequence's).
+
+        Raises:
+            InvalidRequestError: ``n > 1``, naming the stage.
+        """
+        super().validate_request(request)
+        if getattr(request.params, "n", 1) != 1:
+            raise InvalidRequestError(
+                f"{self.stage.label} returns the hidden states of one completion to the next stage: "
+                f"n must be 1, got {request.params.n}"
+            )
+
+    def _enqueue(
+        self,
+        prompt: Any,
+        params: Any,
+        lora_request: Any,
+        on_partial: Callable[[RequestOutput], None] | None = None,
+    ) -> Future:
+        key = step_io.open_entry(step_io.StepIOEntry(capture=True))
+        try:
+            inner = super()._enqueue(
+                prompt, step_io.with_entry(params, key, skip_prefix_cache=True), lora_request, on_partial
+            )
+        except BaseException:
+            step_io.close_entry(key)
+            raise
+        outer: Future = Future()
+        outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
+        inner.add_done_callback(lambda f: self._attach(f, outer, key))
+        return outer
+
+    def _attach(self, inner: Future, outer: Future, key: str) -> None:
+        """Resolve ``outer`` with ``inner``'s output and its hidden states (or ``inner``'s failure)."""
+        entry = step_io.close_entry(key)
+        if outer.done():
+            return
+        if inner.cancelled():
+            outer.cancel()
+            return
+        exc = inner.exception()
+        if exc is not None:
+            with contextlib.suppress(InvalidStateError):
+                outer.set_exception(exc)
+            return
+        out = inner.result()
+        try:
+            if entry is None:
+                raise StageEngineError(f"{self.stage.label}: the request's hidden states were dropped")
+            fed = len(out.prompt_token_ids or ()) + max(0, len(out.outputs[0].token_ids) - 1)
+            setattr(out, HIDDEN_STATES_ATTR, step_io.hidden_states(entry, fed, self.stage.label))
+        except Exception as err:
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                outer.set_exception(err)
+            return
+        with contextlib.suppress(InvalidStateError):
+            outer.set_result(out)
