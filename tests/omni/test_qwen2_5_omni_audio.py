@@ -390,3 +390,18 @@ def test_talker_refuses_fields_it_cannot_apply(omni):
     params[1] = SamplingParams(temperature=0, max_tokens=TALK, stop=["."])
     with pytest.raises(InvalidRequestError, match=r"Stage 1 \(llm_ar\).*cannot apply \['stop'\]"):
         omni.generate({"prompt_token_ids": list(PROMPTS[0])}, params)
+
+
+def test_several_thinker_completions_are_text_only(omni):
+    """The talker speaks one completion: ``n=2`` on the thinker with speech asked is refused naming
+    ``n`` and the way out; text only (``last_stage=0``) answers it with two completions."""
+    from vllm_omni.errors import InvalidRequestError
+
+    params = _params()
+    params[0] = SamplingParams(temperature=0.5, max_tokens=THINK, n=2, seed=1)
+    prompt = {"prompt_token_ids": list(PROMPTS[0])}
+    with pytest.raises(InvalidRequestError, match=r"talker speaks one completion.*asked for 2.*last_stage=0"):
+        omni.generate(prompt, params)
+    (text,) = omni.generate(prompt, params, last_stage=0)
+    assert len(text.request_output.outputs) == 2
+    assert getattr(text.request_output, "omni_hidden_states", None) is None

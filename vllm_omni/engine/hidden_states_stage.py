@@ -10,7 +10,9 @@ the model's weights are held once, by this stage.
 
 Cost: the rows are copied out each step (``H`` floats per computed position), and the request
 reads nothing from the prefix cache (``skip_reading_prefix_cache``: a cached prefix would not be
-computed, hence not captured).
+computed, hence not captured). A request for several completions (``n > 1``) is not captured:
+vLLM runs it as child requests that share its params, and the hidden states would be one
+completion's; its outputs carry none.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from vllm import RequestOutput
 
 from vllm_omni.engine import step_io
 from vllm_omni.engine.llm_stage import LLMStageEngine
-from vllm_omni.errors import InvalidRequestError, StageEngineError
-from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.errors import StageEngineError
 
 #: the ``RequestOutput`` attribute that holds the captured hidden states
 HIDDEN_STATES_ATTR = "omni_hidden_states"
@@ -44,19 +45,6 @@ class HiddenStatesStageEngine(LLMStageEngine):
         options = step_io.check_in_process(stage, "returning the hidden states to the next stage")
         super().__init__(dataclasses.replace(stage, options=options))
 
-    def validate_request(self, request: StageRequest) -> None:
-        """The LLM stage's checks plus one completion per request (the hidden states are one sequence's).
-
-        Raises:
-            InvalidRequestError: ``n > 1``, naming the stage.
-        """
-        super().validate_request(request)
-        if getattr(request.params, "n", 1) != 1:
-            raise InvalidRequestError(
-                f"{self.stage.label} returns the hidden states of one completion to the next stage: "
-                f"n must be 1, got {request.params.n}"
-            )
-
     def _enqueue(
         self,
         prompt: Any,
@@ -64,6 +52,8 @@ class HiddenStatesStageEngine(LLMStageEngine):
         lora_request: Any,
         on_partial: Callable[[RequestOutput], None] | None = None,
     ) -> Future:
+        if getattr(params, "n", 1) != 1:  # vLLM runs n > 1 as child requests sharing extra_args
+            return super()._enqueue(prompt, params, lora_request, on_partial)
         key = step_io.open_entry(step_io.StepIOEntry(capture=True))
         try:
             inner = super()._enqueue(

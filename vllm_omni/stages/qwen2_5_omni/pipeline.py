@@ -16,7 +16,7 @@ from vllm_omni.engine.connectors import StagePayload
 from vllm_omni.engine.hidden_states_stage import HIDDEN_STATES_ATTR, HiddenStatesStageEngine
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.engine.stage_registry import InputProcessor, StageRuntimeEntry
-from vllm_omni.errors import StageEngineError
+from vllm_omni.errors import InvalidRequestError, StageEngineError
 from vllm_omni.stages.qwen2_5_omni.code2wav import (
     AudioOutput,
     AudioParams,
@@ -86,7 +86,16 @@ def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: A
     ``output_token_ids`` (int64 ``[T]`` / ``[n]``) and, when the thinker stage returned them
     (:data:`~vllm_omni.engine.hidden_states_stage.HIDDEN_STATES_ATTR`), ``hidden_states`` (float32
     ``[T + n - 1, E]``); ``meta``: the voice of the request (the
-    ``AudioParams`` among ``stage_params``, if any)."""
+    ``AudioParams`` among ``stage_params``, if any).
+
+    Raises:
+        InvalidRequestError: the thinker's output has several completions (``n > 1``).
+    """
+    if len(thinker_output.outputs) != 1:
+        raise InvalidRequestError(
+            f"the talker speaks one completion, and the thinker's request asked for {len(thinker_output.outputs)} "
+            "(SamplingParams n); ask for n=1, or for text only (last_stage=0)"
+        )
     completion = thinker_output.outputs[0]
     voice = next((p.voice for p in stage_params if isinstance(p, AudioParams)), None)
     tensors = {
