@@ -180,7 +180,7 @@ def test_input_audio_equals_transformers_thinker(client, tiny_omni_assets):
 
 
 def test_bad_input_audio_is_400_naming_the_part(server):
-    """Each bad part is refused naming ``messages[0].content[j]`` (and the rate, the format, the talker);
+    """Each bad part is refused naming ``messages[0].content[j]`` (and the rate, the format);
     then the same clip is answered."""
     from tests.omni.omni_reference import sine_noise_clip
 
@@ -201,11 +201,29 @@ def test_bad_input_audio_is_400_naming_the_part(server):
         part = "messages[0].content[1]" if j == len(cases) - 1 else "messages[0].content[0]"
         assert err["param"] == part and err["message"].startswith(part + ": ")
         assert re.search(message, err["message"]), err["message"]
-    # speech out: the talker reads the thinker's token ids only; refused before any stage runs
-    body = {"model": "tiny-omni", "messages": _audio_messages(good), "max_tokens": 2}
-    body |= {"modalities": ["text", "audio"], "audio": {"voice": SPEAKER, "format": "wav"}}
-    err = assert_openai_error(httpx.post(url, json=body, timeout=600), (400,))
-    assert err["param"] == "modalities" and "Stage 1" in err["message"] and "talker" in err["message"]
     body = {"model": "tiny-omni", "messages": _audio_messages(good), "max_tokens": 2, "modalities": ["text"]}
     ok = httpx.post(url, json=body, timeout=600)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_input_audio_with_speech_out(client):
+    """Audio in, speech out: the talker reads the thinker's hidden states of the audio positions (its
+    own pass), so the reply is spoken; the transcript is the text-only reply (greedy thinker)."""
+    from tests.omni.omni_reference import sine_noise_clip
+
+    kw = dict(
+        model="tiny-omni",
+        messages=_audio_messages(input_audio_part(sine_noise_clip())),
+        max_tokens=N,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = client.chat.completions.create(**kw, modalities=["text"])
+    reply = client.chat.completions.create(
+        **kw, modalities=["text", "audio"], audio={"voice": SPEAKER, "format": "wav"}, seed=7
+    )
+    audio = reply.choices[0].message.audio
+    assert audio.transcript == text.choices[0].message.content
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
+        frames = w.readframes(w.getnframes())
+    assert len(frames) > 0 and frames != b"\x00" * len(frames)
