@@ -270,6 +270,27 @@ def test_talker_refuses_multimodal_placeholders(omni):
         talker.validate_request(StageRequest(payload, None))
 
 
+def test_speech_for_a_prompt_with_audio_is_refused_before_any_stage_runs(omni, monkeypatch):
+    """The Qwen3-Omni talker does not take media payloads (its description lacks ``media_payload``):
+    a prompt with audio asking for speech is refused before the thinker runs, naming the talker and
+    the way to get text (Qwen2.5-Omni's talker speaks it: tests/omni/test_qwen2_5_omni_audio.py)."""
+    from omni_reference import sine_noise_clip
+
+    assert "media_payload" not in omni._orchestrator.descriptions[1].inputs
+    prompt = {
+        "prompt": "<|audio_start|><|audio_pad|><|audio_end|>hi",
+        "multi_modal_data": {"audio": (sine_noise_clip(), 16000)},
+    }
+    monkeypatch.setattr(
+        omni._orchestrator.runtimes[0], "submit", lambda *a, **k: pytest.fail("the thinker ran")
+    )
+    with pytest.raises(
+        InvalidRequestError, match=r"Stage 1 \(llm_ar\): the talker takes text prompts only.*last_stage=0"
+    ) as err:
+        omni.generate(prompt)
+    assert err.value.param == "multi_modal_data"
+
+
 def test_global_lora_options_are_refused_naming_the_llm_stages(assets):
     from vllm_omni.entrypoints.omni_base import build_omni_config
 
