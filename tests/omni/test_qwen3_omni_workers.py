@@ -9,6 +9,8 @@ A talker adapter is registered on stage 1 (``add_lora(..., stage_id=1)``, pinned
   registered adapter again (loaded and pinned, before any request names it), and the next
   request's text, codes and waveform equal those before the kill, which equal transformers'
   ``generate`` with peft's adapter on ``model.talker`` (greedy, float32).
+- ``worker_backend="ray"``: the talker with its adapter in a Ray actor; ``kill -9`` of the actor's
+  process restarts it holding the adapter, and its codes are unchanged.
 - HTTP: a chat completion with ``modalities: ["text", "audio"]`` and the talker adapter given in
   the ``lora`` field for stage 1 answers the text and the waveform (16-bit WAV) of the same
   request made in Python. An adapter for another model (the thinker's, on stage 1) or for a
@@ -166,6 +168,55 @@ def test_kill_9_restarts_the_stage_with_its_adapter_and_the_output_is_unchanged(
     tokens, codes, wav = _run(omni, prompt, talker_lora)
     assert tokens == before[0] and torch.equal(codes, before[1])
     np.testing.assert_array_equal(wav, before[2])
+
+
+def test_talker_in_a_ray_actor_restarts_with_its_adapter_and_the_same_codes(
+    omni, before, prompt, talker_lora
+):
+    """``worker_backend="ray"``: the talker's stage config in a Ray actor of its own, its adapter added
+    and pinned, fed the thinker output of the mp run: the codes equal the mp talker's (== transformers +
+    peft); after ``kill -9`` of the actor's process a call fails with ``StageDeadError`` naming the stage,
+    the actor comes back holding the adapter, and the codes are unchanged."""
+    import signal
+    import time
+
+    from vllm_omni.engine.inline_runtime import runtime_factory
+    from vllm_omni.engine.workers.ray_backend import RayStageRuntime
+    from vllm_omni.errors import StageDeadError
+    from vllm_omni.inputs.stage_request import StageRequest
+    from vllm_omni.lora.request import RequestAdapters
+    from vllm_omni.stages.qwen2_5_omni.pipeline import thinker2talker
+
+    pytest.importorskip("ray")
+    params = _params()
+    text, _ = _generate(omni, prompt, params, {1: talker_lora})
+    payload = thinker2talker(text.request_output, params, None)
+    config = omni._orchestrator.config
+    stage = config.stages[1]
+
+    def codes():
+        request = StageRequest(payload, params[1], RequestAdapters.of(talker_lora))
+        return runtime.submit(request).result(timeout=600).codes
+
+    runtime = RayStageRuntime(stage, config=config, factory=runtime_factory(stage))
+    try:
+        assert runtime.info["pid"] != os.getpid()
+        assert runtime.add_lora(talker_lora) and runtime.pin_lora(TALKER_ID)
+        assert torch.equal(codes(), before[1])
+        os.kill(runtime.info["pid"], signal.SIGKILL)
+        with pytest.raises(StageDeadError, match=r"Stage 1 \(llm_ar\)"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # Ray reports the death at the next call
+                codes()
+                time.sleep(0.2)
+        start = time.monotonic()
+        while runtime.health() != "ready":
+            assert time.monotonic() - start < 900, f"the actor did not come back: {runtime.health()}"
+            time.sleep(0.5)
+        assert runtime.restarts == 1 and TALKER_ID in runtime.list_loras()
+        assert torch.equal(codes(), before[1])
+    finally:
+        runtime.shutdown()
 
 
 # ---------------------------------------------------------------------------- HTTP
