@@ -23,7 +23,9 @@ Decoding. The decoder runs on vLLM as a derived ``Qwen2ForCausalLM``
 table) fed the prefix as ``prompt_embeds``; the whole reply is one vLLM request. The engine runs
 the stepping worker (:mod:`vllm_omni.engine.step_io`), which adds the projected stream row
 ``W_proj @ row_k`` to the embedding of the token at position ``T + 2 + k`` (``prefix length + k``):
-``embed(c) + W row = W (codec(c) + row) + b``, the projected sum transformers feeds. Greedy or seeded
+``embed(c) + W row = W (codec(c) + row) + b``, the projected sum transformers feeds. The request reads
+nothing from the prefix cache: past the prefix its KV depends on the stream, which vLLM's block hashes
+(token ids, prompt embeddings) do not see. Greedy or seeded
 sampling (vLLM's per-request generator); ``codec bos`` is never sampled (transformers'
 ``suppress_tokens``); decoding stops at the talker's ``stop_token_ids`` (default: codec pad and codec
 end, transformers' default ``talker_eos_token_id``; the stop token is not returned), at
@@ -236,7 +238,8 @@ class TalkerStageEngine(LLMStageEngine):
         try:
             inner = self._enqueue(
                 {"prompt_embeds": prefix},
-                step_io.with_entry(self.reply_params(params, prefix.shape[0]), key),
+                # its KV past the prefix depends on the stream, which vLLM's block hashes do not see
+                step_io.with_entry(self.reply_params(params, prefix.shape[0]), key, skip_prefix_cache=True),
                 derived_adapter(request.adapters.lora_request, "talker"),
             )
         except BaseException:
