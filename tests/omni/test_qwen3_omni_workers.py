@@ -52,13 +52,19 @@ USER = "Once upon a time"
 #: an HTTP request's talker samples with transformers' talker defaults (the server has no field for
 #: the talker's params) and the request's seed; this seed ends the tiny talker's codes early
 SEED = 8
-TALKER_DEFAULTS = {
-    "temperature": 0.9,
-    "top_k": 50,
-    "top_p": 1.0,
-    "repetition_penalty": 1.05,
-    "max_tokens": 4096,
-}
+
+
+def _transformers_talker_defaults() -> dict:
+    """The ``talker_*`` defaults of transformers' ``Qwen3OmniMoeForConditionalGeneration.generate``, as
+    ``SamplingParams`` fields (read from transformers, the reference, not from the stage)."""
+    import inspect
+
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    params = inspect.signature(Qwen3OmniMoeForConditionalGeneration.generate).parameters
+    names = {"temperature": "talker_temperature", "top_k": "talker_top_k", "top_p": "talker_top_p"}
+    names |= {"repetition_penalty": "talker_repetition_penalty", "max_tokens": "talker_max_new_tokens"}
+    return {field: params[name].default for field, name in names.items()}
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +261,7 @@ def offline(omni, prompt, talker_lora):
     transformers' defaults, all seeded, the talker adapter on stage 1."""
     params = [
         SamplingParams(temperature=0, max_tokens=8, seed=SEED),
-        SamplingParams(**TALKER_DEFAULTS, seed=SEED),
+        SamplingParams(**_transformers_talker_defaults(), seed=SEED),
         AudioParams(voice="ethan", seed=SEED),
     ]
     text, audio = _generate(omni, prompt, params, {1: talker_lora})
