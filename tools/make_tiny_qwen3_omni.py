@@ -18,9 +18,11 @@ Sizes are the smallest both accept:
 - the tokenizer encodes the chat roles (``system``, ``user``, ``assistant``) as single tokens,
   because the talker finds a turn's role by the token after ``<|im_start|>``.
 
-Weights are seeded Gaussian noise (std :data:`WEIGHT_STD`); norms are 1. The tokenizer is
-:func:`tools.make_tiny_llm.write_tokenizer`'s byte-level BPE plus the tokens above. Running the
-writer twice gives byte-identical files.
+Weights are seeded Gaussian noise (std :data:`WEIGHT_STD`); norms are 1; the code2wav's output
+convolution (weight and bias) is then scaled by :data:`CODE2WAV_OUTPUT_SCALE`, so that its waveform
+stays inside transformers' clamp to [-1, 1] (unscaled, nearly every sample came out at +-1). The
+tokenizer is :func:`tools.make_tiny_llm.write_tokenizer`'s byte-level BPE plus the tokens above.
+Running the writer twice gives byte-identical files.
 
 CLI::
 
@@ -38,9 +40,14 @@ from tools.make_tiny_llm import BPE_VOCAB_SIZE, _atomic_build, _fill_random_, _w
 from tools.make_tiny_qwen2_5_omni import preprocessor_config, save_adapter, write_random_model
 
 #: Bump when the output changes, so that stale cached assets get rebuilt.
-QWEN3_OMNI_ASSETS_VERSION = "1"
+QWEN3_OMNI_ASSETS_VERSION = "2"
 MODEL_SEED = 5309
 WEIGHT_STD = 0.15
+#: Factor on the code2wav's last convolution (the one that writes the waveform, before the clamp
+#: to [-1, 1]). Unscaled, the random decoder's output has std ~300 (max ~1400), so over 98% of the
+#: samples were clamped to +-1 and a waveform comparison compared signs; scaled, the tiny requests'
+#: waveforms have std ~0.1 and no sample at |x| >= 0.999 (see :func:`_scale_code2wav_output`).
+CODE2WAV_OUTPUT_SCALE = 3e-4
 
 #: Special tokens after the BPE vocabulary, in id order (ids BPE_VOCAB_SIZE ...).
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -265,6 +272,7 @@ def make_tiny_qwen3_omni(path: str | os.PathLike) -> Path:
     ids = write_tokenizer(out, SPECIAL_TOKENS, {"extra_special_tokens": dict(NAMED_TOKENS)})
     cfg = Qwen3OmniMoeConfig(**omni_config_dict(ids))
     write_random_model(out, Qwen3OmniMoeForConditionalGeneration, cfg, ids, MODEL_SEED, WEIGHT_STD)
+    _scale_code2wav_output(out / "model.safetensors", len(cfg.code2wav_config.upsample_rates))
     # the image processor: patch 16 (Qwen3-Omni's vision encoder), mean / std 0.5
     image = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "min_pixels": 4096, "max_pixels": 1048576}
     _write_json(
@@ -272,6 +280,26 @@ def make_tiny_qwen3_omni(path: str | os.PathLike) -> Path:
     )
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     return out
+
+
+def _scale_code2wav_output(weights: Path, num_upsample_rates: int) -> None:
+    """Multiply the code2wav's output convolution (weight and bias) in ``weights`` by
+    :data:`CODE2WAV_OUTPUT_SCALE`; every other tensor keeps its bytes.
+
+    The convolution is ``code2wav.decoder[-1]``: after the input convolution, one decoder block per
+    upsample rate and a SnakeBeta (transformers' ``Qwen3OmniMoeCode2Wav``). It is linear, so the
+    waveform before the clamp scales by exactly that factor.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(weights))
+    prefix = f"code2wav.decoder.{num_upsample_rates + 2}.conv."
+    for name in (prefix + "weight", prefix + "bias"):
+        tensors[name] = tensors[name] * CODE2WAV_OUTPUT_SCALE
+    save_file(tensors, str(weights), metadata=metadata)
 
 
 # --------------------------------------------------------------------------------------
