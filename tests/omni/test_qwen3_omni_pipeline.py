@@ -268,42 +268,89 @@ def test_bad_requests_are_refused_naming_the_stage(omni, assets, kwargs, error, 
     assert len(text.token_ids) == THINK and audio.audio.size > 0
 
 
-def test_talker_refuses_multimodal_placeholders(omni):
-    """The talker builds its input from token embeddings, which is transformers' layout for text only."""
+@pytest.mark.parametrize(
+    ("media", "match"),
+    [
+        (
+            "<|audio_start|><|audio_pad|><|audio_end|>",
+            r"audio placeholders and the thinker stage returned no",
+        ),
+        ("<|vision_start|><|image_pad|><|vision_end|>", r"image/video placeholders; .*last_stage=0"),
+    ],
+)
+def test_talker_refuses_media_it_cannot_speak(omni, media, match):
+    """Audio placeholders need the thinker's capture-layer hidden states in the payload; image/video
+    placeholders are refused (not checked against transformers), naming the stage."""
     from vllm_omni.engine.connectors import StagePayload
     from vllm_omni.inputs.stage_request import StageRequest
 
     talker = omni._orchestrator.runtimes[1]
-    tokenizer = omni._orchestrator.runtimes[0].tokenizer
-    prompt = tokenizer.encode(
-        _chat(omni, "<|audio_start|><|audio_pad|><|audio_end|>hi"), add_special_tokens=False
+    prompt = omni._orchestrator.runtimes[0].tokenizer.encode(
+        _chat(omni, media + "hi"), add_special_tokens=False
     )
     payload = StagePayload(
         {"prompt_token_ids": torch.tensor(prompt), "output_token_ids": torch.tensor([5, 6])}, {}
     )
-    with pytest.raises(InvalidRequestError, match=r"Stage 1 .*audio/image/video placeholders"):
+    with pytest.raises(InvalidRequestError, match=r"Stage 1 \(llm_ar\): the prompt holds " + match):
         talker.validate_request(StageRequest(payload, None))
 
 
-def test_speech_for_a_prompt_with_audio_is_refused_before_any_stage_runs(omni, monkeypatch):
-    """The Qwen3-Omni talker does not take media payloads (its description lacks ``media_payload``):
-    a prompt with audio asking for speech is refused before the thinker runs, naming the talker and
-    the way to get text (Qwen2.5-Omni's talker speaks it: tests/omni/test_qwen2_5_omni_audio.py)."""
-    from omni_reference import sine_noise_clip
+def test_audio_prompt_is_spoken_like_transformers(omni, assets):
+    """A chat prompt with audio runs all three stages: the thinker stage returns its hidden states after
+    the talker's ``accept_hidden_layer`` layers for the audio positions (its own pass), and the talker's
+    rows there are their ``hidden_projection``. Tokens, codes and waveform equal transformers' Omni
+    ``generate(return_audio=True)`` on the same Whisper features."""
+    from omni_reference import qwen3_omni_audio_inputs, sine_noise_clip
 
-    assert "media_payload" not in omni._orchestrator.descriptions[1].inputs
-    prompt = {
-        "prompt": "<|audio_start|><|audio_pad|><|audio_end|>hi",
-        "multi_modal_data": {"audio": (sine_noise_clip(), 16000)},
-    }
-    monkeypatch.setattr(
-        omni._orchestrator.runtimes[0], "submit", lambda *a, **k: pytest.fail("the thinker ran")
+    assert "media_payload" in omni._orchestrator.descriptions[1].inputs
+    clip = sine_noise_clip()
+    chat = _chat(omni, "<|audio_start|><|audio_pad|><|audio_end|>" + TEXT)
+    before, after = chat.split("<|audio_start|><|audio_pad|><|audio_end|>")
+    text, audio = omni.generate({"prompt": chat, "multi_modal_data": {"audio": (clip, 16000)}}, _params())
+    inputs = qwen3_omni_audio_inputs(str(assets.model_dir), before, after, clip)
+    assert text.stage_outputs[0].prompt_token_ids == inputs["input_ids"][0].tolist()
+    tokens, codes, wav = _reference_with(str(assets.model_dir), inputs)
+    assert text.token_ids == tokens
+    assert torch.equal(audio.stage_outputs[1].codes, codes) and codes.shape[1] > 0
+    assert_audible(wav)
+    np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=WAVE_ATOL)
+    # the audio rows matter: the same payload with those hidden states zeroed gives other codes
+    from vllm_omni.inputs.stage_request import StageRequest
+    from vllm_omni.stages.qwen2_5_omni.pipeline import thinker2talker
+
+    payload = thinker2talker(text.stage_outputs[0], _params(), None)
+    assert payload.tensors["layer_hidden_states"].shape[0] == len(inputs["input_ids"][0]) + len(tokens) - 1
+    payload.tensors["layer_hidden_states"] = torch.zeros_like(payload.tensors["layer_hidden_states"])
+    other = omni._orchestrator.runtimes[1].submit(StageRequest(payload, _params()[1])).result().codes
+    assert not torch.equal(other, codes)
+
+
+def _reference_with(model_dir: str, inputs: dict):
+    """``(thinker tokens, talker codes [G, N], waveform)`` of transformers' Omni ``generate`` on full
+    ``inputs`` (audio features included), greedy talker, as :func:`reference`; the thinker stops at the
+    checkpoint's ``generation_config`` eos ids, as vLLM's does."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    captured = {}
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, **kwargs):
+        captured["codes"] = codes[0].clone()
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = capture
+    seq, wav = model.generate(
+        **inputs,
+        speaker="Ethan",
+        thinker_max_new_tokens=THINK,
+        thinker_eos_token_id=eos,
+        talker_do_sample=False,
+        talker_max_new_tokens=TALK,
+        talker_repetition_penalty=1.0,
     )
-    with pytest.raises(
-        InvalidRequestError, match=r"Stage 1 \(llm_ar\): the talker takes text prompts only.*last_stage=0"
-    ) as err:
-        omni.generate(prompt)
-    assert err.value.param == "multi_modal_data"
+    return seq[0, inputs["input_ids"].shape[1] :].tolist(), captured["codes"], wav.reshape(-1).numpy()
 
 
 def test_global_lora_options_are_refused_naming_the_llm_stages(assets):

@@ -31,18 +31,34 @@ from vllm_omni.errors import StageEngineError
 
 #: the ``RequestOutput`` attribute that holds the captured hidden states
 HIDDEN_STATES_ATTR = "omni_hidden_states"
+#: ... and the one that holds those of the capture layer (``capture_layer``), same shape
+LAYER_HIDDEN_STATES_ATTR = "omni_layer_hidden_states"
 
 
 class HiddenStatesStageEngine(LLMStageEngine):
     """An LLM stage returning hidden states with each output (module docstring).
+
+    Args:
+        stage: the LLM stage.
+        capture_layer: also return the residual stream after this many decoder layers
+            (:data:`LAYER_HIDDEN_STATES_ATTR`; transformers' ``hidden_states[capture_layer]``), for a
+            model with vLLM's ``SupportsEagle3`` (e.g. the Qwen3-Omni thinker).
+        wanted: ``prompt -> bool``: capture only the requests it accepts (default: every request);
+            the others read the prefix cache and return no hidden states.
 
     Raises:
         ConfigError: the stage cannot run the stepping worker (:func:`step_io.check_in_process`).
         StageEngineError: as ``LLMStageEngine``.
     """
 
-    def __init__(self, stage: Any):
-        options = step_io.check_in_process(stage, "returning the hidden states to the next stage")
+    def __init__(
+        self, stage: Any, capture_layer: int | None = None, wanted: Callable[[Any], bool] | None = None
+    ):
+        options = step_io.check_in_process(
+            stage, "returning the hidden states to the next stage", capture_layer
+        )
+        self.capture_layer = capture_layer
+        self.wanted = wanted
         super().__init__(dataclasses.replace(stage, options=options))
 
     def _enqueue(
@@ -52,6 +68,8 @@ class HiddenStatesStageEngine(LLMStageEngine):
         lora_request: Any,
         on_partial: Callable[[RequestOutput], None] | None = None,
     ) -> Future:
+        if self.wanted is not None and not self.wanted(prompt):
+            return super()._enqueue(prompt, params, lora_request, on_partial)
         if getattr(params, "n", 1) != 1:  # vLLM runs n > 1 as child requests sharing extra_args
             return super()._enqueue(prompt, params, lora_request, on_partial)
         key = step_io.open_entry(step_io.StepIOEntry(capture=True))
@@ -86,6 +104,9 @@ class HiddenStatesStageEngine(LLMStageEngine):
                 raise StageEngineError(f"{self.stage.label}: the request's hidden states were dropped")
             fed = len(out.prompt_token_ids or ()) + max(0, len(out.outputs[0].token_ids) - 1)
             setattr(out, HIDDEN_STATES_ATTR, step_io.hidden_states(entry, fed, self.stage.label))
+            if self.capture_layer is not None:
+                layer = step_io.hidden_states(entry, fed, self.stage.label, layer=True)
+                setattr(out, LAYER_HIDDEN_STATES_ATTR, layer)
         except Exception as err:
             with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
                 outer.set_exception(err)

@@ -42,6 +42,9 @@ EXTRA_ARGS_KEY = "vllm_omni_step_io"
 #: ``worker_cls`` values (vLLM's ``EngineArgs.worker_cls``) of the stepping worker, by platform
 CPU_WORKER = "vllm_omni.engine.step_io_worker.StepIOCPUWorker"
 GPU_WORKER = "vllm_omni.engine.step_io_worker.StepIOGPUWorker"
+#: ``EngineArgs.additional_config`` key: decoder layer counts whose output the stepping worker
+#: captures too (vLLM's ``SupportsEagle3.set_aux_hidden_state_layers``, set once at load)
+AUX_LAYERS_KEY = "vllm_omni_capture_layers"
 
 
 @dataclasses.dataclass
@@ -56,12 +59,16 @@ class StepIOEntry:
         capture: copy the final hidden states of every computed position out.
         captured: ``(start position, float32 [n, H])`` pieces in compute order (chunked prefill,
             decode steps, a recomputation after preemption), assembled by :func:`hidden_states`.
+        captured_layer: the same for the layer the engine was started to return
+            (:data:`AUX_LAYERS_KEY`): the residual stream after that many decoder layers,
+            transformers' ``hidden_states[layer]``.
     """
 
     stream: torch.Tensor | None = None
     stream_start: int = 0
     capture: bool = False
     captured: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    captured_layer: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 _LOCK = threading.Lock()
@@ -103,8 +110,9 @@ def with_entry(params: Any, key: str, *, skip_prefix_cache: bool = False) -> Any
     return params
 
 
-def hidden_states(entry: StepIOEntry, length: int, label: str) -> torch.Tensor:
-    """The captured hidden states of positions ``0 .. length - 1``, float32 ``[length, H]``.
+def hidden_states(entry: StepIOEntry, length: int, label: str, *, layer: bool = False) -> torch.Tensor:
+    """The captured hidden states of positions ``0 .. length - 1``, float32 ``[length, H]``: the final
+    ones, or with ``layer`` those of the engine's capture layer (:data:`AUX_LAYERS_KEY`).
 
     A later piece overwrites an earlier one at the same positions (a preempted request computes
     them again).
@@ -112,12 +120,13 @@ def hidden_states(entry: StepIOEntry, length: int, label: str) -> torch.Tensor:
     Raises:
         StageEngineError: a position in that range was never computed (naming ``label``).
     """
-    if not entry.captured:
+    pieces = entry.captured_layer if layer else entry.captured
+    if not pieces:
         raise StageEngineError(f"{label}: the engine computed no position of the request (no hidden states)")
-    width = entry.captured[0][1].shape[1]
+    width = pieces[0][1].shape[1]
     out = torch.empty(length, width, dtype=torch.float32)
     seen = torch.zeros(length, dtype=torch.bool)
-    for start, rows in entry.captured:
+    for start, rows in pieces:
         stop = min(start + rows.shape[0], length)
         if stop > start:
             out[start:stop] = rows[: stop - start]
@@ -131,9 +140,9 @@ def hidden_states(entry: StepIOEntry, length: int, label: str) -> torch.Tensor:
     return out
 
 
-def check_in_process(stage: Any, option: str) -> dict[str, Any]:
-    """``stage``'s options with the stepping worker as ``worker_cls``; ``option`` names the
-    feature in the errors.
+def check_in_process(stage: Any, option: str, capture_layer: int | None = None) -> dict[str, Any]:
+    """``stage``'s options with the stepping worker as ``worker_cls`` (and, with ``capture_layer``,
+    that layer in ``additional_config[AUX_LAYERS_KEY]``); ``option`` names the feature in the errors.
 
     Raises:
         ConfigError: the stage sets its own ``worker_cls``, runs more than one rank, or vLLM's engine
@@ -161,4 +170,6 @@ def check_in_process(stage: Any, option: str) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     opts["worker_cls"] = CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
+    if capture_layer is not None:
+        opts["additional_config"] = {**(opts.get("additional_config") or {}), AUX_LAYERS_KEY: [capture_layer]}
     return opts

@@ -15,11 +15,40 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_omni.engine.step_io import StepIOEntry, lookup
+from vllm_omni.engine.step_io import AUX_LAYERS_KEY, StepIOEntry, lookup
 
 
 class StepIORunnerMixin:
     """``_model_forward`` with each keyed request's stream added before and hidden states copied after."""
+
+    #: the engine returns the capture layer's hidden states beside the final ones (set at load)
+    _step_io_layers: bool = False
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's ``load_model``, then the capture layers of ``additional_config`` set on the model
+        (before anything is compiled: the first forward is after loading)."""
+        super().load_model(*args, **kwargs)
+        layers = (self.vllm_config.additional_config or {}).get(AUX_LAYERS_KEY)
+        if layers and not getattr(self, "use_aux_hidden_state_outputs", False):
+            model = self.get_model()
+            if not hasattr(model, "set_aux_hidden_state_layers"):
+                raise RuntimeError(
+                    f"{type(model).__name__} cannot return the hidden states of a decoder layer "
+                    "(vLLM's SupportsEagle3.set_aux_hidden_state_layers)"
+                )
+            model.set_aux_hidden_state_layers(tuple(int(x) for x in layers))
+            self._step_io_layers = True
+
+    def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's profiling / warm-up run calls the model directly: with capture layers set it returns
+        ``(final, [layer])``, which vLLM unpacks only when it asked for auxiliary states itself."""
+        if not self._step_io_layers:
+            return super()._dummy_run(*args, **kwargs)
+        self.use_aux_hidden_state_outputs = True
+        try:
+            return super()._dummy_run(*args, **kwargs)
+        finally:
+            self.use_aux_hidden_state_outputs = False
 
     def _step_io_spans(self) -> list[tuple[StepIOEntry, int, int, int]]:
         """``(entry, first token, end token, position of the first token)`` of the keyed requests in
@@ -66,12 +95,21 @@ class StepIORunnerMixin:
             inputs_embeds=inputs_embeds,
             **model_kwargs,
         )
+        layer = None
+        if self._step_io_layers and isinstance(out, tuple):  # (final, [capture layer]): vLLM expects final
+            out, layer = out[0], out[1][0]
         hidden = out[0] if isinstance(out, tuple) else out
         if isinstance(hidden, torch.Tensor):
             for entry, first, end, pos in spans:
                 if entry.capture:
-                    entry.captured.append((pos, hidden[first:end].detach().to("cpu", torch.float32).clone()))
+                    entry.captured.append((pos, _rows(hidden, first, end)))
+                    if layer is not None:
+                        entry.captured_layer.append((pos, _rows(layer, first, end)))
         return out
+
+
+def _rows(states: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    return states[first:end].detach().to("cpu", torch.float32).clone()
 
 
 class StepIOCPUModelRunner(StepIORunnerMixin, CPUModelRunner):

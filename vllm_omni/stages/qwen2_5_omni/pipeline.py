@@ -13,7 +13,11 @@ import torch
 from vllm import SamplingParams
 
 from vllm_omni.engine.connectors import StagePayload
-from vllm_omni.engine.hidden_states_stage import HIDDEN_STATES_ATTR, HiddenStatesStageEngine
+from vllm_omni.engine.hidden_states_stage import (
+    HIDDEN_STATES_ATTR,
+    LAYER_HIDDEN_STATES_ATTR,
+    HiddenStatesStageEngine,
+)
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.engine.stage_registry import InputProcessor, StageRuntimeEntry
 from vllm_omni.errors import InvalidRequestError, StageEngineError
@@ -31,6 +35,7 @@ __all__ = [
     "AudioOutput",
     "AudioParams",
     "default_talker_params",
+    "feeds_a_talker",
     "make_code2wav",
     "make_talker",
     "make_thinker",
@@ -63,12 +68,13 @@ def make_thinker(stage: Any, config: Any) -> LLMStageEngine:
     """The thinker runtime: a vLLM engine that also returns its hidden states
     (:class:`~vllm_omni.engine.hidden_states_stage.HiddenStatesStageEngine`) when a stage of
     ``config`` takes its output through ``thinker2talker``, else a plain one (thinker-only pipelines)."""
-    if config is None or not _feeds_a_talker(stage.stage_id, config):
+    if config is None or not feeds_a_talker(stage.stage_id, config):
         return LLMStageEngine(stage)
     return HiddenStatesStageEngine(stage)
 
 
-def _feeds_a_talker(stage_id: int, config: Any) -> bool:
+def feeds_a_talker(stage_id: int, config: Any) -> bool:
+    """Whether a stage of ``config`` takes stage ``stage_id``'s output through ``thinker2talker``."""
     for i, spec in enumerate(config.pipeline.stages):
         sources = config.stages[i].engine_input_source or [i - 1]
         if spec.input_processor == "thinker2talker" and stage_id in sources:
@@ -85,7 +91,8 @@ def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: A
     """The talker's input from the thinker's ``RequestOutput``: ``prompt_token_ids`` /
     ``output_token_ids`` (int64 ``[T]`` / ``[n]``) and, when the thinker stage returned them
     (:data:`~vllm_omni.engine.hidden_states_stage.HIDDEN_STATES_ATTR`), ``hidden_states`` (float32
-    ``[T + n - 1, E]``); ``meta``: the voice of the request (the
+    ``[T + n - 1, E]``), and ``layer_hidden_states`` (same shape, the thinker's capture layer) when
+    it returned those; ``meta``: the voice of the request (the
     ``AudioParams`` among ``stage_params``, if any).
 
     Raises:
@@ -102,9 +109,13 @@ def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: A
         "prompt_token_ids": torch.tensor(list(thinker_output.prompt_token_ids or []), dtype=torch.long),
         "output_token_ids": torch.tensor(list(completion.token_ids), dtype=torch.long),
     }
-    hidden = getattr(thinker_output, HIDDEN_STATES_ATTR, None)
-    if hidden is not None:
-        tensors["hidden_states"] = hidden
+    for name, attr in (
+        ("hidden_states", HIDDEN_STATES_ATTR),
+        ("layer_hidden_states", LAYER_HIDDEN_STATES_ATTR),
+    ):
+        states = getattr(thinker_output, attr, None)
+        if states is not None:
+            tensors[name] = states
     return StagePayload(tensors, {"voice": voice})
 
 

@@ -22,8 +22,11 @@ Hand-off: the thinker's :class:`~vllm_omni.engine.connectors.StagePayload` (``th
 5.19) builds them for one text prompt (:func:`build_talker_inputs`). For text, that ``generate``
 reads only the thinker's *input embeddings* (its hidden states at layer 0) of the prompt and the
 reply, never a deeper layer (those feed the talker at audio/image/video placeholders only), so
-the embedding table suffices and the thinker's decoder runs once, in the thinker stage.
-Multimodal prompts are not taken (the thinker stage is text-only without torchvision).
+the embedding table suffices and the thinker's decoder runs once, in the thinker stage. A prompt
+with audio: the thinker stage returns its hidden states after the talker's ``accept_hidden_layer``
+layers (``layer_hidden_states``, from its own pass: :mod:`vllm_omni.engine.hidden_states_stage`),
+and the audio positions' rows are their ``hidden_projection``, as transformers builds them.
+Image/video prompts are refused (not checked against transformers here).
 
 Decoding is transformers' ``generate`` of the talker, with the sampling it is given
 (:func:`generate_kwargs`); the codes are ``[num_code_groups, N]`` (the codec-eos step excluded).
@@ -32,6 +35,7 @@ Decoding is transformers' ``generate`` of the talker, with the sampling it is gi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +48,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from vllm import SamplingParams
 
 from vllm_omni.engine.connectors import StagePayload
+from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.errors import InvalidRequestError, StageEngineError
 from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
@@ -157,16 +162,25 @@ class TalkerIds:
 
 
 def build_talker_inputs(
-    talker: Any, embed: torch.Tensor, ids: TalkerIds, prompt: torch.Tensor, reply: torch.Tensor, speaker: int
+    talker: Any,
+    embed: torch.Tensor,
+    ids: TalkerIds,
+    prompt: torch.Tensor,
+    reply: torch.Tensor,
+    speaker: int,
+    layer_hidden: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The talker's ``generate`` inputs for one text prompt, as transformers' Omni ``generate`` builds them.
+    """The talker's ``generate`` inputs for one prompt, as transformers' Omni ``generate`` builds them.
 
     Args:
-        talker: the talker module (``text_projection``, codec embeddings).
+        talker: the talker module (``text_projection``, ``hidden_projection``, codec embeddings).
         embed: the thinker's token embedding table, float32 ``[V, E]``.
         prompt / reply: the thinker's prompt and generated ids, int64 ``[T]`` / ``[n]``, n >= 2; the
             prompt holds an ``<|im_start|>assistant`` turn.
         speaker: the codec id of the voice.
+        layer_hidden: the thinker's hidden states after ``accept_hidden_layer`` layers, float32
+            ``[T + n - 1, E]``; needed when the prompt holds audio/image/video placeholders, whose user
+            rows are ``hidden_projection`` of them (the others: ``text_projection`` of the embeddings).
 
     Returns:
         ``inputs_embeds`` ``[1, L, H]``, ``talker_input_ids`` ``[1, L]``, ``trailing_text_hidden``
@@ -190,7 +204,11 @@ def build_talker_inputs(
     codec_ids = torch.tensor([*ids.codec_head[:3], speaker, *ids.codec_head[3:]])
     codec = torch.cat([torch.zeros(3, head_text.shape[-1]), talker.get_input_embeddings()(codec_ids)])
     head = torch.cat([head_text[:3], pad.expand(4, -1), bos[None], head_text[3:4]]) + codec
-    rows = torch.cat([project(x[:t][user]), head])
+    user_rows = project(x[:t])
+    media = torch.isin(prompt, torch.tensor(ids.placeholders))
+    if bool(media.any()):
+        user_rows[media] = talker.hidden_projection(layer_hidden[:t][media].float())
+    rows = torch.cat([user_rows[user], head])
     input_ids = torch.cat([prompt[user], torch.full((head.shape[0],), ids.tts_pad)])
     return {
         "inputs_embeds": rows[None],
@@ -231,6 +249,19 @@ class TalkerStageEngine(ModelStageDriver):
     kind = "talker"
     output_kind = "codec"
     params_type = SamplingParams
+
+    def __init__(self, stage: Any, takes_media: bool = False):
+        #: the thinker stage returns its capture layer's hidden states for prompts with audio
+        self.takes_media = takes_media
+        super().__init__(stage)
+
+    def describe(self) -> StageDescription:
+        """The driver's description; ``"media_payload"`` in when the thinker hands over what prompts
+        with audio need (:attr:`takes_media`)."""
+        described = super().describe()
+        if not self.takes_media:
+            return described
+        return dataclasses.replace(described, inputs=described.inputs | {"media_payload"})
 
     def load(self, model_dir: str) -> None:
         """The talker (experts fused), the thinker's embedding table and the token ids."""
@@ -283,19 +314,37 @@ class TalkerStageEngine(ModelStageDriver):
                 f"{self.stage.label}: the thinker's reply has {reply.numel()} token(s); the talker needs at least 2"
             )
         ids = prompt.tensor("prompt_token_ids", consumer=self.stage.label)
-        if bool(torch.isin(ids, torch.tensor(self.ids.placeholders)).any()):
-            raise InvalidRequestError(
-                f"{self.stage.label}: the prompt holds audio/image/video placeholders; the talker stage takes "
-                "text prompts only (it reads the thinker's token embeddings, not its hidden states)"
-            )
+        self._check_media(ids, prompt)
         if not bool(((ids[:-1] == self.ids.im_start) & (ids[1:] == self.ids.assistant)).any()):
             raise InvalidRequestError(
                 f"{self.stage.label}: the prompt has no '<|im_start|>assistant' turn (use the chat template)"
             )
 
+    def _check_media(self, ids: torch.Tensor, payload: StagePayload) -> None:
+        """A prompt with placeholders needs the thinker's capture-layer hidden states; audio only.
+
+        Raises:
+            InvalidRequestError: image/video placeholders, or audio ones without those hidden states
+                (the thinker stage cannot return them: ``tensor_parallel_size`` > 1 or its engine core
+                in another process), naming the stage.
+        """
+        audio, *visual = self.ids.placeholders
+        if bool(torch.isin(ids, torch.tensor(visual)).any()):
+            raise InvalidRequestError(
+                f"{self.stage.label}: the prompt holds image/video placeholders; the talker speaks replies to "
+                "text and audio prompts (image/video are not checked against transformers): ask for text only "
+                "(last_stage=0)"
+            )
+        if bool((ids == audio).any()) and "layer_hidden_states" not in payload.tensors:
+            raise InvalidRequestError(
+                f"{self.stage.label}: the prompt holds audio placeholders and the thinker stage returned no "
+                "hidden states of the talker's accept_hidden_layer (it returns them with tensor_parallel_size 1 "
+                "and its engine core in the stage's process); ask for text only (last_stage=0)"
+            )
+
     def prepare(
         self, request: StageRequest
-    ) -> tuple[torch.Tensor, torch.Tensor, str, SamplingParams, LoRARequest | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, str, SamplingParams, LoRARequest | None, torch.Tensor | None]:
         prompt = request.prompt
         ids = [
             prompt.tensor(k, consumer=self.stage.label).long()
@@ -305,17 +354,19 @@ class TalkerStageEngine(ModelStageDriver):
             prompt.meta.get("voice") or ("ethan" if "ethan" in self.ids.speakers else self.voices[0])
         ).lower()
         lora = request.adapters.lora_request if request.adapters else None
-        return ids[0], ids[1], voice, request.params or default_talker_params(), lora
+        layer = prompt.tensors.get("layer_hidden_states")
+        return ids[0], ids[1], voice, request.params or default_talker_params(), lora, layer
 
     @torch.inference_mode()
     def run(
-        self, work: tuple[torch.Tensor, torch.Tensor, str, SamplingParams, LoRARequest | None]
+        self,
+        work: tuple[torch.Tensor, torch.Tensor, str, SamplingParams, LoRARequest | None, torch.Tensor | None],
     ) -> TalkerOutput:
         """The codes of one request; its adapter (if any) acts on every step, projections included."""
-        prompt, reply, voice, params, lora = work
+        prompt, reply, voice, params, lora, layer = work
         with self.lora.applied(lora) if self.lora is not None else contextlib.nullcontext():
             inputs = build_talker_inputs(
-                self.model, self.embed, self.ids, prompt, reply, self.ids.speakers[voice]
+                self.model, self.embed, self.ids, prompt, reply, self.ids.speakers[voice], layer
             )
             kwargs = generate_kwargs(params, self.vocab, self.ids.codec_eos)
             with torch.random.fork_rng(devices=[]):
