@@ -71,6 +71,14 @@ def _audio_chat(client, voice=SPEAKER, seed=7):
     )
 
 
+def _assert_spoken(audio) -> None:
+    """``message.audio`` holds a mono 16-bit 24 kHz WAV that is not silent."""
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        frames = w.readframes(w.getnframes())
+    assert len(frames) > 0 and frames != b"\x00" * len(frames)
+
+
 def test_openai_client_reads_audio_and_its_transcript(client):
     text_only = client.chat.completions.create(
         model="tiny-omni", messages=MESSAGES, max_tokens=6, temperature=0
@@ -83,10 +91,7 @@ def test_openai_client_reads_audio_and_its_transcript(client):
     assert reply.choices[0].message.content is None
     assert audio.transcript == message.content  # greedy thinker: the same text
     assert audio.id.startswith("audio_") and audio.expires_at > reply.created
-    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
-        frames = w.readframes(w.getnframes())
-    assert len(frames) > 0 and frames != b"\x00" * len(frames)
+    _assert_spoken(audio)
     assert _audio_chat(client).choices[0].message.audio.data == audio.data  # seeded talker and DiT
 
 
@@ -123,9 +128,7 @@ def test_min_tokens_acts_on_the_thinker_only(client):
     )
     audio = reply.choices[0].message.audio
     assert audio.transcript == text.choices[0].message.content
-    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
-        frames = w.readframes(w.getnframes())
-    assert len(frames) > 0 and frames != b"\x00" * len(frames)
+    _assert_spoken(audio)
 
 
 AUDIO_QUESTION = "What is it?"
@@ -224,6 +227,4 @@ def test_input_audio_with_speech_out(client):
     )
     audio = reply.choices[0].message.audio
     assert audio.transcript == text.choices[0].message.content
-    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
-        frames = w.readframes(w.getnframes())
-    assert len(frames) > 0 and frames != b"\x00" * len(frames)
+    _assert_spoken(audio)

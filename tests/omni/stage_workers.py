@@ -50,3 +50,28 @@ def kill_and_wait_restart(omni, stage_id: int, run: Callable[[], object]) -> Non
     wait_ready(omni)
     assert runtime.pid != pid and runtime.restarts == restarts + 1
     assert {i: r.pid for i, r in enumerate(runtimes) if i != stage_id} == others  # the others never stopped
+
+
+def kill_ray_actor_and_wait_restart(runtime, call: Callable[[], object], label: str) -> None:
+    """``kill -9`` the process of a ``RayStageRuntime``'s actor and wait until it is back.
+
+    Ray reports the death at the next call: ``call()`` (a request to the stage) is repeated until it
+    fails with ``StageDeadError`` naming ``label`` (a regex); then the runtime is ``ready`` again after
+    exactly one restart. Waits on the supervisor's progress, capped by :data:`RESTART_CAP_S`.
+    """
+
+    def reported() -> bool:
+        call()  # raises StageDeadError once Ray has seen the death
+        return False
+
+    os.kill(runtime.info["pid"], signal.SIGKILL)
+    with pytest.raises(StageDeadError, match=label):
+        wait_until(reported, "the actor's death to be reported", cap_s=60, interval_s=0.2)
+    wait_until(
+        lambda: runtime.health() == "ready",
+        "the actor to come back",
+        cap_s=RESTART_CAP_S,
+        interval_s=0.5,
+        describe=runtime.health,
+    )
+    assert runtime.restarts == 1

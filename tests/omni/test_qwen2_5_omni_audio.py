@@ -47,6 +47,12 @@ def hf_reference(
     talker_adapter: str | None = None,
 ):
     """``(thinker tokens, talker codes, waveform)`` of transformers' ``generate(return_audio=True)``."""
+    return _hf_generate(model_dir, {"input_ids": torch.tensor([prompt])}, thinker_adapter, talker_adapter)
+
+
+def _hf_generate(model_dir: str, inputs: dict, thinker_adapter=None, talker_adapter=None):
+    """``(thinker tokens, talker codes, waveform)`` of transformers' ``generate(return_audio=True)`` on
+    full ``inputs`` (audio features when given), greedy thinker and talker, seeded DiT noise."""
     model = _hf_model(model_dir, thinker_adapter, talker_adapter)
     captured = {}
     talker_generate = model.talker.generate
@@ -57,11 +63,10 @@ def hf_reference(
         return out
 
     model.talker.generate = capture
-    ids = torch.tensor([prompt])
     torch.manual_seed(SEED)
     try:
         seq, wav = model.generate(
-            input_ids=ids,
+            **inputs,
             speaker=SPEAKER,
             return_audio=True,
             thinker_max_new_tokens=THINK,
@@ -76,7 +81,7 @@ def hf_reference(
         del model.talker.generate
     codes = captured["codes"]
     stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
-    return seq[0, len(prompt) :].tolist(), codes[:stop], wav.numpy()
+    return seq[0, inputs["input_ids"].shape[1] :].tolist(), codes[:stop], wav.numpy()
 
 
 @pytest.fixture(scope="session")
@@ -230,39 +235,6 @@ def test_audio_prompt_is_spoken_like_transformers(omni, tiny_omni_assets):
     assert text.token_ids == tokens
     assert audio.stage_outputs[1].codes.tolist() == codes and len(codes) > 0
     np.testing.assert_allclose(audio.audio, wav, rtol=0, atol=1e-5)
-
-
-def _hf_generate(model_dir: str, inputs: dict):
-    """``(thinker tokens, talker codes, waveform)`` of transformers' ``generate`` on full ``inputs``."""
-    model = _hf_model(model_dir, None, None)
-    captured = {}
-    talker_generate = model.talker.generate
-
-    def capture(*args, **kwargs):
-        out = talker_generate(*args, **kwargs)
-        captured["codes"] = out[0, kwargs["input_ids"].shape[1] :].tolist()
-        return out
-
-    model.talker.generate = capture
-    torch.manual_seed(SEED)
-    try:
-        seq, wav = model.generate(
-            **inputs,
-            speaker=SPEAKER,
-            return_audio=True,
-            thinker_max_new_tokens=THINK,
-            thinker_do_sample=False,
-            talker_max_new_tokens=TALK,
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-            talker_eos_token_id=list(TALKER_EOS_TOKEN_IDS),
-            token2wav_num_steps=STEPS,
-        )
-    finally:
-        del model.talker.generate
-    codes = captured["codes"]
-    stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
-    return seq[0, inputs["input_ids"].shape[1] :].tolist(), codes[:stop], wav.numpy()
 
 
 def test_thinker_returns_its_hidden_states_and_the_talker_one_request_per_reply(omni, tiny_omni_assets):

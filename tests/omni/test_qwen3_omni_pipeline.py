@@ -116,6 +116,13 @@ def reference(
         PeftModel.from_pretrained(model, thinker_adapter)  # injects the LoRA layers into ``model``
     if talker_adapter is not None:
         PeftModel.from_pretrained(model.talker, talker_adapter)  # into the talker sub-model
+    ids = torch.tensor([prompt_ids])
+    return _omni_generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, voice, eos)
+
+
+def _omni_generate(model, inputs: dict, voice: str, eos):
+    """``(thinker tokens, talker codes [G, N], waveform)`` of ``model.generate`` on ``inputs``: the thinker
+    stops at ``eos``, the talker greedy for ``TALK`` steps (codes captured at code2wav's input)."""
     captured = {}
     decode = model.code2wav.chunked_decode
 
@@ -124,18 +131,19 @@ def reference(
         return decode(codes, **kwargs)
 
     model.code2wav.chunked_decode = capture
-    ids = torch.tensor([prompt_ids])
-    seq, wav = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        speaker=voice,
-        thinker_max_new_tokens=THINK,
-        thinker_eos_token_id=eos,
-        talker_do_sample=False,
-        talker_max_new_tokens=TALK,
-        talker_repetition_penalty=1.0,  # what _params() asks of the talker (transformers' default: 1.05)
-    )
-    return seq[0, ids.shape[1] :].tolist(), captured["codes"], wav.reshape(-1).numpy()
+    try:
+        seq, wav = model.generate(
+            **inputs,
+            speaker=voice,
+            thinker_max_new_tokens=THINK,
+            thinker_eos_token_id=eos,
+            talker_do_sample=False,
+            talker_max_new_tokens=TALK,
+            talker_repetition_penalty=1.0,  # what _params() asks of the talker (transformers' default: 1.05)
+        )
+    finally:
+        del model.code2wav.chunked_decode
+    return seq[0, inputs["input_ids"].shape[1] :].tolist(), captured["codes"], wav.reshape(-1).numpy()
 
 
 def test_thinker_runs_vllms_moe_thinker_with_experts_out_of_lora(omni):
@@ -326,31 +334,12 @@ def test_audio_prompt_is_spoken_like_transformers(omni, assets):
 
 
 def _reference_with(model_dir: str, inputs: dict):
-    """``(thinker tokens, talker codes [G, N], waveform)`` of transformers' Omni ``generate`` on full
-    ``inputs`` (audio features included), greedy talker, as :func:`reference`; the thinker stops at the
-    checkpoint's ``generation_config`` eos ids, as vLLM's does."""
+    """:func:`reference` on full ``inputs`` (audio features included); the thinker stops at the checkpoint's
+    ``generation_config`` eos ids, as vLLM's does."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    captured = {}
-    decode = model.code2wav.chunked_decode
-
-    def capture(codes, **kwargs):
-        captured["codes"] = codes[0].clone()
-        return decode(codes, **kwargs)
-
-    model.code2wav.chunked_decode = capture
-    seq, wav = model.generate(
-        **inputs,
-        speaker="Ethan",
-        thinker_max_new_tokens=THINK,
-        thinker_eos_token_id=eos,
-        talker_do_sample=False,
-        talker_max_new_tokens=TALK,
-        talker_repetition_penalty=1.0,
-    )
-    return seq[0, inputs["input_ids"].shape[1] :].tolist(), captured["codes"], wav.reshape(-1).numpy()
+    return _omni_generate(model, inputs, "Ethan", model.generation_config.eos_token_id)
 
 
 def test_global_lora_options_are_refused_naming_the_llm_stages(assets):
