@@ -39,24 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
+from benchmarks.timing import interleaved_medians
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _interleaved_medians(fns, rounds: int) -> list[float]:
-    """Median seconds of each of ``fns``, timed in turn within every round (a loaded machine
-    slows all alike)."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, acc in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            acc.append(time.perf_counter() - t0)
-    return [statistics.median(acc) for acc in times]
 
 
 def _rss_bytes() -> int:
@@ -213,7 +201,7 @@ def run(model_dir: str, codes: int, reply: int, prompt_len: int, rounds: int) ->
         assert len(after_codes) == codes, after_codes
         assert before_codes == after_codes, (before_codes, after_codes)
         assert len(hf_codes) == codes, hf_codes
-        after_s, before_s, hf_s, pool_s = _interleaved_medians((after, before, direct, pooling_proxy), rounds)
+        after_s, before_s, hf_s, pool_s = interleaved_medians((after, before, direct, pooling_proxy), rounds)
         thinker_tokens = list(out.outputs[0].token_ids)
 
     text_bytes = thinker_text_bytes(model_dir)

@@ -23,25 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.timing import interleaved_medians
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _interleaved_medians(fns, rounds: int) -> list[float]:
-    """Median seconds of each of ``fns``, timed in turn within every round (a loaded machine
-    slows both alike)."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, acc in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            acc.append(time.perf_counter() - t0)
-    return [statistics.median(acc) for acc in times]
 
 
 def _talker_and_request(model_dir: str, codes: int, reply: int, lora_config=None):
@@ -103,7 +91,7 @@ def run(model_dir: str, codes: int, reply: int, rounds: int) -> dict:
 
     through_stage()  # warm-up (first-call allocations) for both paths
     direct()
-    stage_s, direct_s = _interleaved_medians((through_stage, direct), rounds)
+    stage_s, direct_s = interleaved_medians((through_stage, direct), rounds)
     talker.shutdown()
     return {
         "codes": codes,
@@ -150,7 +138,7 @@ def run_lora(model_dir: str, adapter: str, codes: int, reply: int, rounds: int) 
 
     for fn in (with_adapter, without, peft_direct):  # warm-up
         fn()
-    lora_s, base_s, peft_s = _interleaved_medians((with_adapter, without, peft_direct), rounds)
+    lora_s, base_s, peft_s = interleaved_medians((with_adapter, without, peft_direct), rounds)
     talker.shutdown()
     return {
         "codes": codes,

@@ -34,6 +34,18 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def interleaved_medians(fns, rounds: int) -> list[float]:
+    """Median wall seconds of each of ``fns``, timed in turn within every round (a loaded machine
+    slows all alike)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, acc in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return [statistics.median(acc) for acc in times]
+
+
 def paired(timer: Timer, sides: dict, repeats: int, warm_base: bool, settle: int = 0) -> dict:
     """Per side, interleaved no-LoRA / LoRA steps; all sides take turns inside each repeat.
 
