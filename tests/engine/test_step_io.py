@@ -47,6 +47,9 @@ def test_entries_are_found_by_the_key_in_extra_args_and_closed_once():
     assert step_io.lookup(keyed.extra_args) is entry and step_io.lookup(params.extra_args) is None
     assert step_io.close_entry(key) is entry and step_io.close_entry(key) is None
     assert step_io.lookup(keyed.extra_args) is None
+    # the runner looks up every request of a step: a value it cannot key on is "not ours", never an error
+    for extra in ({step_io.EXTRA_ARGS_KEY: ["x"]}, {step_io.EXTRA_ARGS_KEY: {"k": 1}}, ["x"], "x", None):
+        assert step_io.lookup(extra) is None
 
 
 @pytest.mark.parametrize(
@@ -55,6 +58,8 @@ def test_entries_are_found_by_the_key_in_extra_args_and_closed_once():
         ({"worker_cls": "my.Worker"}, None, "worker_cls 'my.Worker' cannot be combined"),
         ({"tensor_parallel_size": 2}, None, "tensor_parallel_size must be 1"),
         ({"pipeline_parallel_size": 2}, None, "pipeline_parallel_size must be 1"),
+        ({"data_parallel_size": 2}, None, "data_parallel_size must be 1"),
+        ({"speculative_config": {"method": "ngram"}}, None, "remove speculative_config"),
         ({}, "1", "unset VLLM_ENABLE_V1_MULTIPROCESSING"),
     ],
 )

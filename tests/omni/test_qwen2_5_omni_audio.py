@@ -372,8 +372,72 @@ def test_several_thinker_completions_are_text_only(omni):
     params = _params()
     params[0] = SamplingParams(temperature=0.5, max_tokens=THINK, n=2, seed=1)
     prompt = {"prompt_token_ids": list(PROMPTS[0])}
-    with pytest.raises(InvalidRequestError, match=r"talker speaks one completion.*asked for 2.*last_stage=0"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"Stage 1 \(llm_ar\): the talker speaks one completion.*asked for 2.*last_stage=0",
+    ):
         omni.generate(prompt, params)
     (text,) = omni.generate(prompt, params, last_stage=0)
     assert len(text.request_output.outputs) == 2
     assert getattr(text.request_output, "omni_hidden_states", None) is None
+
+
+@pytest.mark.parametrize(
+    ("stage", "params", "match"),
+    [
+        (
+            0,
+            SamplingParams(max_tokens=THINK, n=2, extra_args={"vllm_omni_step_io": ["x"]}),
+            r"Stage 0 .*reserved",
+        ),
+        (
+            0,
+            SamplingParams(max_tokens=THINK, extra_args=["x"]),
+            r"Stage 0 .*extra_args must be a dict, got list",
+        ),
+        (
+            1,
+            SamplingParams(max_tokens=TALK, extra_args=["x"]),
+            r"Stage 1 .*cannot apply \['extra_args'\]",
+        ),
+        (
+            1,
+            SamplingParams(max_tokens=1000, min_tokens=400),
+            r"Stage 1 .*min_tokens 400 exceeds the \d+ codes left",
+        ),
+        (
+            1,
+            SamplingParams(max_tokens=TALK, stop_token_ids=[10**6]),
+            r"Stage 1 .*stop_token_ids \[1000000\] are not",
+        ),
+        (
+            1,
+            SamplingParams(max_tokens=TALK, logit_bias={10**6: 1.0}),
+            r"Stage 1 .*logit_bias \[1000000\] are not",
+        ),
+    ],
+)
+def test_bad_params_fail_their_request_naming_stage_and_field_and_the_pipeline_keeps_serving(
+    omni, tiny_omni_assets, stage, params, match
+):
+    """Regression (a breaker's findings): an ``extra_args`` value the step table cannot key on killed the
+    thinker's engine at its next step, for every later request; talker fields vLLM would refuse with its
+    own unnamed message are refused naming the stage and the field. Afterwards the pipeline answers."""
+    from vllm_omni.errors import InvalidRequestError
+
+    run = _params()
+    run[stage] = params
+    with pytest.raises(InvalidRequestError, match=match):
+        omni.generate({"prompt_token_ids": list(PROMPTS[0])}, run, last_stage=None if stage else 0)
+    text, audio = _run(omni, PROMPTS[0])
+    assert (text.token_ids, audio.stage_outputs[1].codes.tolist()) == hf_reference(
+        str(tiny_omni_assets.model_dir), PROMPTS[0]
+    )[:2]
+
+
+def test_a_reply_without_codes_is_an_empty_waveform(omni):
+    """The talker's first greedy sample can be a stop code (this prompt on the tiny checkpoint): code2wav
+    returns an empty waveform, as Qwen3-Omni's does (transformers' Token2Wav fails on no codes)."""
+    text, audio = _run(omni, (5, 6, 7, 8))
+    assert text.token_ids and audio.stage_outputs[1].codes.numel() == 0
+    assert audio.audio.shape == (0,) and audio.audio.dtype == np.float32

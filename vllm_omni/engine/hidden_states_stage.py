@@ -28,6 +28,7 @@ from vllm import RequestOutput
 from vllm_omni.engine import step_io
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.errors import StageEngineError
+from vllm_omni.inputs.stage_request import StageRequest
 
 #: the ``RequestOutput`` attribute that holds the captured hidden states
 HIDDEN_STATES_ATTR = "omni_hidden_states"
@@ -61,6 +62,11 @@ class HiddenStatesStageEngine(LLMStageEngine):
         self.wanted = wanted
         super().__init__(dataclasses.replace(stage, options=options))
 
+    def validate_request(self, request: StageRequest) -> None:
+        """The LLM stage's checks plus ``extra_args`` (:func:`~vllm_omni.engine.step_io.check_extra_args`)."""
+        super().validate_request(request)
+        step_io.check_extra_args(request.params, self.stage.label)
+
     def _enqueue(
         self,
         prompt: Any,
@@ -75,7 +81,10 @@ class HiddenStatesStageEngine(LLMStageEngine):
         key = step_io.open_entry(step_io.StepIOEntry(capture=True))
         try:
             inner = super()._enqueue(
-                prompt, step_io.with_entry(params, key, skip_prefix_cache=True), lora_request, on_partial
+                prompt,
+                step_io.with_entry(params, key, label=self.stage.label, skip_prefix_cache=True),
+                lora_request,
+                on_partial,
             )
         except BaseException:
             step_io.close_entry(key)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.errors import ConfigError, StageEngineError
+from vllm_omni.errors import ConfigError, InvalidRequestError, StageEngineError
 
 #: the ``SamplingParams.extra_args`` key that names a request's entry in this module's table
 EXTRA_ARGS_KEY = "vllm_omni_step_io"
@@ -91,23 +91,48 @@ def close_entry(key: str) -> StepIOEntry | None:
 
 def lookup(extra_args: dict[str, Any] | None) -> StepIOEntry | None:
     """The entry a request's ``extra_args`` name (model-runner side); ``None`` for other requests."""
-    if not extra_args:
+    if not isinstance(extra_args, dict):  # runs inside the engine step: never raise on a request's value
         return None
     key = extra_args.get(EXTRA_ARGS_KEY)
-    if key is None:
+    if not isinstance(key, str):
         return None
     with _LOCK:
         return _ENTRIES.get(key)
 
 
-def with_entry(params: Any, key: str, *, skip_prefix_cache: bool = False) -> Any:
+def with_entry(params: Any, key: str, *, label: str = "", skip_prefix_cache: bool = False) -> Any:
     """A clone of ``params`` (``SamplingParams``) naming entry ``key``; ``skip_prefix_cache``: the
-    request computes its whole prompt (a prefix-cache hit would compute, and capture, nothing there)."""
+    request computes its whole prompt (a prefix-cache hit would compute, and capture, nothing there).
+
+    Raises:
+        InvalidRequestError: :func:`check_extra_args`.
+    """
+    check_extra_args(params, label)
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: key}
     if skip_prefix_cache:
         params.skip_reading_prefix_cache = True
     return params
+
+
+def check_extra_args(params: Any, label: str) -> None:
+    """Refuse ``SamplingParams.extra_args`` that is not a dict, or that sets this module's reserved key
+    (:data:`EXTRA_ARGS_KEY`), naming ``label`` (the stage) and the field.
+
+    Raises:
+        InvalidRequestError: as above.
+    """
+    extra = getattr(params, "extra_args", None)
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise InvalidRequestError(
+            f"{label}: SamplingParams.extra_args must be a dict, got {type(extra).__name__}"
+        )
+    if EXTRA_ARGS_KEY in extra:
+        raise InvalidRequestError(
+            f"{label}: SamplingParams.extra_args[{EXTRA_ARGS_KEY!r}] is reserved for vllm_omni"
+        )
 
 
 def hidden_states(entry: StepIOEntry, length: int, label: str, *, layer: bool = False) -> torch.Tensor:
@@ -145,8 +170,9 @@ def check_in_process(stage: Any, option: str, capture_layer: int | None = None) 
     that layer in ``additional_config[AUX_LAYERS_KEY]``); ``option`` names the feature in the errors.
 
     Raises:
-        ConfigError: the stage sets its own ``worker_cls``, runs more than one rank, or vLLM's engine
-            core runs in another process (``VLLM_ENABLE_V1_MULTIPROCESSING`` true), naming the stage.
+        ConfigError: the stage sets its own ``worker_cls``, runs more than one rank or engine (tensor,
+            pipeline or data parallel), uses speculative decoding, or vLLM's engine core runs in another
+            process (``VLLM_ENABLE_V1_MULTIPROCESSING`` true), naming the stage and the option.
     """
     opts = dict(stage.options)
     if opts.get("worker_cls") not in (None, "auto", CPU_WORKER, GPU_WORKER):
@@ -155,12 +181,18 @@ def check_in_process(stage: Any, option: str, capture_layer: int | None = None) 
             f"{opts['worker_cls']!r} cannot be combined with it",
             options=("worker_cls",),
         )
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if int(opts.get(name) or 1) != 1:
             raise ConfigError(
                 f"{stage.label}: {option} needs the model runner in the stage's process; {name} must be 1",
                 options=(name,),
             )
+    if opts.get("speculative_config"):  # draft steps compute positions the table does not see
+        raise ConfigError(
+            f"{stage.label}: {option} places a row per computed position, which speculative decoding's draft "
+            "and rejected tokens break; remove speculative_config from this stage",
+            options=("speculative_config",),
+        )
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() not in ("0", "false", ""):
         raise ConfigError(
             f"{stage.label}: {option} needs vLLM's engine core in the stage's process; unset "

@@ -122,7 +122,11 @@ class Code2WavStageEngine(ModelStageDriver):
             raise InvalidRequestError(f"{self.stage.label} takes the talker's StagePayload, got NoneType")
 
     def synthesize(self, codes: torch.Tensor, params: AudioParams) -> AudioOutput:
-        """One waveform from ``codes`` (int64 ``[1, N]``), on the calling thread."""
+        """One waveform from ``codes`` (int64 ``[1, N]``), on the calling thread; no codes (the talker's
+        first sample was a stop code) give an empty waveform, as Qwen3-Omni's code2wav does (transformers'
+        Token2Wav fails on them: its padded input is shorter than its first kernel)."""
+        if codes.shape[-1] == 0:
+            return AudioOutput(np.zeros(0, dtype=np.float32), SAMPLE_RATE, codes.reshape(-1).clone())
         speaker = self.speakers[params.voice or self.voices[0]]
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
             if params.seed is not None:

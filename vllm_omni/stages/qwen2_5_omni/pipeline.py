@@ -20,7 +20,7 @@ from vllm_omni.engine.hidden_states_stage import (
 )
 from vllm_omni.engine.llm_stage import LLMStageEngine
 from vllm_omni.engine.stage_registry import InputProcessor, StageRuntimeEntry
-from vllm_omni.errors import InvalidRequestError, StageEngineError
+from vllm_omni.errors import StageEngineError
 from vllm_omni.stages.qwen2_5_omni.code2wav import (
     AudioOutput,
     AudioParams,
@@ -93,16 +93,8 @@ def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: A
     (:data:`~vllm_omni.engine.hidden_states_stage.HIDDEN_STATES_ATTR`), ``hidden_states`` (float32
     ``[T + n - 1, E]``), and ``layer_hidden_states`` (same shape, the thinker's capture layer) when
     it returned those; ``meta``: the voice of the request (the
-    ``AudioParams`` among ``stage_params``, if any).
-
-    Raises:
-        InvalidRequestError: the thinker's output has several completions (``n > 1``).
-    """
-    if len(thinker_output.outputs) != 1:
-        raise InvalidRequestError(
-            f"the talker speaks one completion, and the thinker's request asked for {len(thinker_output.outputs)} "
-            "(SamplingParams n); ask for n=1, or for text only (last_stage=0)"
-        )
+    ``AudioParams`` among ``stage_params``, if any) and the number of completions the thinker made
+    (``completions``: the talkers speak the first and refuse more, naming ``n``)."""
     completion = thinker_output.outputs[0]
     voice = next((p.voice for p in stage_params if isinstance(p, AudioParams)), None)
     tensors = {
@@ -116,7 +108,7 @@ def thinker2talker(thinker_output: Any, stage_params: list[Any], lora_request: A
         states = getattr(thinker_output, attr, None)
         if states is not None:
             tensors[name] = states
-    return StagePayload(tensors, {"voice": voice})
+    return StagePayload(tensors, {"voice": voice, "completions": len(thinker_output.outputs)})
 
 
 def talker2code2wav(talker_output: Any, stage_params: list[Any], lora_request: Any) -> StagePayload:

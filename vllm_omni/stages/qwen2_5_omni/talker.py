@@ -71,9 +71,9 @@ logger = logging.getLogger(__name__)
 _MM_PLACEHOLDERS = ("audio_token_index", "image_token_index", "video_token_index")
 #: ``SamplingParams`` fields that act per sampled token, carried into the reply's request.
 STEP_FIELDS = ("temperature", "top_p", "top_k", "min_p", "logit_bias")
-#: fields that need text or log-probabilities this stage does not return: refused
-#: (``InvalidRequestError``) rather than silently dropped.
-REFUSED_FIELDS = ("stop", "bad_words", "structured_outputs", "logprobs", "prompt_logprobs")
+#: fields that need text, log-probabilities this stage does not return, or plugin arguments (the reply's
+#: vLLM params are built by the stage): refused (``InvalidRequestError``) rather than silently dropped.
+REFUSED_FIELDS = ("stop", "bad_words", "structured_outputs", "logprobs", "prompt_logprobs", "extra_args")
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,20 @@ def build_talker_inputs(
     if output_ids.numel() == 1:  # transformers' rewrite: the reply is padding from its start
         reply = pad.expand(2, -1).clone()
     return tables.project(prefix), reply
+
+
+def check_one_completion(payload: StagePayload | None, label: str) -> None:
+    """The talkers speak one completion: refuse a thinker payload made from several (``n > 1``).
+
+    Raises:
+        InvalidRequestError: naming ``label`` (the talker stage), ``n`` and the way to get text.
+    """
+    n = 1 if payload is None else int(payload.meta.get("completions", 1))
+    if n != 1:
+        raise InvalidRequestError(
+            f"{label}: the talker speaks one completion, and the thinker's request asked for {n} "
+            "(SamplingParams n); ask for n=1, or for text only (last_stage=0)"
+        )
 
 
 def derived_adapter(lora_request: LoRARequest | None, sub_model: str) -> LoRARequest | None:
@@ -202,6 +216,7 @@ class TalkerStageEngine(LLMStageEngine):
                 f"{refused} (it applies {list(STEP_FIELDS)}, seed, max_tokens, min_tokens, stop_token_ids and "
                 "allowed_token_ids); leave them unset in the talker's SamplingParams"
             )
+        check_one_completion(prompt, self.stage.label)
         voice = None if prompt is None else prompt.meta.get("voice")
         if voice is not None and voice not in self.speakers:
             raise InvalidRequestError(
@@ -239,7 +254,9 @@ class TalkerStageEngine(LLMStageEngine):
             inner = self._enqueue(
                 {"prompt_embeds": prefix},
                 # its KV past the prefix depends on the stream, which vLLM's block hashes do not see
-                step_io.with_entry(self.reply_params(params, prefix.shape[0]), key, skip_prefix_cache=True),
+                step_io.with_entry(
+                    self.reply_params(params, prefix.shape[0]), key, label=label, skip_prefix_cache=True
+                ),
                 derived_adapter(request.adapters.lora_request, "talker"),
             )
         except BaseException:
@@ -257,7 +274,8 @@ class TalkerStageEngine(LLMStageEngine):
         codec start token never sampled.
 
         Raises:
-            InvalidRequestError: ``allowed_token_ids`` leaves no codec token.
+            InvalidRequestError: ``allowed_token_ids`` leaves no codec token; ``stop_token_ids`` or
+                ``logit_bias`` name ids outside the codec vocabulary; ``min_tokens`` exceeds the room left.
         """
         tid = self.tables.ids
         stops = list(params.stop_token_ids or self._default_stops())
@@ -271,11 +289,26 @@ class TalkerStageEngine(LLMStageEngine):
                 f"{self.stage.label}: allowed_token_ids leaves no codec token to sample "
                 f"(codec ids 0..{self.tables.codec_embed.shape[0] - 1}, the codec start token excluded)"
             )
+        vocab = self.tables.codec_embed.shape[0]
+        named = {"stop_token_ids": stops, "logit_bias": list(params.logit_bias or ())}
+        for field, token_ids in named.items():
+            bad = [t for t in token_ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{self.stage.label}: {field} {bad} are not codec ids (0..{vocab - 1})"
+                )
+        room = self.max_len - prefix_len
+        min_tokens = int(params.min_tokens or 0)
+        if min_tokens > room:
+            raise InvalidRequestError(
+                f"{self.stage.label}: min_tokens {min_tokens} exceeds the {room} codes left in the talker's "
+                f"max_model_len {self.max_len} after its prefix ({prefix_len} positions)"
+            )
         return SamplingParams(
             **{name: getattr(params, name) for name in STEP_FIELDS},
             seed=params.seed,
-            max_tokens=max(1, min(params.max_tokens or 4096, self.max_len - prefix_len)),
-            min_tokens=int(params.min_tokens or 0),
+            max_tokens=max(1, min(params.max_tokens or 4096, room)),
+            min_tokens=min_tokens,
             stop_token_ids=stops,
             ignore_eos=True,
             detokenize=False,

@@ -55,7 +55,7 @@ from vllm_omni.lora.request import LoRARequest
 from vllm_omni.stages.model_driver import ModelStageDriver, load_submodule
 from vllm_omni.stages.module_lora import ModuleLoRASpec
 from vllm_omni.stages.qwen2_5_omni.checkpoint import load_prefixed
-from vllm_omni.stages.qwen2_5_omni.talker import TalkerOutput
+from vllm_omni.stages.qwen2_5_omni.talker import TalkerOutput, check_one_completion
 
 #: transformers' talker defaults (``generate``'s ``talker_*`` arguments).
 TALKER_DEFAULTS = {
@@ -308,6 +308,7 @@ class TalkerStageEngine(ModelStageDriver):
             )
         if prompt is None:
             return
+        check_one_completion(prompt, self.stage.label)
         reply = prompt.tensor("output_token_ids", consumer=self.stage.label)
         if reply.numel() < 2:
             raise InvalidRequestError(
