@@ -180,7 +180,11 @@ class OmniDiffusionConfig:
         from torch._dynamo import list_backends
 
         if self.compile_backend not in list_backends(exclude_tags=()):
-            raise _bad("compile_backend", self.compile_backend, "a registered dynamo backend: 'inductor', 'aot_eager', 'eager', ...")
+            raise _bad(
+                "compile_backend",
+                self.compile_backend,
+                "a registered dynamo backend: 'inductor', 'aot_eager', 'eager', ...",
+            )
 
     def with_model(self, model: str | os.PathLike) -> OmniDiffusionConfig:
         """A copy bound to ``model`` (checked: directory, ``model_index.json``, pipeline class).
