@@ -17,17 +17,15 @@ completion's; its outputs carry none.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
 from vllm import RequestOutput
 
 from vllm_omni.engine import step_io
 from vllm_omni.engine.llm_stage import LLMStageEngine
-from vllm_omni.errors import StageEngineError
 from vllm_omni.inputs.stage_request import StageRequest
 
 #: the ``RequestOutput`` attribute that holds the captured hidden states
@@ -78,47 +76,26 @@ class HiddenStatesStageEngine(LLMStageEngine):
             return super()._enqueue(prompt, params, lora_request, on_partial)
         if getattr(params, "n", 1) != 1:  # vLLM runs n > 1 as child requests sharing extra_args
             return super()._enqueue(prompt, params, lora_request, on_partial)
-        key = step_io.open_entry(step_io.StepIOEntry(capture=True))
-        try:
-            inner = super()._enqueue(
+        return step_io.submit_keyed(
+            step_io.StepIOEntry(capture=True),
+            lambda key: super(HiddenStatesStageEngine, self)._enqueue(
                 prompt,
                 step_io.with_entry(params, key, label=self.stage.label, skip_prefix_cache=True),
                 lora_request,
                 on_partial,
-            )
-        except BaseException:
-            step_io.close_entry(key)
-            raise
-        outer: Future = Future()
-        outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
-        inner.add_done_callback(lambda f: self._attach(f, outer, key))
-        return outer
+            ),
+            self._attach,
+        )
 
-    def _attach(self, inner: Future, outer: Future, key: str) -> None:
-        """Resolve ``outer`` with ``inner``'s output and its hidden states (or ``inner``'s failure)."""
-        entry = step_io.close_entry(key)
-        if outer.done():
-            return
-        if inner.cancelled():
-            outer.cancel()
-            return
-        exc = inner.exception()
-        if exc is not None:
-            with contextlib.suppress(InvalidStateError):
-                outer.set_exception(exc)
-            return
-        out = inner.result()
-        try:
-            if entry is None:
-                raise StageEngineError(f"{self.stage.label}: the request's hidden states were dropped")
-            fed = len(out.prompt_token_ids or ()) + max(0, len(out.outputs[0].token_ids) - 1)
-            setattr(out, HIDDEN_STATES_ATTR, step_io.hidden_states(entry, fed, self.stage.label))
-            if self.capture_layer is not None:
-                layer = step_io.hidden_states(entry, fed, self.stage.label, layer=True)
-                setattr(out, LAYER_HIDDEN_STATES_ATTR, layer)
-        except Exception as err:
-            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
-                outer.set_exception(err)
-            return
-        with contextlib.suppress(InvalidStateError):
-            outer.set_result(out)
+    def _attach(self, out: RequestOutput, entry: step_io.StepIOEntry) -> RequestOutput:
+        """``out`` with its hidden states (:data:`HIDDEN_STATES_ATTR`, and the capture layer's).
+
+        Raises:
+            StageEngineError: a fed position was never computed.
+        """
+        fed = len(out.prompt_token_ids or ()) + max(0, len(out.outputs[0].token_ids) - 1)
+        setattr(out, HIDDEN_STATES_ATTR, step_io.hidden_states(entry, fed, self.stage.label))
+        if self.capture_layer is not None:
+            layer = step_io.hidden_states(entry, fed, self.stage.label, layer=True)
+            setattr(out, LAYER_HIDDEN_STATES_ATTR, layer)
+        return out

@@ -27,10 +27,13 @@ anything else at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
@@ -113,6 +116,50 @@ def with_entry(params: Any, key: str, *, label: str = "", skip_prefix_cache: boo
     if skip_prefix_cache:
         params.skip_reading_prefix_cache = True
     return params
+
+
+def submit_keyed(
+    entry: StepIOEntry,
+    enqueue: Callable[[str], Future],
+    finish: Callable[[Any, StepIOEntry], Any],
+) -> Future:
+    """One engine request that carries ``entry``: the life of the entry around it.
+
+    ``entry`` is registered, ``enqueue(key)`` queues the request (its params through
+    :func:`with_entry`) and returns the engine's future; the entry is dropped when that future is done,
+    whatever the outcome. The returned future resolves to ``finish(engine output, entry)``, or fails
+    with the engine's or ``finish``'s error; cancelling it cancels the engine request.
+
+    Raises:
+        whatever ``enqueue`` raises (the entry is dropped first).
+    """
+    key = open_entry(entry)
+    try:
+        inner = enqueue(key)
+    except BaseException:
+        close_entry(key)
+        raise
+    outer: Future = Future()
+    outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
+
+    def done(f: Future) -> None:
+        close_entry(key)
+        if outer.done():
+            return
+        if f.cancelled():
+            outer.cancel()
+            return
+        try:
+            result = finish(f.result(), entry)
+        except Exception as exc:
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                outer.set_exception(exc)
+            return
+        with contextlib.suppress(InvalidStateError):
+            outer.set_result(result)
+
+    inner.add_done_callback(done)
+    return outer
 
 
 def check_extra_args(params: Any, label: str) -> None:

@@ -41,10 +41,9 @@ text (:data:`REFUSED_FIELDS`) are refused.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,23 +248,17 @@ class TalkerStageEngine(LLMStageEngine):
             )
         # embed_tokens holds project(codec) = W codec + b, so project(codec + row) adds W row
         stream = torch.nn.functional.linear(reply, self.tables.proj_weight)
-        key = step_io.open_entry(step_io.StepIOEntry(stream=stream, stream_start=prefix.shape[0]))
-        try:
-            inner = self._enqueue(
+        reply_params = self.reply_params(params, prefix.shape[0])
+        return step_io.submit_keyed(
+            step_io.StepIOEntry(stream=stream, stream_start=prefix.shape[0]),
+            lambda key: self._enqueue(
                 {"prompt_embeds": prefix},
                 # its KV past the prefix depends on the stream, which vLLM's block hashes do not see
-                step_io.with_entry(
-                    self.reply_params(params, prefix.shape[0]), key, label=label, skip_prefix_cache=True
-                ),
+                step_io.with_entry(reply_params, key, label=label, skip_prefix_cache=True),
                 derived_adapter(request.adapters.lora_request, "talker"),
-            )
-        except BaseException:
-            step_io.close_entry(key)
-            raise
-        done: Future = Future()
-        done.add_done_callback(lambda f: f.cancelled() and inner.cancel())
-        inner.add_done_callback(lambda f: self._finish(f, done, key, prompt, params))
-        return done
+            ),
+            lambda out, _: self._codes(out, prompt, reply_params.stop_token_ids),
+        )
 
     def reply_params(self, params: SamplingParams, prefix_len: int) -> SamplingParams:
         """The vLLM params of the reply's one request: the request's per-token fields
@@ -316,29 +309,17 @@ class TalkerStageEngine(LLMStageEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def _finish(self, inner: Future, done: Future, key: str, payload: StagePayload, params) -> None:
-        """Resolve ``done`` with the reply's codes (the stop token dropped) or ``inner``'s failure."""
-        step_io.close_entry(key)
-        if done.done():
-            return
-        if inner.cancelled():
-            done.cancel()
-            return
-        try:
-            completion = inner.result().outputs[0]
-            codes = list(completion.token_ids)
-            stopped = completion.finish_reason == "stop"
-            if stopped and codes and codes[-1] in set(params.stop_token_ids or self._default_stops()):
-                codes = codes[:-1]
-            tensor = torch.tensor(codes, dtype=torch.long)
-            meta = {"voice": payload.meta.get("voice")}
-            out = TalkerOutput(tensor, "stop" if stopped else "length", StagePayload({"codes": tensor}, meta))
-        except BaseException as exc:
-            with contextlib.suppress(InvalidStateError):
-                done.set_exception(exc if isinstance(exc, Exception) else StageEngineError(str(exc)))
-            return
-        with contextlib.suppress(InvalidStateError):
-            done.set_result(out)
+    @staticmethod
+    def _codes(out: Any, payload: StagePayload, stops: list[int]) -> TalkerOutput:
+        """The reply's codes from the engine's output (a final stop token dropped)."""
+        completion = out.outputs[0]
+        codes = list(completion.token_ids)
+        stopped = completion.finish_reason == "stop"
+        if stopped and codes and codes[-1] in stops:
+            codes = codes[:-1]
+        tensor = torch.tensor(codes, dtype=torch.long)
+        meta = {"voice": payload.meta.get("voice")}
+        return TalkerOutput(tensor, "stop" if stopped else "length", StagePayload({"codes": tensor}, meta))
 
     def _default_stops(self) -> list[int]:
         tid = self.tables.ids
