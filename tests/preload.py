@@ -8,7 +8,12 @@ and this venv's console scripts (``vllm-omni``, ``vllm``): the command runs in a
 from a *zygote*, a Python interpreter that imported :data:`PRELOAD` and then waits; the child
 sets its argv, cwd, environment and stdio and runs the script or module as ``__main__``
 (``runpy``), as the fresh interpreter would. What the child does after that (its own
-``multiprocessing`` spawns, engine processes, Ray) is unchanged.
+``multiprocessing`` spawns, engine processes, Ray) is unchanged, except that its stage workers
+and diffusion ranks start from the zygote's worker fork server
+(``vllm_omni.engine.workers.start.start_preloaded(share_with_forks=True)``), which imported
+their modules once for all its commands: they are that fork server's children, not the
+command's, and follow the command's process (``popen(..., own_workers=True)`` for a test of a
+command's process tree).
 
 Fidelity rules (when a command is *not* forked but run as written, by ``subprocess``):
 - the environment decides at import time for some variables (``OMP_NUM_THREADS`` when libgomp
@@ -55,12 +60,22 @@ def _zygote_main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     import importlib
 
-    for name in sys.argv[2].split(","):
+    names = sys.argv[2].split(",")
+    fork_server = None
+    if "vllm_omni" in names:
+        # the workers' fork server first (it imports on the other core meanwhile), shared with
+        # every command forked from here: a server or script then pays no worker import either
+        from vllm_omni.engine.workers import start as worker_start
+
+        with contextlib.suppress(ValueError):  # a bad VLLM_OMNI_WORKER_START: each command reports it
+            worker_start.start_preloaded(share_with_forks=True)
+            fork_server = worker_start.server_pid()
+    for name in names:
         importlib.import_module(name)
     envs = sys.modules.get("vllm.envs")
     if envs is not None and envs._is_envs_cache_enabled():  # then READ_LATER would not hold: refuse to serve
         raise RuntimeError("vllm.envs caches the environment after the preload imports")
-    _send(sock, {"ready": os.getpid()})
+    _send(sock, {"ready": os.getpid(), "fork_server": fork_server})
     import select
 
     while True:
@@ -108,6 +123,8 @@ def _child(sock: socket.socket, req: dict, fds: list[int]) -> None:
         for fd in set(fds):
             if fd > 2:
                 os.close(fd)
+        if req["own_workers"] and "vllm_omni.engine.workers.start" in sys.modules:
+            sys.modules["vllm_omni.engine.workers.start"].use_own_fork_server()  # workers it descends from
         os.chdir(req["cwd"])
         if "multiprocessing.process" in sys.modules:  # the start-up directory spawned children resolve from
             sys.modules["multiprocessing.process"].ORIGINAL_DIR = req["cwd"]
@@ -251,6 +268,7 @@ class _Zygote:
         self._ids = iter(range(1 << 62))
         self._ready = False
         self._gone = False
+        self.fork_server: int | None = None  # the workers' fork server it shares with its commands
         self._send_lock = threading.Lock()
         threading.Thread(target=self._read, name="omni-zygote-reader", daemon=True).start()
 
@@ -268,6 +286,7 @@ class _Zygote:
                 msg = json.loads(data)
                 if "ready" in msg:
                     self._ready = True
+                    self.fork_server = msg["fork_server"]
                 elif "spawned" in msg:
                     self._spawned[msg["id"]] = msg["spawned"]
                     self._pids.add(msg["spawned"])
@@ -298,11 +317,11 @@ class _Zygote:
         return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-40:])
 
     def spawn(self, kind: str, target: str, argv: list[str], env: dict, cwd: str, fds: list[int],
-              new_session: bool, sigint_default: bool = False) -> int:  # fmt: skip
+              new_session: bool, sigint_default: bool = False, own_workers: bool = False) -> int:  # fmt: skip
         self._wait_for(lambda: True if self._ready else None)  # the import: minutes at a high load
         rid = next(self._ids)
         req = {"id": rid, "kind": kind, "target": target, "argv": argv, "env": env, "cwd": cwd,
-               "new_session": new_session, "sigint_default": sigint_default}  # fmt: skip
+               "new_session": new_session, "sigint_default": sigint_default, "own_workers": own_workers}  # fmt: skip
         with self._send_lock:
             socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
         return self._wait_for(lambda: self._spawned.pop(rid, None))
@@ -312,10 +331,25 @@ class _Zygote:
         with self._cond:
             return any(pid not in self._exits for pid in self._pids)
 
+    def workers_cpu_s(self) -> float:
+        """CPU seconds of the workers its fork server has reaped (``cutime + cstime`` in
+        ``/proc/<pid>/stat``); 0 once the fork server is gone (the zygote reaps it: then its CPU
+        reaches ``os.times()`` here when the zygote is reaped)."""
+        if self.fork_server is None or self._gone:
+            return 0.0
+        try:
+            with open(f"/proc/{self.fork_server}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return 0.0
+        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         """End the zygote (it exits when its socket closes); its log file goes too."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
+        with self._cond:
+            self._gone = True  # from now on its workers' CPU reaches os.times() with it
         self.proc.wait()
         # reaping the zygote added its children's CPU to os.times() here: do not count it twice
         _add_reaped_cpu(-self._children_cpu_s)
@@ -341,8 +375,18 @@ def _add_reaped_cpu(seconds: float) -> None:
 
 def reaped_cpu_s() -> float:
     """CPU seconds (user + system) of the forked processes that have exited so far, with their
-    reaped descendants: what ``os.times().children_*`` would count had this process forked them."""
-    return _reaped_cpu_s
+    reaped descendants (the workers of the zygotes' shared fork servers included): what
+    ``os.times().children_*`` would count had this process forked them."""
+    with _zygotes_lock:
+        workers = sum(z.workers_cpu_s() for z in _zygotes.values())
+    return _reaped_cpu_s + workers
+
+
+def shared_fork_servers() -> list[int]:
+    """Pids of the live zygotes' worker fork servers: the workers of a forked command are their
+    children, not the command's (unless it was started with ``own_workers=True``)."""
+    with _zygotes_lock:
+        return [z.fork_server for z in _zygotes.values() if z.fork_server is not None and not z._gone]
 
 
 @atexit.register
@@ -400,12 +444,15 @@ def _plan(cmd) -> tuple[str, str, list[str]] | None:
 
 
 def popen(cmd, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, start_new_session=False,
-          text=False, sigint_default=False, **kwargs):  # fmt: skip
+          text=False, sigint_default=False, own_workers=False, **kwargs):  # fmt: skip
     """``subprocess.Popen(cmd, ...)``, forked from a zygote where the module docstring allows.
 
     ``sigint_default``: the command gets SIGINT's default disposition (Python raises
     ``KeyboardInterrupt``) even when this process ignores SIGINT, as a shell's background job
-    (``nohup``, ``&``) starts pytest. ``stdin=PIPE`` and other ``Popen`` arguments run as written.
+    (``nohup``, ``&``) starts pytest. ``own_workers``: the command's workers start from a fork
+    server of its own, so they are its descendants (as for a command run as written); by default
+    they start from the zygote's (:func:`shared_fork_servers`). ``stdin=PIPE`` and other
+    ``Popen`` arguments run as written.
     """
     env = dict(os.environ if env is None else env)
     plan = None if (_DISABLED or kwargs or stdin == subprocess.PIPE) else _plan(cmd)
@@ -441,7 +488,7 @@ def popen(cmd, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, star
     err_fd = out_fd if stderr == subprocess.STDOUT else fd_of(stderr, "stderr", 2)
     try:
         pid = zygote.spawn(kind, target, argv, env, str(cwd or os.getcwd()), [in_fd, out_fd, err_fd],
-                           start_new_session, sigint_default)  # fmt: skip
+                           start_new_session, sigint_default, own_workers)  # fmt: skip
     finally:
         for fd in opened:
             os.close(fd)

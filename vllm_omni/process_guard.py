@@ -20,8 +20,10 @@ not die with the shell.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -40,6 +42,9 @@ GRACE_S = 2.0
 _lock = threading.Lock()
 _watching_pid: int | None = None  # the pid whose watch thread runs (fork children re-arm)
 _fork_hook_registered = False
+#: ``(this process's pid, the process it follows)`` set by :func:`follow`; a fork of this
+#: process (another pid) watches its own parent again.
+_followed: tuple[int, int] | None = None
 
 
 def mark_owner() -> None:
@@ -69,16 +74,53 @@ def watch_parent() -> bool:
         if _watching_pid == os.getpid():
             return True
         _watching_pid = os.getpid()
-    parent = os.getppid()
-    thread = threading.Thread(target=_watch, args=(parent,), name="vllm-omni-parent-watch", daemon=True)
+    if _followed is not None and _followed[0] == os.getpid():
+        target, args = _watch_followed, (_followed[1],)
+    else:
+        target, args = _watch, (os.getppid(),)
+    thread = threading.Thread(target=target, args=args, name="vllm-omni-parent-watch", daemon=True)
     thread.start()
     return True
+
+
+def follow(pid: int) -> None:
+    """Make this process's watch follow ``pid`` instead of its parent (call before :func:`watch_parent`).
+
+    For a worker forked by a fork server on behalf of ``pid`` (its driver,
+    :mod:`vllm_omni.engine.workers.start`): the fork server is its parent but may outlive the
+    driver (a fork server shared by several drivers). Only this process follows ``pid``; its own
+    children watch it, their parent. A ``pid`` already gone ends this process at the first
+    :func:`watch_parent`.
+    """
+    global _followed
+    _followed = (os.getpid(), pid)
 
 
 def _watch(parent: int) -> None:
     while os.getppid() == parent and parent != 1:
         time.sleep(POLL_S)
-    logger.warning("vllm-omni: parent process %d is gone; process %d exits", parent, os.getpid())
+    _exit_for(parent, "parent")
+
+
+def _watch_followed(pid: int) -> None:
+    """Wait for ``pid`` (not our parent) to end: a pidfd turns readable when it exits (Linux 5.3+;
+    elsewhere ``kill(pid, 0)`` every :data:`POLL_S`, which a zombie still passes)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = None  # already gone
+    except (AttributeError, OSError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            while True:
+                os.kill(pid, 0)
+                time.sleep(POLL_S)
+    else:
+        select.select([fd], [], [])
+    _exit_for(pid, "driver")
+
+
+def _exit_for(pid: int, what: str) -> None:
+    logger.warning("vllm-omni: %s process %d is gone; process %d exits", what, pid, os.getpid())
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(GRACE_S)

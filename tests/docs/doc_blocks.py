@@ -269,7 +269,9 @@ def _tree_sample(pid: int) -> tuple[float, bool]:
     ``busy``: a thread is runnable (``R``: running or waiting for a CPU on a loaded machine) or in
     uninterruptible sleep (``D``: disk), or ``pid`` itself has exited (a zombie, or already reaped
     while its exit status is on its way to us). Only a tree whose every thread sleeps in ``S`` (or
-    is stopped) can be stalled.
+    is stopped) can be stalled. The tree includes the workers of the zygotes' shared fork servers
+    (``tests/preload.py``): a forked command's stage workers are their children, and only this
+    test's commands run workers meanwhile.
     """
     import psutil
 
@@ -280,6 +282,9 @@ def _tree_sample(pid: int) -> tuple[float, bool]:
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return 0.0, True  # gone: it exited
+    for server in preload.shared_fork_servers():
+        with contextlib.suppress(psutil.Error):
+            procs += psutil.Process(server).children(recursive=True)
     total, busy = 0.0, False
     for proc in procs:
         with contextlib.suppress(psutil.Error):

@@ -133,9 +133,13 @@ class LiveServer:
 
 
 def start_server(
-    cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float = 1200
-) -> LiveServer:
+    cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float = 1200,
+    own_workers: bool = False,
+) -> LiveServer:  # fmt: skip
     """Run ``cmd`` (which must bind 127.0.0.1:``port``) and wait for ``GET /health`` = 200.
+
+    ``own_workers``: the server's stage workers are its descendants (``tests/preload.py``), for
+    tests of its process tree.
 
     ``timeout`` caps the wait (seconds): a start-up takes ~20 s on a quiet 2-core machine and
     several minutes at a load of 30, so the cap is generous; a server that exits fails at once.
@@ -145,7 +149,7 @@ def start_server(
     """
     for attempt in range(3):
         try:
-            return _start_server(cmd, port, log_path, env, timeout)
+            return _start_server(cmd, port, log_path, env, timeout, own_workers)
         except PortTaken:
             if attempt == 2:
                 raise
@@ -159,10 +163,12 @@ class PortTaken(RuntimeError):
 
 
 def _start_server(
-    cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float
+    cmd: list[str], port: int, log_path: Path, env: dict[str, str], timeout: float, own_workers: bool
 ) -> LiveServer:
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
-    proc = preload.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    proc = preload.popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, own_workers=own_workers
+    )
     server = LiveServer(f"http://127.0.0.1:{port}", proc, log_path)
 
     poller = httpx.Client(timeout=10)  # one client: a new one per poll costs ~20 ms CPU (its SSL context)

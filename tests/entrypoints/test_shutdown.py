@@ -5,7 +5,9 @@ sends SIGTERM / SIGINT (the server must exit within ``--shutdown-timeout`` plus 
 before the queued work would be done) or SIGKILL (nothing runs in the server any more: its
 children must notice and exit). Then every process that descended from the server (collected
 just before the signal: vLLM's engine-core process and its worker, our diffusion
-tensor-parallel ranks, multiprocessing helpers) must be gone.
+tensor-parallel ranks, multiprocessing helpers) must be gone. The servers start their workers
+from their own fork server (``own_workers``: as a server run from a shell), so that every
+process of theirs descends from them.
 
 Wall-clock bounds scale with the machine's load as measured in the run
 (:func:`tests.waiting.load_stretch`, and the time one queued request takes): a loaded 2-core
@@ -131,7 +133,9 @@ def _busy_llm_server(tiny_llm_assets, tmp_path):
         str(DRAIN_S),
         "--disable-uvicorn-access-log",
     ]
-    server = start_server(cmd, port, tmp_path / "server.log", server_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    server = start_server(
+        cmd, port, tmp_path / "server.log", server_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"), own_workers=True
+    )
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
     # one request at a time (max-num-seqs 1), 0.3-0.5 s each: far more work queued (~80-130 s) than the
     # drain timeout plus the exit bound, so a server that waits for it all fails the bound
@@ -180,7 +184,7 @@ def test_diffusion_server_with_tp2_ranks(sig, tiny_z_image_dir, tmp_path):
         str(DRAIN_S),
         "--disable-uvicorn-access-log",
     ]
-    server = start_server(cmd, port, tmp_path / "server.log", server_env())
+    server = start_server(cmd, port, tmp_path / "server.log", server_env(), own_workers=True)
     try:
         body = {"prompt": "a cat", "size": "32x32", "num_inference_steps": 1000}
         ranks = _descendants(server.proc.pid)

@@ -45,7 +45,10 @@ def server(tiny_llm_assets, tmp_path_factory):
     ]
     log = tmp_path_factory.mktemp("serve_worker_death") / "server.log"
     env = server_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
-    srv = start_server(serve_command(tiny_llm_assets.model_dir, port, *flags), port, log, env)
+    # own_workers: the stage worker is found among the server's descendants (tests/preload.py)
+    srv = start_server(
+        serve_command(tiny_llm_assets.model_dir, port, *flags), port, log, env, own_workers=True
+    )
     yield srv
     srv.stop()
 

@@ -1,7 +1,8 @@
 """No process of an ``mp`` pipeline outlives its driver: SIGTERM, SIGINT or SIGKILL of a script
 that runs ``Omni(..., worker_backend="mp")`` with requests in flight. The test counts the
 driver's descendants before the signal and waits for every one of them to be gone
-(``Omni.shutdown()`` itself is counted by the other modules' fixtures)."""
+(``Omni.shutdown()`` itself is counted by the other modules' fixtures). Also for a worker
+started from a fork server shared by several drivers, which outlives this one."""
 
 from __future__ import annotations
 
@@ -46,8 +47,18 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
+@pytest.mark.parametrize(
+    "sig, shared",
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGKILL, False), (signal.SIGKILL, True)],
+    ids=["SIGTERM", "SIGINT", "SIGKILL", "SIGKILL-shared-fork-server"],
+)
+def test_no_worker_outlives_the_driver(sig, shared, tiny_llm_assets, tmp_path):
+    """``shared``: the driver is forked from a process that shares its worker fork server
+    (``vllm_omni.engine.workers.start.start_preloaded(share_with_forks=True)``, as the suite's
+    zygotes): the worker is that fork server's child, which outlives the driver, so the worker
+    must follow the driver itself."""
+    if shared and os.environ.get("VLLM_OMNI_TEST_FRESH_INTERPRETERS") == "1":
+        pytest.skip("no zygote: every command runs as written")
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
@@ -61,6 +72,7 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
         # a shell's background job (nohup, `&`) starts pytest with SIGINT ignored, and Python keeps an
         # inherited SIG_IGN instead of raising KeyboardInterrupt: the driver must get the default
         sigint_default=True,
+        own_workers=not shared,
     )
     try:
         line = ""
@@ -72,10 +84,16 @@ def test_no_worker_outlives_the_driver(sig, tiny_llm_assets, tmp_path):
         cpu0 = _cpu_s(worker)
         wait_until(lambda: _cpu_s(worker) - cpu0 > 1.0, "the worker to run the requests", cap_s=900)
         procs = psutil.Process(driver.pid).children(recursive=True)
+        if shared:
+            server = psutil.Process(worker).parent()
+            assert server.pid in preload.shared_fork_servers(), (server.pid, preload.shared_fork_servers())
+            procs += [psutil.Process(worker), *psutil.Process(worker).children(recursive=True)]
         assert worker in [p.pid for p in procs]
         driver.send_signal(sig)
         driver.wait(timeout=600)
         wait_gone(procs, f"the driver's {len(procs)} descendants to exit after its {sig.name}")
+        if shared:
+            assert server.is_running(), "the shared fork server must outlive the driver"
     finally:
         if driver.poll() is None:
             driver.kill()

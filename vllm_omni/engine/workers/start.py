@@ -2,8 +2,9 @@
 
 Two kinds of workers start here: ``mp`` stage workers (:mod:`vllm_omni.engine.workers.client`)
 and the tensor-parallel ranks of a diffusion stage (:class:`vllm_omni.diffusion.engine.DiffusionEngine`).
-This module imports only the standard library (and :mod:`vllm_omni.log_noise`), so it sits in
-the lowest import layer, below the diffusion runtime that uses it.
+This module imports only the standard library (and :mod:`vllm_omni.log_noise`,
+:mod:`vllm_omni.process_guard`), so it sits in the lowest import layer, below the diffusion
+runtime that uses it.
 
 Why: a spawned worker is a new interpreter that imports torch and vLLM again before it loads
 its stage (about 7-16 s of CPU on a 2-core machine), once per stage, per replica, per rank and
@@ -38,11 +39,17 @@ Fidelity (what a spawned worker would have):
 - stdout / stderr: the driver's current ones (passed as file descriptors), not the fork
   server's; working directory, ``sys.path``, ``sys.argv`` and the main module as for spawn
   (``multiprocessing`` sends them to every child);
-- lifetime: the worker closes its copy of the fork server's "alive" pipe, so the fork server
-  exits when the driver does (SIGKILL included); the worker's parent watch
-  (:mod:`vllm_omni.process_guard`) then sees its parent gone and exits. At a normal exit the
-  driver waits (at most :data:`STOP_WAIT_S`) for the fork server, which skips the interpreter's
-  teardown: its CPU time (and its workers') counts in the driver's ``RUSAGE_CHILDREN``.
+- lifetime: the worker's parent watch (:mod:`vllm_omni.process_guard`) follows the driver that
+  asked for it, not the fork server (:func:`~vllm_omni.process_guard.follow`): it exits when the
+  driver does, SIGKILL included. The worker closes its copy of the fork server's "alive" pipe, so
+  the fork server exits when the driver does. At a normal exit the driver waits (at most
+  :data:`STOP_WAIT_S`) for the fork server, which skips the interpreter's teardown: its CPU time
+  (and its workers') counts in the driver's ``RUSAGE_CHILDREN``.
+
+A process that forks drivers from a preloaded interpreter (the test suite's zygotes) can share
+its fork server with them (``start_preloaded(share_with_forks=True)``): a forked driver then pays
+no worker import at all; its workers are the shared fork server's children and follow the driver
+as above.
 
 ``VLLM_OMNI_WORKER_START=spawn`` starts every worker as a fresh interpreter (as before).
 """
@@ -100,6 +107,7 @@ _started_by: int | None = None  # the process that started it (a fork of it has 
 _server_after: tuple[int | None, dict[str, str]] | None = None  # (fork server pid, its env after imports)
 _PROBE_LOCK = threading.Lock()
 _forked = False  # whether this process's fork server has forked a worker (so it has imported its preload)
+_shared = False  # whether forks of this process use its fork server (start_preloaded(share_with_forks=True))
 #: In a worker: whether ``vllm`` was imported before the worker's entry point ran (it was preloaded).
 preloaded_at_entry = False
 
@@ -116,22 +124,37 @@ def start_method() -> str:
     return value
 
 
-def start_preloaded() -> bool:
+def start_preloaded(share_with_forks: bool = False) -> bool:
     """Start this process's fork server now, if workers fork (idempotent; imports neither torch
     nor vLLM here: the fork server imports them in its own process).
 
+    ``share_with_forks``: processes forked from this one (``os.fork`` without ``exec``: a launcher
+    that forks drivers from a preloaded interpreter, as the test suite's zygotes do) start their
+    workers from this fork server too instead of starting their own, so no driver pays the
+    workers' imports. Each such worker follows its own driver (:func:`vllm_omni.process_guard.follow`),
+    not the fork server, which lives as long as this process or a fork of it does.
+    :func:`use_own_fork_server` in a fork opts it out. A fork server inherited without sharing
+    (the default) is left to the process that started it.
+
     Returns:
-        True when a fork server runs (started now or before).
+        True when a fork server runs (started now, before, or shared by the process this one
+        was forked from).
     """
-    global _server_env, _server_pid, _started_by, _forked
+    global _server_env, _server_pid, _started_by, _forked, _shared
     if start_method() != "forkserver":
         return False
     from multiprocessing import forkserver
 
     with START_LOCK:
         server = forkserver._forkserver
-        if _started_by not in (None, os.getpid()):  # inherited through fork(): its parent's, not ours
+        if _started_by not in (None, os.getpid()):  # inherited through fork(): its parent's
+            if _shared and _alive(server._forkserver_pid):
+                server.ensure_running = _ensure_shared_running  # it is not our child: no waitpid
+                return True
+            server.__dict__.pop("ensure_running", None)
             server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+            _shared = False
+        _shared = _shared or share_with_forks
         forkserver.set_forkserver_preload(list(PRELOAD))
         env = dict(os.environ)
         os.environ[SERVER_MARK] = "1"
@@ -144,6 +167,42 @@ def start_preloaded() -> bool:
             _forked = False
             logger.debug("worker fork server %d started (preloads %s)", _server_pid, ", ".join(PRELOAD))
     return True
+
+
+def use_own_fork_server() -> None:
+    """In a process forked from one that shares its fork server (:func:`start_preloaded`): start
+    a fork server of its own at the next worker start, so that its workers are its descendants."""
+    global _shared
+    _shared = False
+
+
+def server_pid() -> int | None:
+    """The pid of the fork server this process's workers start from (``None``: none yet)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ensure_shared_running() -> None:
+    """``ForkServer.ensure_running`` in a fork of the process that shares its fork server: that
+    server is not this process's child (``waitpid`` would fail), so only check that it lives."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    if not _alive(forkserver._forkserver._forkserver_pid):
+        raise OSError(f"the shared worker fork server {forkserver._forkserver._forkserver_pid} is gone")
 
 
 def _stop_server() -> None:
@@ -264,7 +323,7 @@ def process_for(
             how = "spawn"
     ctx = multiprocessing.get_context(how)
     if how == "forkserver":
-        args = (target, (_StdFd(1), _StdFd(2)), environ, *args)
+        args = (target, (_StdFd(1), _StdFd(2)), environ, os.getpid(), *args)
         target = preloaded_main
     proc = ctx.Process(target=target, args=args, name=name, daemon=daemon)
     return proc, how
@@ -318,11 +377,14 @@ def _detach(dup: Any) -> int:
 
 
 def preloaded_main(
-    target: Any, stdio: tuple[int | None, int | None], environ: dict[str, str], *args: Any
+    target: Any, stdio: tuple[int | None, int | None], environ: dict[str, str], driver: int, *args: Any
 ) -> None:
-    """Entry point of a worker forked by the fork server: make the process look like a spawned
-    worker of the driver (module docstring), then run ``target(*args)``."""
+    """Entry point of a worker forked by the fork server for the process ``driver``: make the
+    process look like a spawned worker of the driver (module docstring), then run ``target(*args)``."""
     global preloaded_at_entry
+    from vllm_omni import process_guard
+
+    process_guard.follow(driver)  # its parent watch follows the driver, not the fork server
     preloaded_at_entry = "vllm" in sys.modules
     atexit.unregister(_exit_now)  # registered in the fork server; this is a worker
     from multiprocessing import forkserver
