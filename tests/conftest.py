@@ -89,11 +89,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _cpu_now() -> tuple[float, float]:
-    """(this process's CPU seconds, CPU seconds of its reaped children), user + system."""
+    """(this process's CPU seconds, CPU seconds of its reaped children), user + system.
+
+    Reaped children include the workers this process's own worker fork server has reaped (the
+    ``mp`` workers of in-process pipelines: the fork server itself is reaped only at exit).
+    """
     from tests import preload
+    from vllm_omni.engine.workers import start
 
     t = os.times()
-    return t.user + t.system, t.children_user + t.children_system + preload.reaped_cpu_s()
+    own = start.server_pid() if start._started_by == os.getpid() else None
+    workers = preload.reaped_by(own) if own is not None else 0.0
+    return t.user + t.system, t.children_user + t.children_system + preload.reaped_cpu_s() + workers
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -9,10 +9,9 @@ from a *zygote*, a Python interpreter that imported :data:`PRELOAD` and then wai
 sets its argv, cwd, environment and stdio and runs the script or module as ``__main__``
 (``runpy``), as the fresh interpreter would. What the child does after that (its own
 ``multiprocessing`` spawns, engine processes, Ray) is unchanged, except that its stage workers
-and diffusion ranks start from the zygote's worker fork server
-(``vllm_omni.engine.workers.start.start_preloaded(share_with_forks=True)``), which imported
-their modules once for all its commands: they are that fork server's children, not the
-command's, and follow the command's process (``popen(..., own_workers=True)`` for a test of a
+and diffusion ranks start from the zygote's worker fork server, a fork of the zygote
+(``vllm_omni.engine.workers.start.share_forked_server``): they are that fork server's
+children, not the command's, and follow the command's process (``popen(..., own_workers=True)`` for a test of a
 command's process tree).
 
 Fidelity rules (when a command is *not* forked but run as written, by ``subprocess``):
@@ -61,20 +60,20 @@ def _zygote_main() -> None:
     import importlib
 
     names = sys.argv[2].split(",")
-    fork_server = None
-    if "vllm_omni" in names:
-        # the workers' fork server first (it imports on the other core meanwhile), shared with
-        # every command forked from here: a server or script then pays no worker import either
-        from vllm_omni.engine.workers import start as worker_start
-
-        with contextlib.suppress(ValueError):  # a bad VLLM_OMNI_WORKER_START: each command reports it
-            worker_start.start_preloaded(share_with_forks=True)
-            fork_server = worker_start.server_pid()
+    environ = dict(os.environ)
     for name in names:
         importlib.import_module(name)
     envs = sys.modules.get("vllm.envs")
     if envs is not None and envs._is_envs_cache_enabled():  # then READ_LATER would not hold: refuse to serve
         raise RuntimeError("vllm.envs caches the environment after the preload imports")
+    fork_server = None
+    if "vllm_omni" in names:
+        # the workers' fork server, forked from here (no import of its own) and shared with every
+        # command forked from here: a server or script then pays no worker import either
+        from vllm_omni.engine.workers import start as worker_start
+
+        with contextlib.suppress(ValueError):  # a bad VLLM_OMNI_WORKER_START: each command reports it
+            fork_server = worker_start.share_forked_server(environ)
     _send(sock, {"ready": os.getpid(), "fork_server": fork_server})
     import select
 
@@ -332,17 +331,11 @@ class _Zygote:
             return any(pid not in self._exits for pid in self._pids)
 
     def workers_cpu_s(self) -> float:
-        """CPU seconds of the workers its fork server has reaped (``cutime + cstime`` in
-        ``/proc/<pid>/stat``); 0 once the fork server is gone (the zygote reaps it: then its CPU
-        reaches ``os.times()`` here when the zygote is reaped)."""
+        """CPU seconds of the workers its fork server has reaped; 0 once the fork server is gone
+        (the zygote reaps it: then its CPU reaches ``os.times()`` here when the zygote is reaped)."""
         if self.fork_server is None or self._gone:
             return 0.0
-        try:
-            with open(f"/proc/{self.fork_server}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            return 0.0
-        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+        return reaped_by(self.fork_server)
 
     def close(self) -> None:
         """End the zygote (it exits when its socket closes); its log file goes too."""
@@ -380,6 +373,17 @@ def reaped_cpu_s() -> float:
     with _zygotes_lock:
         workers = sum(z.workers_cpu_s() for z in _zygotes.values())
     return _reaped_cpu_s + workers
+
+
+def reaped_by(pid: int) -> float:
+    """CPU seconds of the children that the live process ``pid`` has reaped (``cutime + cstime``
+    of ``/proc/<pid>/stat``, user + system); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
 
 
 def shared_fork_servers() -> list[int]:

@@ -54,7 +54,7 @@ def _cpu_s(pid: int) -> float:
 )
 def test_no_worker_outlives_the_driver(sig, shared, tiny_llm_assets, tmp_path):
     """``shared``: the driver is forked from a process that shares its worker fork server
-    (``vllm_omni.engine.workers.start.start_preloaded(share_with_forks=True)``, as the suite's
+    (``vllm_omni.engine.workers.start.share_forked_server``, as the suite's
     zygotes): the worker is that fork server's child, which outlives the driver, so the worker
     must follow the driver itself."""
     if shared and os.environ.get("VLLM_OMNI_TEST_FRESH_INTERPRETERS") == "1":

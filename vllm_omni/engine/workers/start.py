@@ -46,10 +46,10 @@ Fidelity (what a spawned worker would have):
   :data:`STOP_WAIT_S`) for the fork server, which skips the interpreter's teardown: its CPU time
   (and its workers') counts in the driver's ``RUSAGE_CHILDREN``.
 
-A process that forks drivers from a preloaded interpreter (the test suite's zygotes) can share
-its fork server with them (``start_preloaded(share_with_forks=True)``): a forked driver then pays
-no worker import at all; its workers are the shared fork server's children and follow the driver
-as above.
+A process that forks drivers from a preloaded interpreter (the test suite's zygotes) can fork
+its fork server from itself and share it with them (:func:`share_forked_server`): neither the
+fork server nor a forked driver's workers import anything; the workers are the shared fork
+server's children and follow their driver as above.
 
 ``VLLM_OMNI_WORKER_START=spawn`` starts every worker as a fresh interpreter (as before).
 """
@@ -107,7 +107,7 @@ _started_by: int | None = None  # the process that started it (a fork of it has 
 _server_after: tuple[int | None, dict[str, str]] | None = None  # (fork server pid, its env after imports)
 _PROBE_LOCK = threading.Lock()
 _forked = False  # whether this process's fork server has forked a worker (so it has imported its preload)
-_shared = False  # whether forks of this process use its fork server (start_preloaded(share_with_forks=True))
+_shared = False  # whether forks of this process use its fork server (share_forked_server)
 #: In a worker: whether ``vllm`` was imported before the worker's entry point ran (it was preloaded).
 preloaded_at_entry = False
 
@@ -124,17 +124,13 @@ def start_method() -> str:
     return value
 
 
-def start_preloaded(share_with_forks: bool = False) -> bool:
+def start_preloaded() -> bool:
     """Start this process's fork server now, if workers fork (idempotent; imports neither torch
     nor vLLM here: the fork server imports them in its own process).
 
-    ``share_with_forks``: processes forked from this one (``os.fork`` without ``exec``: a launcher
-    that forks drivers from a preloaded interpreter, as the test suite's zygotes do) start their
-    workers from this fork server too instead of starting their own, so no driver pays the
-    workers' imports. Each such worker follows its own driver (:func:`vllm_omni.process_guard.follow`),
-    not the fork server, which lives as long as this process or a fork of it does.
-    :func:`use_own_fork_server` in a fork opts it out. A fork server inherited without sharing
-    (the default) is left to the process that started it.
+    In a process forked from one that shares its fork server (:func:`share_forked_server`), that
+    fork server is used (unless :func:`use_own_fork_server` was called); a fork server inherited
+    without sharing is left to the process that started it.
 
     Returns:
         True when a fork server runs (started now, before, or shared by the process this one
@@ -154,7 +150,6 @@ def start_preloaded(share_with_forks: bool = False) -> bool:
             server.__dict__.pop("ensure_running", None)
             server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
             _shared = False
-        _shared = _shared or share_with_forks
         forkserver.set_forkserver_preload(list(PRELOAD))
         env = dict(os.environ)
         os.environ[SERVER_MARK] = "1"
@@ -169,8 +164,82 @@ def start_preloaded(share_with_forks: bool = False) -> bool:
     return True
 
 
+def share_forked_server(environ_before_imports: Mapping[str, str]) -> int | None:
+    """Start this process's worker fork server as a fork of this process, shared with the
+    processes forked from this one later (``os.fork`` without ``exec``).
+
+    For a launcher that forks drivers from a preloaded interpreter (the test suite's zygotes,
+    ``tests/preload.py``): the fork server has this process's modules, so it costs no import
+    (a spawned one imports torch and vLLM again, ~8 s of CPU), and a forked driver starts its
+    workers from it (:func:`start_preloaded`) instead of starting a fork server of its own. Each
+    such worker follows its own driver (:func:`vllm_omni.process_guard.follow`), not the fork
+    server, which lives as long as this process or a fork of it does. Call it while this
+    process runs one thread and has run no torch op (the workers inherit its state, as the fork
+    server's own). ``environ_before_imports``: this process's environment before its imports,
+    against which a worker's environment is compared (as for a spawned fork server, whose
+    imports start from that environment).
+
+    Returns:
+        The fork server's pid; ``None`` when workers spawn (:data:`START_ENV`).
+
+    Raises:
+        ValueError: :data:`START_ENV` is set to something else than :data:`START_METHODS`.
+        RuntimeError: this process already has a fork server.
+    """
+    global _server_env, _server_pid, _started_by, _forked, _shared
+    if start_method() != "forkserver":
+        return None
+    import importlib
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    for name in PRELOAD:  # imported here once: the fork server and every fork of this process have them
+        importlib.import_module(name)
+    with START_LOCK:
+        server = forkserver._forkserver
+        if server._forkserver_pid is not None:
+            raise RuntimeError(f"this process already has a worker fork server ({server._forkserver_pid})")
+        resource_tracker.ensure_running()  # before the fork, as ``ensure_running`` does
+        address = connection.arbitrary_address("AF_UNIX")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _serve_forked(listener.fileno(), alive_r)  # never returns
+        listener.close()
+        os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd = address, alive_w
+        server._forkserver_pid = pid
+        server._preload_modules = list(PRELOAD)
+        _server_env, _server_pid, _started_by = dict(environ_before_imports), pid, os.getpid()
+        _forked, _shared = False, True
+    logger.debug("worker fork server %d forked (shared with this process's forks)", pid)
+    return pid
+
+
+def _serve_forked(listener_fd: int, alive_r: int) -> None:
+    """The forked fork server: multiprocessing's own fork-server loop on ``listener_fd``, which
+    ends when every holder of the "alive" pipe's write end is gone; only stdio, the listener and
+    ``alive_r`` stay open (a descriptor of the launcher kept here would outlive the launcher)."""
+    try:
+        keep = {0, 1, 2, listener_fd, alive_r}
+        with contextlib.suppress(OSError):
+            for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+                if fd not in keep:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        from multiprocessing import forkserver
+
+        forkserver.main(listener_fd, alive_r, list(PRELOAD), sys_path=list(sys.path))
+    finally:
+        os._exit(0)
+
+
 def use_own_fork_server() -> None:
-    """In a process forked from one that shares its fork server (:func:`start_preloaded`): start
+    """In a process forked from one that shares its fork server (:func:`share_forked_server`): start
     a fork server of its own at the next worker start, so that its workers are its descendants."""
     global _shared
     _shared = False
