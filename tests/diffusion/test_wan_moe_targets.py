@@ -26,6 +26,7 @@ import torch
 
 from tests.conftest import test_assets_root
 from tests.diffusion.test_wan_moe_distill import GEN, NUM_FRAMES, PROMPT, SEED, _write_adapter
+from tests.entrypoints.server_utils import HTTP
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.lora.request import LoRARequest, RequestAdapter, assign_denoisers
 
@@ -327,7 +328,7 @@ def _frames(server, lora: list[dict]) -> np.ndarray | httpx.Response:
         "lora": lora,
         **GEN,
     }
-    r = httpx.post(server.url("/v1/videos/generations"), json=body, timeout=300)
+    r = HTTP.post(server.url("/v1/videos/generations"), json=body, timeout=300)
     if r.status_code != 200:
         return r
     return np.stack(
@@ -362,7 +363,7 @@ def test_http_ambiguous_and_unknown_denoisers_are_400(server, loras):
     r = _frames(server, [{"path": high, "denoiser": "middle"}])
     err = assert_openai_error(r, statuses=(400,))
     assert "lora.denoiser" in err["message"] or "lora[0].denoiser" in err["message"]
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert HTTP.get(server.url("/health")).status_code == 200
     # three unnamed adapters exceed --max-loras 2 first: refused before any target is chosen
     assert_openai_error(_frames(server, [{"path": high}, {"path": low}, {"path": extra}]), statuses=(400,))
 
@@ -374,7 +375,7 @@ def test_http_load_with_a_denoiser_places_the_adapter(server, wan_moe_dir, loras
 
     low = loras["low"].lora_path
     load = server.url("/v1/load_lora_adapter")
-    r = httpx.post(
+    r = HTTP.post(
         load, json={"lora_name": "low_only", "lora_path": low, "denoiser": "low_noise"}, timeout=300
     )
     assert r.status_code == 200, r.text
@@ -386,14 +387,14 @@ def test_http_load_with_a_denoiser_places_the_adapter(server, wan_moe_dir, loras
         assert isinstance(got, np.ndarray), got.text[:500]
         assert got.shape == want.shape and np.abs(got - want).max() <= 2
         # a denoiser the stage lacks: 400 naming it, nothing registered, the server keeps serving
-        r = httpx.post(
+        r = HTTP.post(
             load, json={"lora_name": "nowhere", "lora_path": low, "denoiser": "middle"}, timeout=300
         )
         err = assert_openai_error(r, statuses=(400,))
         assert "middle" in err["message"] and "nowhere" in err["message"] and err["param"] == "denoiser", err
-        r = httpx.post(load, json={"lora_name": "nowhere", "lora_path": low, "denoiser": 5}, timeout=300)
+        r = HTTP.post(load, json={"lora_name": "nowhere", "lora_path": low, "denoiser": 5}, timeout=300)
         assert assert_openai_error(r, statuses=(400,))["param"] == "denoiser"
-        names = [m["id"] for m in httpx.get(server.url("/v1/models"), timeout=60).json()["data"]]
+        names = [m["id"] for m in HTTP.get(server.url("/v1/models"), timeout=60).json()["data"]]
         assert "nowhere" not in names and "low_only" in names
     finally:
-        httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "low_only"}, timeout=300)
+        HTTP.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "low_only"}, timeout=300)

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tests import preload
+from tests.entrypoints.server_utils import HTTP
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_DIR = REPO_ROOT / "docs"
@@ -408,7 +409,7 @@ class LiveServer:
         import httpx
 
         try:
-            return httpx.get(self.base_url + "/health", timeout=5).status_code == 200
+            return HTTP.get(self.base_url + "/health", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.entrypoints.lora_strategies import json_values, lora_values
-from tests.entrypoints.server_utils import assert_openai_error
+from tests.entrypoints.server_utils import HTTP, assert_openai_error
 
 odd_text = st.sampled_from(["\ud800", "a\udfffb", "\x00", "", " ", "é", "🙂", "../..", "%s%n", "x" * 300])
 text = st.text(max_size=20) | odd_text
@@ -126,7 +126,7 @@ def body_for(route: str) -> st.SearchStrategy:
 
 def post(server, route: str, body, timeout: float = 300) -> httpx.Response:
     """POST ``body`` as ASCII JSON (a lone surrogate travels as its ``\\ud800`` escape)."""
-    return httpx.post(
+    return HTTP.post(
         server.url(route),
         content=json.dumps(body).encode(),
         headers={"content-type": "application/json"},
@@ -138,7 +138,7 @@ def fuzz_routes(server, routes, max_examples: int = 40) -> None:
     """Every field of every route in ``routes`` fuzzed: no status >= 500, the server keeps answering."""
     for route in routes:
         _route_fuzzer(server, route, max_examples)()
-        assert httpx.get(server.url("/health"), timeout=300).status_code == 200, route
+        assert HTTP.get(server.url("/health"), timeout=300).status_code == 200, route
 
 
 def _route_fuzzer(server, route: str, max_examples: int):
@@ -200,10 +200,10 @@ def fuzz_edits(server, max_examples: int = 40) -> None:
         fields, image = form
         files = {key: (None, value) for key, value in fields.items()}
         files["image"] = ("in.png", image, "image/png")
-        r = httpx.post(server.url("/v1/images/edits"), files=files, timeout=600)
+        r = HTTP.post(server.url("/v1/images/edits"), files=files, timeout=600)
         assert r.status_code < 500, (fields, r.text[:300])
         if r.status_code >= 400:
             assert_openai_error(r, (400, 404, 413, 415, 422))
 
     check()
-    assert httpx.get(server.url("/health"), timeout=300).status_code == 200
+    assert HTTP.get(server.url("/health"), timeout=300).status_code == 200

@@ -15,11 +15,11 @@ import json
 import re
 import wave
 
-import httpx
 import openai
 import pytest
 
 from tests.entrypoints.server_utils import (
+    HTTP,
     assert_openai_error,
     free_port,
     input_audio_part,
@@ -109,7 +109,7 @@ def test_openai_client_reads_audio_and_its_transcript(client):
 )
 def test_bad_audio_fields_are_400_naming_the_field(server, fields, param):
     body = {"model": "tiny-omni", "messages": MESSAGES, "max_tokens": 4} | fields
-    err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
+    err = assert_openai_error(HTTP.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
     assert err["param"] == param
 
 
@@ -200,12 +200,12 @@ def test_bad_input_audio_is_400_naming_the_part(server):
     url = server.url("/v1/chat/completions")
     for j, (messages, message) in enumerate(cases):
         body = {"model": "tiny-omni", "messages": messages, "max_tokens": 2, "modalities": ["text"]}
-        err = assert_openai_error(httpx.post(url, json=body, timeout=600), (400,))
+        err = assert_openai_error(HTTP.post(url, json=body, timeout=600), (400,))
         part = "messages[0].content[1]" if j == len(cases) - 1 else "messages[0].content[0]"
         assert err["param"] == part and err["message"].startswith(part + ": ")
         assert re.search(message, err["message"]), err["message"]
     body = {"model": "tiny-omni", "messages": _audio_messages(good), "max_tokens": 2, "modalities": ["text"]}
-    ok = httpx.post(url, json=body, timeout=600)
+    ok = HTTP.post(url, json=body, timeout=600)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 

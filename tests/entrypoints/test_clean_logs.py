@@ -13,10 +13,9 @@ import signal
 import subprocess
 import time
 
-import httpx
 import pytest
 
-from tests.entrypoints.server_utils import free_port, serve_command, server_env, start_server
+from tests.entrypoints.server_utils import HTTP, free_port, serve_command, server_env, start_server
 from tests.waiting import wait_until
 
 #: WARNING lines a normal run may print, and why none of them is a fault of ours or of the run.
@@ -61,19 +60,19 @@ def server(tiny_llm_assets, tmp_path_factory):
 def test_serving_logs_only_allowed_warnings_and_each_4xx(server):
     body = {"prompt": "hi", "max_tokens": 4, "temperature": 0.0}
     for model in ("a", str(server.proc.args[server.proc.args.index("serve") + 1])):
-        reply = httpx.post(server.url("/v1/completions"), json={**body, "model": model}, timeout=300)
+        reply = HTTP.post(server.url("/v1/completions"), json={**body, "model": model}, timeout=300)
         assert reply.status_code == 200, reply.text
     assert (
-        httpx.post(server.url("/v1/completions"), json={**body, "model": "nope"}, timeout=60).status_code
+        HTTP.post(server.url("/v1/completions"), json={**body, "model": "nope"}, timeout=60).status_code
         == 404
     )
-    bad = httpx.post(server.url("/v1/completions"), json={**body, "max_tokens": -1}, timeout=60)
+    bad = HTTP.post(server.url("/v1/completions"), json={**body, "max_tokens": -1}, timeout=60)
     assert bad.status_code == 400
     # the log line is written by the server process: wait for it (the cap only guards against a hang)
     wait_until(
         lambda: "400 POST /v1/completions" in server.log_path.read_text(), "the 400 in the log", cap_s=600
     )
-    ui = httpx.get(server.url("/ui"), timeout=300)
+    ui = HTTP.get(server.url("/ui"), timeout=300)
     assert ui.status_code == 200 and '<link rel="icon" href="data:,">' in ui.text  # no /favicon.ico request
     text = server.log_path.read_text()
     assert (

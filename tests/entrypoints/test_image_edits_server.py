@@ -10,13 +10,12 @@ import base64
 import io
 import json
 
-import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
-from tests.entrypoints.server_utils import console_script, free_port, server_env, start_server
+from tests.entrypoints.server_utils import HTTP, console_script, free_port, server_env, start_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 SIZE = 32
@@ -112,10 +111,10 @@ def test_edit_with_a_bad_lora_field_is_a_400(client):
 
 def test_api_key_guards_v1_routes(client):
     base = str(client.base_url).rstrip("/")
-    assert httpx.get(base.removesuffix("/v1") + "/health").status_code == 200
-    assert httpx.get(base + "/models").status_code == 401
-    assert httpx.get(base + "/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    ok = httpx.get(base + "/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert HTTP.get(base.removesuffix("/v1") + "/health").status_code == 200
+    assert HTTP.get(base + "/models").status_code == 401
+    assert HTTP.get(base + "/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = HTTP.get(base + "/models", headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "sd3-edit"
     # every /v1 route, before its body is looked at (no key, a wrong key, a key without "Bearer")
     routes = [
@@ -129,5 +128,5 @@ def test_api_key_guards_v1_routes(client):
     ]
     for route in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY + "x"}):
-            r = httpx.post(base + route, json={"prompt": "x"}, headers=headers)
+            r = HTTP.post(base + route, json={"prompt": "x"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", route

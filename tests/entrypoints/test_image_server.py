@@ -14,13 +14,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 from tests.entrypoints.server_utils import (
+    HTTP,
     REPO_ROOT,
     assert_openai_error,
     copy_adapter,
@@ -198,7 +198,7 @@ def test_input_audio_to_an_image_pipeline_is_400_naming_the_part(server):
         {"role": "user", "content": [input_audio_part([0.1] * 1600), {"type": "text", "text": PROMPT}]}
     ]
     err = assert_openai_error(
-        httpx.post(server.url("/v1/chat/completions"), json={"messages": messages}, timeout=600), (400,)
+        HTTP.post(server.url("/v1/chat/completions"), json={"messages": messages}, timeout=600), (400,)
     )
     assert err["param"] == "messages[0].content[0]" and "takes no audio input" in err["message"]
 
@@ -319,7 +319,7 @@ def test_scale_schedules_match_diffusers_step_callback(server, client, paths, ti
             ["blocks pattern 'single_blocks.*' matches no LoRA layer", "'attn'"],
         ),
     ):
-        r = httpx.post(
+        r = HTTP.post(
             url, json={**body, "lora": [{"name": "attn", "path": str(paths["attn"]), "scale": bad}]}
         )
         assert r.status_code == 400, r.text
@@ -338,13 +338,13 @@ def test_concurrent_requests_with_different_adapter_sets(client, paths):
 
 
 def test_runtime_load_and_unload_reach_the_diffusion_stage(server, client, paths):
-    r = httpx.post(
+    r = HTTP.post(
         server.url("/v1/load_lora_adapter"), json={"lora_name": "qv-rt", "lora_path": str(paths["qv"])}
     )
     assert r.status_code == 200, r.text
     assert {m.id: m.parent for m in client.models.list().data}["qv-rt"] == "z-image"
     assert close(generate(client, model="qv-rt"), generate(client, lora=lora_list(paths, ("qv", None))), 0)
-    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "qv-rt"}).status_code == 200
+    assert HTTP.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "qv-rt"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         generate(client, model="qv-rt")
 
@@ -356,7 +356,7 @@ def test_a_folder_swapped_for_a_symlink_out_is_refused_at_every_read(server, cli
     import shutil
 
     folder = copy_adapter(paths["qv"], paths["root"] / "swapped")
-    r = httpx.post(
+    r = HTTP.post(
         server.url("/v1/load_lora_adapter"), json={"lora_name": "swapped", "lora_path": str(folder)}
     )
     assert r.status_code == 200, r.text
@@ -368,7 +368,7 @@ def test_a_folder_swapped_for_a_symlink_out_is_refused_at_every_read(server, cli
         body = {"lora_name": "swapped", "lora_path": str(folder), "load_inplace": True}
         assert (
             str(folder)
-            in assert_openai_error(httpx.post(server.url("/v1/load_lora_adapter"), json=body))["message"]
+            in assert_openai_error(HTTP.post(server.url("/v1/load_lora_adapter"), json=body))["message"]
         )
         with pytest.raises(openai.BadRequestError) as info:
             generate(client, model="swapped")
@@ -378,7 +378,7 @@ def test_a_folder_swapped_for_a_symlink_out_is_refused_at_every_read(server, cli
         folder.unlink()
         shutil.move(paths["root"].parent / "swapped_aside", folder)
     assert close(generate(client, model="swapped"), before, 0)
-    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "swapped"}).status_code == 200
+    assert HTTP.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "swapped"}).status_code == 200
 
 
 def _png_bytes() -> bytes:
@@ -393,15 +393,15 @@ def test_edits_multipart_validation(server, client, paths):
     files = {"image": ("in.png", _png_bytes(), "image/png")}
     assert (
         "lora"
-        in assert_openai_error(httpx.post(url, data={**form, "lora": "{not json"}, files=files))["message"]
+        in assert_openai_error(HTTP.post(url, data={**form, "lora": "{not json"}, files=files))["message"]
     )
-    assert_openai_error(httpx.post(url, data={**form, "lora": '{"path": 5}'}, files=files))
-    assert_openai_error(httpx.post(url, data=form))  # no image
-    assert_openai_error(httpx.post(url, data=form, files={"image": ("x.png", b"not an image", "image/png")}))
-    assert_openai_error(httpx.post(url, json={"prompt": PROMPT}))  # not multipart
+    assert_openai_error(HTTP.post(url, data={**form, "lora": '{"path": 5}'}, files=files))
+    assert_openai_error(HTTP.post(url, data=form))  # no image
+    assert_openai_error(HTTP.post(url, data=form, files={"image": ("x.png", b"not an image", "image/png")}))
+    assert_openai_error(HTTP.post(url, json={"prompt": PROMPT}))  # not multipart
     # Z-Image is text-to-image: an edit is refused rather than silently ignoring the image
     lora = json.dumps({"name": "attn", "path": str(paths["attn"])})
-    err = assert_openai_error(httpx.post(url, data={**form, "lora": lora}, files=files))
+    err = assert_openai_error(HTTP.post(url, data={**form, "lora": lora}, files=files))
     assert "image-to-image" in err["message"]
     with pytest.raises(openai.BadRequestError):
         client.images.edit(
@@ -435,18 +435,18 @@ MALFORMED = [
 
 @pytest.mark.parametrize("route, body", MALFORMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MALFORMED)])
 def test_malformed_bodies_get_openai_errors(server, route, body):
-    assert_openai_error(httpx.post(server.url(route), json=body, timeout=600))
+    assert_openai_error(HTTP.post(server.url(route), json=body, timeout=600))
 
 
 def test_pickle_and_duplicate_adapters_are_refused(server, paths):
     url = server.url("/v1/images/generations")
     err = assert_openai_error(
-        httpx.post(url, json={"prompt": PROMPT, "lora": {"path": str(paths["pickled"])}})
+        HTTP.post(url, json={"prompt": PROMPT, "lora": {"path": str(paths["pickled"])}})
     )
     assert "pickle" in err["message"]
     twice = lora_list(paths, ("attn", 1.0), ("attn", 0.5))
-    assert_openai_error(httpx.post(url, json={"prompt": PROMPT, "lora": twice}))
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert_openai_error(HTTP.post(url, json={"prompt": PROMPT, "lora": twice}))
+    assert HTTP.get(server.url("/health")).status_code == 200
 
 
 def test_examples_client_and_curl(server, paths):

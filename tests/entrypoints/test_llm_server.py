@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from tests.entrypoints.server_utils import (
+    HTTP,
     REPO_ROOT,
     assert_openai_error,
     console_script,
@@ -143,13 +144,13 @@ def completion_tokens(server, model="tiny", lora=None, prompt=PROMPT) -> list[in
     body["return_token_ids"] = True
     if lora is not None:
         body["lora"] = lora
-    r = httpx.post(server.url("/v1/completions"), json=body, timeout=600)
+    r = HTTP.post(server.url("/v1/completions"), json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
 
 def test_health_and_models_list_base_and_adapters(server, client):
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert HTTP.get(server.url("/health")).status_code == 200
     models = {m.id: m for m in client.models.list().data}
     assert set(models) >= {"tiny", "a"}
     assert models["a"].parent == "tiny" and models["tiny"].parent is None
@@ -229,7 +230,7 @@ def test_completions_streaming_sends_pieces_as_they_are_generated(server, client
     # the first piece of a long answer arrives long before its end
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
     start, stamps = time.monotonic(), []
-    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=600) as r:
+    with HTTP.stream("POST", server.url("/v1/completions"), json=body, timeout=600) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -241,19 +242,19 @@ def test_abandoned_requests_are_cancelled_without_tracebacks(server):
     long = {"model": "tiny", "prompt": PROMPT, "max_tokens": 230, "temperature": 0.0, "ignore_eos": True}
     for _ in range(2):  # the second one, warm, alone: how long one long request takes
         start = time.monotonic()
-        assert httpx.post(server.url("/v1/completions"), json=long, timeout=600).status_code == 200
+        assert HTTP.post(server.url("/v1/completions"), json=long, timeout=600).status_code == 200
         full = time.monotonic() - start
     log_start = server.log_path.stat().st_size
 
     def leave_plain():  # the client gives up while the answer is generated
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(server.url("/v1/completions"), json=long, timeout=full / 4)
+            HTTP.post(server.url("/v1/completions"), json=long, timeout=full / 4)
 
     def leave_stream():  # the client reads one chunk (or gives up waiting for it), then goes away
         chat_body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True} | long
         with (
             contextlib.suppress(httpx.TimeoutException),
-            httpx.stream("POST", server.url("/v1/chat/completions"), json=chat_body, timeout=full / 4) as r,
+            HTTP.stream("POST", server.url("/v1/chat/completions"), json=chat_body, timeout=full / 4) as r,
         ):
             assert next(line for line in r.iter_lines() if line.startswith("data:"))
 
@@ -264,7 +265,7 @@ def test_abandoned_requests_are_cancelled_without_tracebacks(server):
     for t in threads:
         t.join()
     start = time.monotonic()
-    short = httpx.post(server.url("/v1/completions"), json=long | {"max_tokens": 2}, timeout=600)
+    short = HTTP.post(server.url("/v1/completions"), json=long | {"max_tokens": 2}, timeout=600)
     waited = time.monotonic() - start
     assert short.status_code == 200
     assert waited < full, (waited, full)  # measured on main before the fix: 14.6 s against 1.0 s
@@ -291,9 +292,9 @@ def test_a_fifo_adapter_never_freezes_the_server(server, paths):
         # progress, not time: nothing writes to the FIFO until the finally below, so a server that
         # opened it would stay frozen and never answer (the caps only bound a failing run)
         for _ in range(3):
-            assert httpx.get(server.url("/health"), timeout=600).status_code == 200
+            assert HTTP.get(server.url("/health"), timeout=600).status_code == 200
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
-            assert httpx.post(server.url("/v1/completions"), json=body, timeout=300).status_code == 200
+            assert HTTP.post(server.url("/v1/completions"), json=body, timeout=300).status_code == 200
     finally:
         deadline = time.monotonic() + 300
         while worker.is_alive() and time.monotonic() < deadline:  # a reader stuck on the FIFO: feed it
@@ -335,17 +336,17 @@ OTHER_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/for
 def test_json_routes_refuse_other_content_types(server, route, content_type):
     headers = {"content-type": content_type} if content_type else {}
     body = json.dumps({"lora_name": "a", "prompt": PROMPT, "messages": [{"role": "user", "content": "x"}]})
-    r = httpx.post(server.url(route), content=body.encode(), headers=headers, timeout=600)
+    r = HTTP.post(server.url(route), content=body.encode(), headers=headers, timeout=600)
     assert assert_openai_error(r, (415,))["type"] == "UnsupportedMediaTypeError"
     # a cross-site form post did not unload the start-up adapter
-    assert "a" in {m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]}
+    assert "a" in {m["id"] for m in HTTP.get(server.url("/v1/models")).json()["data"]}
 
 
 def test_json_with_a_charset_is_accepted(server):
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).encode()
     headers = {"content-type": "Application/JSON; charset=utf-8"}
     assert (
-        httpx.post(server.url("/v1/completions"), content=body, headers=headers, timeout=600).status_code
+        HTTP.post(server.url("/v1/completions"), content=body, headers=headers, timeout=600).status_code
         == 200
     )
 
@@ -378,7 +379,7 @@ def test_input_audio_to_a_text_model_is_400_naming_the_part(server, client, path
     """A text-only LLM takes no audio: the part is named; the next request still equals transformers."""
     content = [{"type": "text", "text": PROMPT}, input_audio_part([0.1] * 1600)]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
-    err = assert_openai_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
+    err = assert_openai_error(HTTP.post(server.url("/v1/chat/completions"), json=body, timeout=600), (400,))
     assert err["param"] == "messages[0].content[1]"
     assert err["message"] == "messages[0].content[1]: this model takes no audio input"
     tokens, prompt_ids = chat_tokens(chat(client))
@@ -388,7 +389,7 @@ def test_input_audio_to_a_text_model_is_400_naming_the_part(server, client, path
 def test_unknown_model_is_404(client, server):
     with pytest.raises(openai.NotFoundError):
         chat(client, model="no-such-model")
-    r = httpx.post(server.url("/v1/completions"), json={"model": "nope", "prompt": "x"})
+    r = HTTP.post(server.url("/v1/completions"), json={"model": "nope", "prompt": "x"})
     assert assert_openai_error(r, (404,))["param"] == "model"
 
 
@@ -399,7 +400,7 @@ def test_same_name_other_path_never_reuses_weights(server, paths):
     # an explicit int_id bound to one path cannot be pointed at other weights
     ok = completion_tokens(server, lora={"name": "y", "path": str(paths["b_copy"]), "int_id": 4242})
     assert ok == ref(paths, PROMPT, "b")
-    r = httpx.post(
+    r = HTTP.post(
         server.url("/v1/completions"),
         json={
             "prompt": PROMPT,
@@ -411,7 +412,7 @@ def test_same_name_other_path_never_reuses_weights(server, paths):
 
 
 def _post_lora(server, lora):
-    return httpx.post(server.url("/v1/completions"), json={"prompt": PROMPT, "max_tokens": 2, "lora": lora})
+    return HTTP.post(server.url("/v1/completions"), json={"prompt": PROMPT, "max_tokens": 2, "lora": lora})
 
 
 def test_paths_outside_lora_dirs_are_refused_without_revealing_existence(server, paths):
@@ -452,8 +453,8 @@ def test_llm_stage_rejects_scales_and_several_adapters(server, paths):
 
 
 def test_runtime_load_and_unload(server, client, paths):
-    load = lambda body: httpx.post(server.url("/v1/load_lora_adapter"), json=body, timeout=600)  # noqa: E731
-    unload = lambda body: httpx.post(server.url("/v1/unload_lora_adapter"), json=body, timeout=600)  # noqa: E731
+    load = lambda body: HTTP.post(server.url("/v1/load_lora_adapter"), json=body, timeout=600)  # noqa: E731
+    unload = lambda body: HTTP.post(server.url("/v1/unload_lora_adapter"), json=body, timeout=600)  # noqa: E731
     assert load({"lora_name": "b-rt", "lora_path": str(paths["b"])}).status_code == 200
     assert {m.id: m.parent for m in client.models.list().data}["b-rt"] == "tiny"
     assert (
@@ -534,11 +535,11 @@ MALFORMED = [
 @pytest.mark.parametrize("route, body", MALFORMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MALFORMED)])
 def test_malformed_bodies_get_openai_errors(server, route, body):
     if isinstance(body, bytes):
-        r = httpx.post(server.url(route), content=body, headers={"content-type": "application/json"})
+        r = HTTP.post(server.url(route), content=body, headers={"content-type": "application/json"})
     else:
-        r = httpx.post(server.url(route), json=body, timeout=600)
+        r = HTTP.post(server.url(route), json=body, timeout=600)
     assert_openai_error(r)
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert HTTP.get(server.url("/health")).status_code == 200
 
 
 def test_examples_client_and_curl(server, paths):
@@ -569,13 +570,13 @@ def test_property_malformed_lora_never_500_on_the_live_server(server):
     @given(lora_values())
     def check(lora):
         body = {"prompt": "hi", "max_tokens": 1, "lora": lora}
-        r = httpx.post(server.url("/v1/completions"), json=body, timeout=600)
+        r = HTTP.post(server.url("/v1/completions"), json=body, timeout=600)
         assert r.status_code < 500, (lora, r.text[:300])
         if r.status_code != 200:
             assert_openai_error(r, (400, 404, 422))
 
     check()
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert HTTP.get(server.url("/health")).status_code == 200
 
 
 @pytest.mark.parametrize("leaf", ["", "weights.safetensors"])
@@ -583,10 +584,10 @@ def test_an_unread_adapter_layout_is_400_on_generation_and_on_load(server, paths
     """Issue 13 item 7: adapter_config.json beside weights.safetensors (not a PEFT folder)."""
     path = str(paths["odd"] / leaf) if leaf else str(paths["odd"])
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "lora": {"name": "odd", "path": path}}
-    assert_openai_error(httpx.post(server.url("/v1/completions"), json=body, timeout=600), (400,))
+    assert_openai_error(HTTP.post(server.url("/v1/completions"), json=body, timeout=600), (400,))
     load = {"lora_name": "odd", "lora_path": path}
-    assert_openai_error(httpx.post(server.url("/v1/load_lora_adapter"), json=load, timeout=600), (400,))
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert_openai_error(HTTP.post(server.url("/v1/load_lora_adapter"), json=load, timeout=600), (400,))
+    assert HTTP.get(server.url("/health")).status_code == 200
 
 
 def test_fuzz_every_route_never_500_on_the_llm_server(server):
@@ -599,24 +600,24 @@ def test_fuzz_every_route_never_500_on_the_llm_server(server):
 
 def test_oversized_bodies_are_413_and_the_server_keeps_serving(server):
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
-    r = httpx.post(server.url("/v1/chat/completions"), json=big, timeout=600)
+    r = HTTP.post(server.url("/v1/chat/completions"), json=big, timeout=600)
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
 
     def chunks():  # no Content-Length: the streamed size is counted
         for _ in range(3):
             yield b"x" * (1 << 20)
 
-    r = httpx.post(
+    r = HTTP.post(
         server.url("/v1/completions"),
         content=chunks(),
         headers={"content-type": "application/json"},
         timeout=600,
     )
     assert r.status_code == 413
-    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    assert HTTP.get(server.url("/health"), timeout=10).status_code == 200
     # greedy and ignore_eos: a sampled first token may be EOS, which would make the text empty by chance
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
-    ok = httpx.post(server.url("/v1/completions"), json=body, timeout=600)
+    ok = HTTP.post(server.url("/v1/completions"), json=body, timeout=600)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
@@ -628,14 +629,14 @@ def test_a_huge_conversation_is_refused_before_tokenising_and_health_keeps_answe
     }
     result = {}
     worker = threading.Thread(
-        target=lambda: result.update(r=httpx.post(server.url("/v1/chat/completions"), json=body, timeout=600))
+        target=lambda: result.update(r=HTTP.post(server.url("/v1/chat/completions"), json=body, timeout=600))
     )
     stretch = load_stretch()  # the bounds below hold on a quiet machine; scaled by this one's load
     start = time.monotonic()
     worker.start()
     while worker.is_alive():
         t0 = time.monotonic()
-        assert httpx.get(server.url("/health"), timeout=300).status_code == 200
+        assert HTTP.get(server.url("/health"), timeout=300).status_code == 200
         assert time.monotonic() - t0 < 1.5 * stretch
         worker.join(0.05)
     err = assert_openai_error(result["r"])
@@ -682,7 +683,7 @@ def test_load_inplace_serves_the_new_weights_never_the_cached_prefix(server, cli
     folder = paths["root"] / "inplace"
     copy_adapter(paths["a"], folder)
     prompt = [10 + (i * 37) % 480 for i in range(240)]
-    load = lambda body: httpx.post(server.url("/v1/load_lora_adapter"), json=body, timeout=120)  # noqa: E731
+    load = lambda body: HTTP.post(server.url("/v1/load_lora_adapter"), json=body, timeout=120)  # noqa: E731
     assert load({"lora_name": "ip", "lora_path": str(folder)}).status_code == 200
     try:
         assert completion_tokens(server, model="ip", prompt=prompt) == ref(paths, prompt, "a")
@@ -692,4 +693,4 @@ def test_load_inplace_serves_the_new_weights_never_the_cached_prefix(server, cli
         assert completion_tokens(server, model="ip", prompt=prompt) == ref(paths, prompt, "b")
         assert [m.id for m in client.models.list().data].count("ip") == 1
     finally:
-        httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "ip"}, timeout=60)
+        HTTP.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "ip"}, timeout=60)

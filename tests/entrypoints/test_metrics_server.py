@@ -9,12 +9,12 @@ tokens generated. Values are read from the Prometheus text with prometheus_clien
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.server_utils import (
+    HTTP,
     REPO_ROOT,
     assert_openai_error,
     free_port,
@@ -29,7 +29,7 @@ DEMO = REPO_ROOT / "examples" / "demo_model"
 
 def scrape(server) -> dict[tuple[str, tuple], float]:
     """``{(sample name, sorted labels): value}`` of one ``/metrics`` scrape."""
-    reply = httpx.get(server.url("/metrics"), timeout=60)
+    reply = HTTP.get(server.url("/metrics"), timeout=60)
     assert reply.status_code == 200, reply.text[:300]
     assert reply.headers["content-type"].startswith("text/plain")
     out = {}
@@ -146,11 +146,11 @@ def test_refused_registrations_are_counted(image_server):
     before = scrape(image_server)
     assert not [k for k in before if dict(k[1]).get("stage") == "server"]
     url = image_server.url("/v1/load_lora_adapter")
-    clash = httpx.post(
+    clash = HTTP.post(
         url, json={"lora_name": "demo", "lora_path": str(DEMO / "adapters" / "warm")}, timeout=60
     )
     assert_openai_error(clash)
-    bad = httpx.post(url, json={"lora_name": "broken", "lora_path": str(DEMO / "transformer")}, timeout=120)
+    bad = HTTP.post(url, json={"lora_name": "broken", "lora_path": str(DEMO / "transformer")}, timeout=120)
     assert_openai_error(bad)  # outside --lora-dirs: refused by the server before any stage
     after = scrape(image_server)
     assert value(after, "vllm_omni:lora_registration_failures_total", stage="server", adapter="demo") == 1
@@ -160,7 +160,7 @@ def test_refused_registrations_are_counted(image_server):
 
 
 def client_models(server) -> set[str]:
-    return {m["id"] for m in httpx.get(server.url("/v1/models"), timeout=30).json()["data"]}
+    return {m["id"] for m in HTTP.get(server.url("/v1/models"), timeout=30).json()["data"]}
 
 
 def test_version_ping_and_bad_query_parameters(image_server):
@@ -168,17 +168,17 @@ def test_version_ping_and_bad_query_parameters(image_server):
 
     import vllm_omni
 
-    version = httpx.get(image_server.url("/version"), timeout=30)
+    version = HTTP.get(image_server.url("/version"), timeout=30)
     assert version.json() == {"version": vllm.__version__, "vllm_omni_version": vllm_omni.__version__}
     for method in ("GET", "POST"):
-        ping = httpx.request(method, image_server.url("/ping"), timeout=30)
+        ping = HTTP.request(method, image_server.url("/ping"), timeout=30)
         assert ping.status_code == 200 and ping.json() == {"stages": {"0": "ready"}}
-    err = assert_openai_error(httpx.get(image_server.url("/metrics?names=x"), timeout=30))
+    err = assert_openai_error(HTTP.get(image_server.url("/metrics?names=x"), timeout=30))
     assert err["param"] == "names" and "name[]" in err["message"]
-    assert_openai_error(httpx.get(image_server.url("/version?verbose=1"), timeout=30))
-    only = httpx.get(image_server.url("/metrics?name[]=vllm_omni:diffusion_images"), timeout=30).text
+    assert_openai_error(HTTP.get(image_server.url("/version?verbose=1"), timeout=30))
+    only = HTTP.get(image_server.url("/metrics?name[]=vllm_omni:diffusion_images"), timeout=30).text
     assert "vllm_omni:diffusion_images_total" in only and "lora_requests" not in only
-    assert httpx.get(image_server.url("/health"), timeout=30).status_code == 200  # still serving
+    assert HTTP.get(image_server.url("/health"), timeout=30).status_code == 200  # still serving
 
 
 def test_llm_stage_series_in_a_worker_process(llm_server):

@@ -16,7 +16,6 @@ import base64
 import io
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -24,6 +23,7 @@ from PIL import Image
 
 from tests.entrypoints.route_strategies import ROUTES, fuzz_edits, fuzz_routes, post
 from tests.entrypoints.server_utils import (
+    HTTP,
     REPO_ROOT,
     assert_openai_error,
     copy_adapter,
@@ -159,20 +159,20 @@ def test_an_unreadable_adapter_layout_is_400_on_generation_and_on_load(server, l
     assert_openai_error(
         post(server, "/v1/load_lora_adapter", {"lora_name": "odd", "lora_path": path}), (400,)
     )
-    assert "odd" not in {m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]}
+    assert "odd" not in {m["id"] for m in HTTP.get(server.url("/v1/models")).json()["data"]}
 
 
 def test_fuzz_every_route_never_500(server):
     fuzz_routes(server, list(ROUTES))
     fuzz_edits(server)
     assert server.alive()
-    names = [m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]]
+    names = [m["id"] for m in HTTP.get(server.url("/v1/models")).json()["data"]]
     assert len(names) == len(set(names))
 
 
 # ------------------------------------------------------------------ item 11
 def test_models_lists_each_name_once_and_model_routes_to_it(server):
-    cards = httpx.get(server.url("/v1/models")).json()["data"]
+    cards = HTTP.get(server.url("/v1/models")).json()["data"]
     ids = [c["id"] for c in cards]
     assert len(ids) == len(set(ids))
     assert {"demo", "demo-alias", "warm", "stripes"} <= set(ids)
@@ -184,11 +184,11 @@ def test_models_lists_each_name_once_and_model_routes_to_it(server):
 
 @pytest.mark.parametrize("name", ["demo", "demo-alias", "warm", "stripes"])
 def test_runtime_load_refuses_a_taken_name(server, loras, name):
-    before = httpx.get(server.url("/v1/models")).json()["data"]
+    before = HTTP.get(server.url("/v1/models")).json()["data"]
     body = {"lora_name": name, "lora_path": str(loras / "stripes")}
     err = assert_openai_error(post(server, "/v1/load_lora_adapter", body), (400,))
     assert name in err["message"] and err["param"] == "lora_name"
-    assert httpx.get(server.url("/v1/models")).json()["data"] == before
+    assert HTTP.get(server.url("/v1/models")).json()["data"] == before
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-alias", "warm"])

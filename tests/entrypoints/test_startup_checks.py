@@ -13,11 +13,10 @@ import socket
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from tests import preload
-from tests.entrypoints.server_utils import server_env
+from tests.entrypoints.server_utils import HTTP, server_env
 from vllm_omni.entrypoints.cli.preflight import check_argv, parse_lora_module
 from vllm_omni.errors import ConfigError
 
@@ -205,7 +204,7 @@ def test_server_holds_its_port_while_the_stages_load(tiny_llm_assets, tmp_path):
                 other.bind(("127.0.0.1", port))
         assert refused.value.errno == 98, refused.value  # EADDRINUSE
         # a client that asks while the stages load is answered once the server is up
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=900)
+        health = HTTP.get(f"http://127.0.0.1:{port}/health", timeout=900)
         assert health.status_code == 200
         assert proc.poll() is None
     finally:

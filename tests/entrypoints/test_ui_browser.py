@@ -18,10 +18,9 @@ import json
 import os
 import shutil
 
-import httpx
 import pytest
 
-from tests.entrypoints.server_utils import REPO_ROOT, free_port, serve_command, server_env, start_server
+from tests.entrypoints.server_utils import HTTP, REPO_ROOT, free_port, serve_command, server_env, start_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 DEMO = REPO_ROOT / "examples" / "demo_model"
@@ -116,7 +115,7 @@ def set_value(driver, selector: str, value) -> None:
 
 def server_defaults(server) -> dict:
     """What the server runs for a request that sets no steps or guidance (``/ui/info``)."""
-    return httpx.get(server.url("/ui/info"), timeout=300).json()["defaults"]
+    return HTTP.get(server.url("/ui/info"), timeout=300).json()["defaults"]
 
 
 SERVER = "server"  # api_image: the guidance the page's field starts at, the server's default
@@ -136,7 +135,7 @@ def api_image(server, size: int, steps: int | None, seed: int, lora: list, guida
         body["guidance_scale"] = guidance
     if lora:
         body["lora"] = lora
-    reply = httpx.post(server.url("/v1/images/generations"), json=body, timeout=600)
+    reply = HTTP.post(server.url("/v1/images/generations"), json=body, timeout=600)
     assert reply.status_code == 200, reply.text[:300]
     return reply.json()["data"][0]["b64_json"]
 
@@ -180,7 +179,7 @@ def test_the_page_follows_the_server_limits_and_defaults(browser, image_server):
     from selenium.webdriver.common.by import By
 
     open_page(browser, image_server)
-    info = httpx.get(image_server.url("/ui/info"), timeout=300).json()
+    info = HTTP.get(image_server.url("/ui/info"), timeout=300).json()
     assert info["max_adapters"] == 2 and info["default_scale"] == 1.0
     assert browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm] .scale-value").text == "1"
     # a server that applies one adapter per request, with --lora-scale 0.5 (the page's own state)
@@ -190,7 +189,7 @@ def test_the_page_follows_the_server_limits_and_defaults(browser, image_server):
     stripes = browser.find_element(By.CSS_SELECTOR, "[data-adapter=stripes] .use")
     assert not stripes.is_enabled() and "--max-loras" in stripes.get_attribute("title")
     three = [{"name": n, "scale": 1} for n in ("warm", "stripes", "warm")]
-    reply = httpx.post(
+    reply = HTTP.post(
         image_server.url("/v1/images/generations"), json={"prompt": "x", "lora": three}, timeout=300
     )
     assert reply.status_code == 400 and "--max-loras N" in reply.json()["error"]["message"]
@@ -235,7 +234,7 @@ def test_an_adapter_in_lora_dirs_is_listed_and_loaded_on_first_use(browser, imag
     path = browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm_dir]").get_attribute("data-path")
     assert (
         path.endswith("warm_dir")
-        and "warm_dir" not in httpx.get(image_server.url("/v1/models"), timeout=300).text
+        and "warm_dir" not in HTTP.get(image_server.url("/v1/models"), timeout=300).text
     )
     settings(browser, 32, 3)
     browser.find_element(By.CSS_SELECTOR, "[data-adapter=warm_dir] .use").click()
@@ -319,7 +318,7 @@ def test_the_chat_box_answers_with_the_chosen_adapter(browser, llm_server):
 
     open_page(browser, llm_server)
     assert not browser.find_element(By.ID, "image-mode").is_displayed()
-    assert httpx.get(llm_server.url("/ui/info"), timeout=300).json()["defaults"] is None  # no diffusion stage
+    assert HTTP.get(llm_server.url("/ui/info"), timeout=300).json()["defaults"] is None  # no diffusion stage
     select = Select(browser.find_element(By.ID, "chat-adapter"))
     assert [o.get_attribute("value") for o in select.options] == ["", "a", "b"]
     select.select_by_value("a")
@@ -333,10 +332,10 @@ def test_the_chat_box_answers_with_the_chosen_adapter(browser, llm_server):
     body = {
         "model": "a", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0,
     }  # fmt: skip
-    api = httpx.post(llm_server.url("/v1/chat/completions"), json=body, timeout=300).json()
+    api = HTTP.post(llm_server.url("/v1/chat/completions"), json=body, timeout=300).json()
     assert reply[0].text.removeprefix("model: ") == api["choices"][0]["message"]["content"]
     assert reply[0].get_attribute("data-by") == "adapter a"  # the page says who answered
-    base = httpx.post(
+    base = HTTP.post(
         llm_server.url("/v1/chat/completions"), json={**body, "model": "tiny"}, timeout=300
     ).json()
     assert base["choices"][0]["message"]["content"] != api["choices"][0]["message"]["content"]

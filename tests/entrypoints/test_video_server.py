@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from tests.entrypoints.server_utils import (
+    HTTP,
     REPO_ROOT,
     assert_openai_error,
     console_script,
@@ -68,7 +69,7 @@ def server(tiny_wan_dir, tmp_path_factory):
 
 
 def post(server, body: dict) -> httpx.Response:
-    return httpx.post(server.url("/v1/videos/generations"), json=body, timeout=600)
+    return HTTP.post(server.url("/v1/videos/generations"), json=body, timeout=600)
 
 
 def reference_frames(tiny_wan_dir, image=None) -> np.ndarray:
@@ -165,11 +166,11 @@ def test_video_malformed_body(server):
     assert_openai_error(post(server, {"prompt": ""}), statuses=(400,))
     # a video pipeline has no image routes: a 400, never a 500
     err = assert_openai_error(
-        httpx.post(server.url("/v1/images/generations"), json={"prompt": PROMPT}, timeout=600),
+        HTTP.post(server.url("/v1/images/generations"), json={"prompt": PROMPT}, timeout=600),
         statuses=(400,),
     )
     assert "does not produce images" in err["message"]
-    assert httpx.get(server.url("/health")).status_code == 200
+    assert HTTP.get(server.url("/health")).status_code == 200
 
 
 def test_text_to_video_refuses_an_input_reference(server):
@@ -177,7 +178,7 @@ def test_text_to_video_refuses_an_input_reference(server):
     Image.new("RGB", (48, 32), "red").save(png, format="PNG")
     files = {"input_reference": ("first.png", png.getvalue(), "image/png")}
     fields = {"prompt": PROMPT, **{k: str(v) for k, v in GEN.items()}}
-    r = httpx.post(server.url("/v1/videos/generations"), data=fields, files=files, timeout=600)
+    r = HTTP.post(server.url("/v1/videos/generations"), data=fields, files=files, timeout=600)
     err = assert_openai_error(r, statuses=(400,))
     assert err["param"] == "input_reference" and "generates video from text only" in err["message"]
 
@@ -194,10 +195,10 @@ def test_image_to_video_from_an_input_reference_file_matches_diffusers(tmp_path_
     srv = _serve(model_dir, tmp_path_factory)
     try:
         url = srv.url("/v1/videos/generations")
-        r = httpx.post(
+        r = HTTP.post(
             url, data=fields, files={"input_reference": ("f.png", png.getvalue(), "image/png")}, timeout=600
         )
-        missing = httpx.post(url, json={"prompt": PROMPT, **GEN}, timeout=600)
+        missing = HTTP.post(url, json={"prompt": PROMPT, **GEN}, timeout=600)
     finally:
         srv.stop()
     assert r.status_code == 200, r.text[:500]

@@ -12,11 +12,10 @@ import os
 import signal
 import time
 
-import httpx
 import psutil
 import pytest
 
-from tests.entrypoints.server_utils import free_port, serve_command, server_env, start_server
+from tests.entrypoints.server_utils import HTTP, free_port, serve_command, server_env, start_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -54,7 +53,7 @@ def server(tiny_llm_assets, tmp_path_factory):
 
 
 def _tokens(server, **extra) -> list[int]:
-    reply = httpx.post(
+    reply = HTTP.post(
         server.url("/v1/completions"), json={**BODY, **extra, "return_token_ids": True}, timeout=120
     )
     assert reply.status_code == 200, reply.text[:500]
@@ -78,7 +77,7 @@ def _stage_worker(server) -> psutil.Process:
 
 def test_killed_worker_is_reported_then_restarted_with_its_adapters(server, tiny_llm_assets):
     load = {"lora_name": "runtime_a", "lora_path": str(tiny_llm_assets.adapter_a)}
-    assert httpx.post(server.url("/v1/load_lora_adapter"), json=load, timeout=600).status_code == 200
+    assert HTTP.post(server.url("/v1/load_lora_adapter"), json=load, timeout=600).status_code == 200
     base, adapted = _tokens(server), _tokens(server, model="runtime_a")
     assert base != adapted  # the adapter changes the answer, so its replay is visible below
 
@@ -88,7 +87,7 @@ def test_killed_worker_is_reported_then_restarted_with_its_adapters(server, tiny
     # a cap on a restart that never comes (a start takes minutes at a load of 30)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
-        reply = httpx.get(server.url("/health"), timeout=600)
+        reply = HTTP.get(server.url("/health"), timeout=600)
         seen.append((reply.status_code, reply.json()))
         if reply.status_code == 200 and any(status == 503 for status, _ in seen):
             break
