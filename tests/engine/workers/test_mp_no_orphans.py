@@ -49,14 +49,15 @@ def _cpu_s(pid: int) -> float:
 
 @pytest.mark.parametrize(
     "sig, shared",
-    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGKILL, False), (signal.SIGKILL, True)],
-    ids=["SIGTERM", "SIGINT", "SIGKILL", "SIGKILL-shared-fork-server"],
+    [(signal.SIGTERM, True), (signal.SIGINT, True), (signal.SIGKILL, True), (signal.SIGKILL, False)],
+    ids=["SIGTERM", "SIGINT", "SIGKILL", "SIGKILL-own-fork-server"],
 )
 def test_no_worker_outlives_the_driver(sig, shared, tiny_llm_assets, tmp_path):
     """``shared``: the driver is forked from a process that shares its worker fork server
-    (``vllm_omni.engine.workers.start.share_forked_server``, as the suite's
-    zygotes): the worker is that fork server's child, which outlives the driver, so the worker
-    must follow the driver itself."""
+    (``vllm_omni.engine.workers.start.share_forked_server``, as the suite's zygotes): the worker
+    is that fork server's child, which outlives the driver, so the worker must follow the driver
+    itself. Otherwise the driver starts its own fork server (as from a shell): every process of
+    the pipeline descends from the driver."""
     if shared and os.environ.get("VLLM_OMNI_TEST_FRESH_INTERPRETERS") == "1":
         pytest.skip("no zygote: every command runs as written")
     script = tmp_path / "driver.py"
