@@ -108,11 +108,12 @@ def _watch_followed(pid: int) -> None:
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        fd = None  # already gone
-    except (AttributeError, OSError):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        pass  # already gone
+    except (AttributeError, OSError):  # no pidfd here
+        with contextlib.suppress(ProcessLookupError):
             while True:
-                os.kill(pid, 0)
+                with contextlib.suppress(PermissionError):  # alive (another user's process)
+                    os.kill(pid, 0)
                 time.sleep(POLL_S)
     else:
         select.select([fd], [], [])
