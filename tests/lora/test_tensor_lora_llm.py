@@ -30,12 +30,12 @@ def greedy() -> SamplingParams:
 class Policy:
     """A peft policy on the tiny LLM (float32): the 'trainer' and the transformers+peft reference."""
 
-    def __init__(self, model_dir, seed: int = 0):
+    def __init__(self, model_dir, seed: int = 0, alpha: int = 16):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        config = LoraConfig(r=8, lora_alpha=alpha, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         self.model = get_peft_model(base, config).eval()
         self.config = config.to_dict()
         self.gen = torch.Generator().manual_seed(seed)
@@ -151,3 +151,42 @@ def test_bad_tensors_are_refused_at_add_lora_and_the_previous_version_serves(omn
         )
     assert omni.adapter_registry.get("bad").version == 1
     omni.remove_lora(9)
+
+
+def test_evicted_in_memory_adapter_reloads_unscaled(omni, tiny_llm_assets):
+    """Issue 46: vLLM's loader folds ``lora_alpha / r`` into ``lora_B`` in place (``optimize``) and its
+    ``.to()`` returns the tensor it is given: an in-memory adapter (r 8, alpha 32: x4) evicted from the
+    engine's cache (``max_cpu_loras`` 2) and loaded again must be served peft's tokens every time, not
+    ``lora_B`` x4, x16, ... and the stage's held copy must stay the caller's values."""
+    from vllm_omni.engine import tensor_lora
+
+    policy = Policy(tiny_llm_assets.model_dir, seed=11, alpha=32)
+    policy.step()
+    lora = TensorLoRARequest(
+        lora_name="rollout", lora_int_id=21, peft_config=policy.config, lora_tensors=policy.tensors()
+    )
+    original = {k: v.clone() for k, v in lora.lora_tensors.items()}
+    expected = policy.greedy(SHORT_IDS)
+    others = []
+    for i, seed in enumerate((12, 13)):
+        other = Policy(tiny_llm_assets.model_dir, seed=seed, alpha=32)
+        other.step()
+        others.append(
+            TensorLoRARequest(
+                lora_name=f"other{i}",
+                lora_int_id=22 + i,
+                peft_config=other.config,
+                lora_tensors=other.tensors(),
+            )
+        )
+    for reload in range(5):
+        out = omni.generate(SHORT_IDS, greedy(), lora_request=lora)
+        assert list(out[0].token_ids) == expected, f"load {reload}"
+        for other in others:  # two other adapters: the engine's CPU cache (2 entries) evicts 'rollout'
+            omni.generate(SHORT_IDS, greedy(), lora_request=other)
+        assert 21 not in omni.list_loras()
+    held = tensor_lora.held(omni.adapter_registry.by_id(21).engine.lora_path)
+    for key, value in original.items():
+        assert torch.equal(held.lora_tensors[key], value), key
+    for lora_int_id in (21, 22, 23):
+        omni.remove_lora(lora_int_id)

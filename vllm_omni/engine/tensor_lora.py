@@ -10,8 +10,8 @@ handed over in memory in a process-local table (:func:`remember`, keyed by the r
 :meth:`~vllm_omni.lora.tensor_request.TensorLoRARequest.engine_form`) and :func:`install` wraps
 ``_load_adapter``: a request whose
 ``lora_path`` starts with ``tensors://`` is built with ``PEFTHelper.from_dict`` and
-``LoRAModel.from_lora_tensors`` from that table, the same calls vLLM makes after reading files; any
-other request takes vLLM's own path. No file is written. vLLM may load an adapter again whenever its
+``LoRAModel.from_lora_tensors`` from copies of that table's tensors (vLLM scales what it is handed in
+place), the same calls vLLM makes after reading files; any other request takes vLLM's own path. No file is written. vLLM may load an adapter again whenever its
 own LRU cache evicted it, so an entry stays until every stage holding it removed it from its engine
 (:func:`forget`) or was garbage-collected.
 
@@ -119,9 +119,13 @@ def _load_from_tensors(manager: Any, lora_request: Any) -> Any:
     helper.validate_legal(manager.lora_config)
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # vLLM's own copies: its ``.to()`` returns a tensor of the right dtype and device as is, and the
+    # adapter manager then folds ``lora_alpha / r`` into ``lora_B`` in place (``optimize``): handed the
+    # held tensors, every load after an eviction would scale them once more (x4, x16, ... for r 8,
+    # alpha 32), and under ``mp`` the caller's shared-memory copy with them.
     loaded = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
-        tensors=lora.lora_tensors,
+        tensors={key: tensor.clone() for key, tensor in lora.lora_tensors.items()},
         peft_helper=helper,
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
