@@ -54,13 +54,15 @@ def timestep_sinusoid(
 ) -> torch.Tensor:
     """diffusers' ``get_timestep_embedding``: ``(B,)`` -> ``(B, dim)`` float32 ``[sin, cos]`` features.
 
-    Frequencies ``exp(-log(max_period) * i / (dim/2 - downscale_freq_shift))``; angles are
-    ``scale * t * f`` (the frequencies cast to ``t``'s dtype first, as diffusers does);
-    ``flip_sin_to_cos`` puts the cosines first. ``dim`` must be even.
+    Frequencies ``exp(-log(max_period) * i / (dim/2 - downscale_freq_shift))`` stay float32 and
+    angles are ``scale * float(t) * f``, as diffusers computes them, whatever ``t``'s dtype: int64
+    timesteps (``UniPCMultistepScheduler``, the published Wan scheduler) and bfloat16 ones give the
+    same features as diffusers (casting the frequencies to an integer dtype would truncate all but
+    the first to 0). ``flip_sin_to_cos`` puts the cosines first. ``dim`` must be even.
     """
     half = dim // 2
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
-    freqs = torch.exp(exponent / (half - downscale_freq_shift)).to(t.dtype)
+    freqs = torch.exp(exponent / (half - downscale_freq_shift))
     angles = scale * (t[:, None].float() * freqs[None, :])
     emb = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
     if flip_sin_to_cos:

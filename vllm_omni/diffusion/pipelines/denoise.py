@@ -204,7 +204,48 @@ def prepare_scheduler(
     else:
         scheduler.set_timesteps(steps, device=device, **kwargs)
     scheduler.set_begin_index(0)
+    check_schedule(scheduler, steps if steps is not None else len(sigmas))
     return scheduler
+
+
+def check_schedule(scheduler, steps: int) -> None:
+    """Refuse a schedule with non-finite sigmas or timesteps before any denoiser call.
+
+    The published Qwen-Image scheduler (``shift_terminal`` 0.02) at one step is the known case:
+    diffusers' ``stretch_shift_to_terminal`` divides 0 by 0 there and its pipeline returns NaN latents
+    (a black image); here the request is refused instead.
+
+    Raises:
+        InvalidRequestError: naming ``num_inference_steps`` and, when set, the scheduler's ``shift_terminal``.
+    """
+    values = [getattr(scheduler, name, None) for name in ("sigmas", "timesteps")]
+    if all(v is None or bool(torch.isfinite(torch.as_tensor(v)).all()) for v in values):
+        return
+    terminal = scheduler.config.get("shift_terminal")
+    cause = (
+        f"the scheduler's shift_terminal={terminal} (scheduler_config.json) stretches the last sigma to it, "
+        "which needs at least 2 steps"
+        if terminal
+        else f"{type(scheduler).__name__} with this model's scheduler_config.json"
+    )
+    raise InvalidRequestError(
+        f"num_inference_steps={steps} gives a non-finite noise schedule ({cause}); "
+        "ask for more num_inference_steps"
+    )
+
+
+def check_finite_latents(latents: torch.Tensor, steps: int) -> None:
+    """Refuse to hand on latents holding NaN or inf after the denoise loop (never a black image).
+
+    Raises:
+        InvalidRequestError: naming the fields that can cause it (guidance, adapter scales, steps).
+    """
+    if bool(torch.isfinite(latents).all()):
+        return
+    raise InvalidRequestError(
+        f"the denoise loop ({steps} steps) produced non-finite latents (NaN/inf): check the request's "
+        "guidance_scale, adapter scales (lora scale / schedule) and num_inference_steps"
+    )
 
 
 def run_denoising_loop(
@@ -220,6 +261,9 @@ def run_denoising_loop(
     The whole loop runs inside ``adapters`` (the LoRA scope) and a fresh diffusion forward context;
     each ``predict`` runs inside :func:`~vllm_omni.diffusion.forward_context.denoising_step` (per-step
     LoRA scale schedules read it). Returns the final latents (the scheduler's dtype: float32 in, float32 out).
+
+    Raises:
+        InvalidRequestError: the final latents are not finite (:func:`check_finite_latents`).
     """
     timesteps = scheduler.timesteps
     with adapters, set_forward_context():
@@ -227,6 +271,7 @@ def run_denoising_loop(
             with denoising_step(i, len(timesteps)):
                 velocity = predict(i, t, latents)
             latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+    check_finite_latents(latents, len(timesteps))
     return latents
 
 
@@ -251,6 +296,8 @@ __all__ = [
     "InTreePipelineBase",
     "Predict",
     "attach_decoded",
+    "check_finite_latents",
+    "check_schedule",
     "denoiser_rows",
     "encode_texts",
     "load_component",

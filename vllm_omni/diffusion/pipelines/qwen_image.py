@@ -311,7 +311,8 @@ class QwenImagePipeline(InTreePipelineBase):
         tokens = latents.shape[1]
 
         def predict(_step: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            timestep = t.expand(batch).to(x.dtype) / 1000
+            # diffusers casts the timestep to the latents' (= the denoiser's) dtype before dividing
+            timestep = t.expand(batch).to(self.transformer.dtype) / 1000
             x = x.to(self.transformer.dtype)
             if condition is not None:
                 x = torch.cat([x, condition.to(x.dtype).expand(batch, -1, -1)], dim=1)

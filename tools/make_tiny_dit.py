@@ -1,0 +1,164 @@
+"""Write tiny, randomly initialised diffusers folders from the PUBLISHED configs of a DiT family.
+
+For a :class:`~vllm_omni.diffusion.models.published.PublishedCheckpoint` (a family spec's ``PUBLISHED``
+list) the folder keeps every behaviour-selecting value the published one has -- the pipeline class and
+``model_index.json`` keys (``boundary_ratio``, ``expand_timesteps``...), the whole
+``scheduler_config.json`` (class, shifts, flow sigmas, ``shift_terminal``...), the denoiser's structural
+keys (patch size, channels, norms, image cross-attention) -- and shrinks only sizes (width, depth, text
+width). Every norm weight and bias is drawn away from 1 / 0, so a norm applied wrongly shows.
+Text encoders, tokenizers and VAEs are the family's tiny ones (``tools/make_tiny_<family>.py`` helpers).
+
+Run as a script (``python tools/make_tiny_dit.py OUT_DIR Wan2.2-T2V-A14B-Diffusers``) or call
+:func:`ensure_tiny_published`; it builds under a file lock, in a temporary directory renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: bump when a builder changes so stale caches are rebuilt
+ASSET_VERSION = "1"
+#: the shrunk sizes of a Wan denoiser (heads x head_dim = 32 wide, 2 blocks, text 32 wide)
+WAN_SIZES = {
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "ffn_dim": 48,
+    "num_layers": 2,
+    "text_dim": 32,
+}
+
+
+def perturb_norms(model: torch.nn.Module, seed: int) -> None:
+    """Draw every norm weight around 1 (``1 + 0.3 N``) and bias around 0 (``0.2 N``), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                continue
+            noise = torch.randn(param.shape, generator=g)
+            param.copy_(1 + 0.3 * noise if name.endswith("weight") else 0.2 * noise)
+
+
+def _wan_denoiser(published: dict[str, Any], seed: int, out: Path) -> None:
+    from diffusers import WanTransformer3DModel
+
+    config = {k: v for k, v in published.items() if not k.startswith("_")}
+    config |= WAN_SIZES
+    config["rope_max_seq_len"] = 32
+    if config.get("image_dim") is not None:
+        config["image_dim"] = 24  # the tiny CLIP's width
+        config["added_kv_proj_dim"] = WAN_SIZES["num_attention_heads"] * WAN_SIZES["attention_head_dim"]
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**config)
+    perturb_norms(model, seed + 100)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def build_wan(checkpoint, out: Path) -> None:
+    """A tiny folder of a published Wan checkpoint (``vllm_omni.diffusion.models.wan.spec.PUBLISHED``)."""
+    from diffusers import UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from tools.make_tiny_wan import _tokenizer, _write_image_encoder, _write_vae
+
+    out.mkdir(parents=True)
+    tokenizer = _tokenizer()
+    tokenizer.save_pretrained(out / "tokenizer")
+    torch.manual_seed(0)
+    enc = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=WAN_SIZES["text_dim"],
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    UMT5EncoderModel(enc).eval().save_pretrained(out / "text_encoder", safe_serialization=True)
+    for seed, name in ((1, "transformer"), (3, "transformer_2")):
+        if name in checkpoint.components:
+            _wan_denoiser(checkpoint.denoiser, seed, out / name)
+    _write_vae(out, ti2v=checkpoint.denoiser["in_channels"] == 48)
+    if "image_encoder" in checkpoint.components:
+        _write_image_encoder(out)
+    scheduler = {k: v for k, v in checkpoint.scheduler.items() if not k.startswith("_")}
+    UniPCMultistepScheduler(**scheduler).save_pretrained(out / "scheduler")
+    _write_index(out, checkpoint)
+
+
+def _write_index(out: Path, checkpoint) -> None:
+    (out / "model_index.json").write_text(json.dumps(checkpoint.model_index(), indent=2) + "\n")
+
+
+#: family name -> folder builder
+BUILDERS = {"wan": build_wan}
+
+
+def family_of(checkpoint) -> str:
+    """The family whose spec lists ``checkpoint``."""
+    from vllm_omni.diffusion.models.wan.spec import PUBLISHED as WAN
+
+    families = {"wan": WAN}
+    for family, listed in families.items():
+        if checkpoint in listed:
+            return family
+    raise KeyError(f"{checkpoint.repo} is listed by no family spec")
+
+
+def ensure_tiny_published(root: str | os.PathLike, checkpoint, family: str | None = None) -> Path:
+    """Build (if missing or stale) and return ``root / "tiny-published" / <checkpoint name>``.
+
+    The folder's stamp holds :data:`ASSET_VERSION` and a digest of the checkpoint record, so a changed
+    published config rebuilds it. Safe to call from several processes at once (file lock, atomic rename).
+    """
+    from filelock import FileLock
+
+    family = family or family_of(checkpoint)
+    base = Path(root) / "tiny-published"
+    base.mkdir(parents=True, exist_ok=True)
+    final = base / checkpoint.name
+    record = json.dumps([checkpoint.model_index(), checkpoint.scheduler, checkpoint.denoiser], sort_keys=True)
+    version = f"{ASSET_VERSION}-{hashlib.sha256(record.encode()).hexdigest()[:16]}"
+    with FileLock(str(base / f".{checkpoint.name}.lock")):
+        stamp = final / ".asset_version"
+        if not (stamp.is_file() and stamp.read_text().strip() == version):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-", dir=base))
+            try:
+                BUILDERS[family](checkpoint, tmp / checkpoint.name)
+                (tmp / checkpoint.name / ".asset_version").write_text(version + "\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp / checkpoint.name, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main() -> None:
+    from vllm_omni.diffusion.models.wan.spec import PUBLISHED
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="directory to write tiny-published/<name>/ into")
+    parser.add_argument("name", help="a published checkpoint name, e.g. Wan2.2-T2V-A14B-Diffusers")
+    args = parser.parse_args()
+    by_name = {c.name: c for c in PUBLISHED}
+    print(ensure_tiny_published(args.out, by_name[args.name]))
+
+
+if __name__ == "__main__":
+    main()
