@@ -6,7 +6,8 @@
   has one home;
 - a stage runtime's ``submit`` / ``validate_request`` take one typed ``StageRequest`` (nothing rides
   ``**kwargs``), and the list rules of a request's adapters are called from one site, the entry point's
-  converter (``vllm_omni/entrypoints/request_adapters.py``).
+  converter (``vllm_omni/entrypoints/request_adapters.py``);
+- exception classes live in ``vllm_omni/errors.py`` (but for :data:`EXCEPTIONS_ELSEWHERE`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,30 @@ def test_request_adapter_rules_have_one_call_site():
     )
 
 
+#: Exception classes allowed outside ``errors.py``, with the reason.
+EXCEPTIONS_ELSEWHERE = {
+    # a vLLM ``VLLMValidationError`` raised inside vLLM's input processing (errors.py imports no vLLM)
+    "models/thinker_without_torchvision.py": {"VideoNeedsTorchvision"},
+}
+
+
+def test_exception_classes_live_in_errors_py():
+    found = []
+    for path, tree in _modules():
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == "errors.py":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or node.name in EXCEPTIONS_ELSEWHERE.get(where, ()):
+                continue
+            bases = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+            if any(b.endswith(("Error", "Exception")) for b in bases):
+                found.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}({', '.join(bases)})"
+                )
+    assert not found, "exception classes outside vllm_omni/errors.py:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize(
     "rule",
     [
@@ -127,10 +152,11 @@ def test_request_adapter_rules_have_one_call_site():
         test_layer_kind_checks_live_in_the_layer_classes,
         test_stage_runtimes_take_one_typed_request,
         test_request_adapter_rules_have_one_call_site,
+        test_exception_classes_live_in_errors_py,
     ],
 )
 def test_rules_catch_a_violation(rule, tmp_path, monkeypatch):
-    """The two rules above fail on a package that breaks them (so they can fail at all)."""
+    """The rules above fail on a package that breaks them (so they can fail at all)."""
     pkg = tmp_path / "vllm_omni"
     pkg.mkdir()
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
@@ -138,6 +164,7 @@ def test_rules_catch_a_violation(rule, tmp_path, monkeypatch):
         f"def too_long():\n{body}\n\n\ndef ladder(m):\n    return isinstance(m, (QKVParallelLinear, nn.Linear))\n"
         "\n\nclass Stage:\n    def submit(self, prompt, params, lora_request=None, **kwargs):\n"
         "        return validate_request_adapters(kwargs['adapters'])\n"
+        "\n\nclass LostError(RuntimeError):\n    pass\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     monkeypatch.setattr(sys.modules[__name__], "LAYER_HOME", pkg / "diffusion" / "lora" / "layers")

@@ -10,6 +10,7 @@ included) classify failures by type, never by message text::
     │   ├── InvalidRequestError            a request's prompt, sampling params or adapters
     │   ├── InvalidAdapterError            an adapter a stage cannot serve (file, module, rank)
     │   │   ├── AdapterNotFoundError       its file or folder does not exist (also FileNotFoundError)
+    │   │   ├── AdapterFileNotAllowedError a file resolves outside the allowed roots (``--lora-dirs``)
     │   │   └── LoRAFormatError            a malformed adapter file or an unsupported feature
     │   └── LoRANotEnabledError            a LoRA call on a stage without ``enable_lora``
     ├── LoRACacheError (also RuntimeError) a cache rule forbids the call (pinned, in use, full)
@@ -34,6 +35,7 @@ import difflib
 from collections.abc import Iterable
 
 __all__ = [
+    "AdapterFileNotAllowedError",
     "AdapterNotFoundError",
     "BodyTooLargeError",
     "ClientDisconnected",
@@ -99,6 +101,11 @@ class AdapterUpdateRefusedError(InvalidAdapterError):
 
 class AdapterNotFoundError(InvalidAdapterError, FileNotFoundError):
     """An adapter's file or folder does not exist (also a ``FileNotFoundError``); the message names the adapter."""
+
+
+class AdapterFileNotAllowedError(InvalidAdapterError):
+    """An adapter file resolves outside the server's allowed roots (``--lora-dirs``; HTTP 400); the
+    message names the file as given (:mod:`vllm_omni.lora.allow_list`)."""
 
 
 class LoRAFormatError(InvalidAdapterError):

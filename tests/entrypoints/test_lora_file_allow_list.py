@@ -86,7 +86,8 @@ def test_files_are_checked_at_every_read_reload_request_and_restart(tmp_path, sw
     and loaded, and serves again once the files are back (a cache miss on a stage would re-read the
     files, so a request is never answered from the old version while they lead out)."""
     from vllm_omni.engine.workers.lora_journal import replay_adapters
-    from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
+    from vllm_omni.errors import AdapterFileNotAllowedError
+    from vllm_omni.lora.allow_list import RefusedRestore
 
     root, outside = tmp_path / "root", _folder(tmp_path / "outside", b"v2 outside")
     attn = _folder(root / "attn", b"v1")

@@ -18,15 +18,11 @@ from collections.abc import Callable, Iterable
 
 from vllm.lora.request import LoRARequest
 
-from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.errors import AdapterFileNotAllowedError, InvalidAdapterError
 from vllm_omni.lora.adapter_files import AdapterFiles, locate_adapter
 from vllm_omni.lora.tensor_request import TensorLoRARequest
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterFileNotAllowedError(InvalidAdapterError):
-    """An adapter file resolves outside the allowed roots (the message names the file as given)."""
 
 
 def inside(path: str, root: str) -> bool:

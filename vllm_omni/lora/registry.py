@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_omni.errors import (
+    AdapterFileNotAllowedError,
     AdapterNotFoundError,
     AdapterUpdateRefusedError,
     InvalidAdapterError,
@@ -52,7 +53,7 @@ from vllm_omni.errors import (
     LoRACacheError,
 )
 from vllm_omni.lora.adapter_files import AdapterFiles, file_signature, fingerprint_files, locate_adapter
-from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, refuse_unreadable
+from vllm_omni.lora.allow_list import refuse_unreadable
 from vllm_omni.lora.records import (
     AdapterRecord,
     StageState,
@@ -140,7 +141,7 @@ class AdapterRegistry:
     def set_file_check(self, check: Callable[[str, AdapterFiles, str], None] | None) -> None:
         """Run ``check(location, files, shown)`` right before every read of an adapter's files
         (registration, reload, a request finding them changed, a worker restart); it raises
-        :class:`~vllm_omni.lora.allow_list.AdapterFileNotAllowedError` to refuse the read (the
+        :class:`~vllm_omni.errors.AdapterFileNotAllowedError` to refuse the read (the
         server's ``--lora-dirs``: :class:`~vllm_omni.lora.allow_list.AdapterFileAllowList`)."""
         self._file_check = check
 

@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vllm_omni.errors import StageDeadError
-from vllm_omni.lora.allow_list import AdapterFileNotAllowedError, RefusedRestore
+from vllm_omni.errors import AdapterFileNotAllowedError, StageDeadError
+from vllm_omni.lora.allow_list import RefusedRestore
 from vllm_omni.lora.request import LoRARequest
 
 
