@@ -54,6 +54,8 @@ FAST_BUCKETS: tuple[float, ...] = (
     5.0,
     10.0,
 )
+#: Bucket bounds (denoiser samples) of the per-step batch size histogram.
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
@@ -156,6 +158,8 @@ class StageStats:
         queue: seconds a request waited before its batch started (diffusion stages).
         latency: seconds from submission to the stage's output, every request.
         step: seconds per denoising step of a batch (diffusion stages).
+        running: requests in the denoiser batch now (diffusion stages with ``batching="step"``).
+        step_batch: denoiser samples (CFG copies included) of each step (``batching="step"``).
         images / videos: images and videos the stage produced.
         adapters: ``{adapter name: AdapterStats}``.
         vllm: the vLLM engine's own metric families (LLM stages; label ``engine`` is the replica).
@@ -169,6 +173,8 @@ class StageStats:
     queue: Histogram = field(default_factory=Histogram)
     latency: Histogram = field(default_factory=Histogram)
     step: Histogram = field(default_factory=lambda: Histogram(FAST_BUCKETS))
+    running: int = 0
+    step_batch: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
     images: int = 0
     videos: int = 0
     adapters: dict[str, AdapterStats] = field(default_factory=dict)
@@ -191,7 +197,8 @@ def merge_replicas(snapshots: Sequence[StageStats], indexes: Sequence[int] | Non
             out.failed += snap.failed
             out.images += snap.images
             out.videos += snap.videos
-            for name in ("queue", "latency", "step"):
+            out.running += snap.running
+            for name in ("queue", "latency", "step", "step_batch"):
                 getattr(out, name).add(getattr(snap, name))
             for name, adapter in snap.adapters.items():
                 if name in out.adapters:
@@ -251,6 +258,16 @@ class StatsRecorder:
                     a = self._adapter(name)
                     a.requests += 1
                     a.latency.observe(seconds)
+
+    def running(self, n: int) -> None:
+        """``n`` requests run in the denoiser batch now (step-level batching)."""
+        with self._lock:
+            self._stats.running = int(n)
+
+    def step_batch(self, samples: int) -> None:
+        """One denoiser step ran ``samples`` samples (step-level batching)."""
+        with self._lock:
+            self._stats.step_batch.observe(samples)
 
     def count(self, name: str, field_name: str, n: int = 1) -> None:
         """Add ``n`` to an :class:`AdapterStats` counter (``cache_hits``, ``slot_misses``, ...)."""

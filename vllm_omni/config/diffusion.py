@@ -29,6 +29,8 @@ from vllm_omni.lora.request import MAX_ADAPTER_SCALE
 
 PIPELINE_BACKENDS = ("auto", "in_tree", "diffusers")
 LORA_BACKENDS = ("peft", "distill")
+#: How a diffusion stage batches requests (``OmniDiffusionConfig.batching``).
+BATCHING_MODES = ("request", "step")
 DTYPES = {
     "auto": None,
     "float32": torch.float32,
@@ -101,7 +103,13 @@ class OmniDiffusionConfig:
             guidance (a number in [0, 100]) of a request that sets none, over the model's own suggestion
             (``None``: the model's; :mod:`vllm_omni.config.call_defaults`, served as the ``/ui`` page's
             defaults).
-        max_batch_size: prompts per denoiser batch of the stage runtime (``>= 1``).
+        max_batch_size: prompts per denoiser batch of the stage runtime (``>= 1``); with
+            ``batching="step"``, the most requests running at once.
+        batching: one of ``BATCHING_MODES``: ``"request"`` (default: a batch of compatible requests runs
+            from its first step to its last) or ``"step"`` (step-level batching: a request joins the
+            running denoiser batch at the next step and leaves when done, each row with its own steps,
+            guidance, seed and adapters; :mod:`vllm_omni.engine.diffusion_steps`). Pipelines without a
+            per-step unit (the diffusers fallback) batch whole requests either way.
         enforce_eager: ``False`` compiles the denoiser's repeated blocks with ``torch.compile``
             (:mod:`vllm_omni.diffusion.compile`; LoRA then runs from fixed-shape banks and never
             recompiles), ``True`` runs eagerly, ``None`` (default) picks by device: compiled on CUDA,
@@ -152,6 +160,7 @@ class OmniDiffusionConfig:
     default_num_inference_steps: int | None = None
     default_guidance_scale: float | None = None
     max_batch_size: int = 8
+    batching: str = "request"
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None
     compile_warm_up: bool = False
@@ -228,6 +237,11 @@ class OmniDiffusionConfig:
         ):
             raise ConfigError(
                 f"device must be 'cpu', 'cuda' or None, got {self.device!r}", options=("device",)
+            )
+        if self.batching not in BATCHING_MODES:
+            raise ConfigError(
+                f"batching must be one of {list(BATCHING_MODES)}, got {self.batching!r}",
+                options=("batching",),
             )
         if self.pipeline_backend not in PIPELINE_BACKENDS:
             raise ConfigError(

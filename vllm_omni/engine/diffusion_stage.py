@@ -40,6 +40,8 @@ from vllm_omni.config.stage_config import DiffusionStageConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.diffusion.worker_lora import startup_lora_request
+from vllm_omni.diffusion.step_batching import step_supported
+from vllm_omni.engine.diffusion_steps import StepScheduling
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import (
@@ -115,7 +117,7 @@ def check_pipeline_class(stage: DiffusionStageConfig) -> None:
         )
 
 
-class DiffusionStageEngine(StageDriver):
+class DiffusionStageEngine(StepScheduling, StageDriver):
     """Runs one diffusion stage (in this process for TP=1, spawned ranks for TP>1).
 
     Args:
@@ -158,9 +160,26 @@ class DiffusionStageEngine(StageDriver):
         #: sizes of the denoiser batches run so far, in prompts (observability / tests).
         self.batch_sizes: list[int] = []
         self._init_driver()
+        self._init_steps()
+        #: ``"step"`` or ``"request"``: how this stage batches (``batching="step"`` on a pipeline without
+        #: a per-step unit, e.g. the diffusers fallback, batches whole requests)
+        self.batching = self._batching_mode(info)
         self._take_worker_stats()  # the start-up adapters, loaded and pinned
-        self._thread = threading.Thread(target=self._drive, name=f"omni-stage-{stage.stage_id}", daemon=True)
+        loop = self._drive_steps if self.batching == "step" else self._drive
+        self._thread = threading.Thread(target=loop, name=f"omni-stage-{stage.stage_id}", daemon=True)
         self._thread.start()
+
+    def _batching_mode(self, info: dict[str, Any]) -> str:
+        if self.od_config.batching != "step":
+            return "request"
+        if self._engine.collective_rpc(step_supported)[0]:
+            return "step"
+        logger.warning(
+            "%s: batching='step' is not available for %s (no per-step unit); whole requests are batched",
+            self.stage.label,
+            info["pipeline"],
+        )
+        return "request"
 
     def _describe(self, info: dict[str, Any]) -> StageDescription:
         """This stage's description from its pipeline's (rank 0's ``describe``)."""
@@ -314,7 +333,7 @@ class DiffusionStageEngine(StageDriver):
         (their batch fails with ``StageDeadError``) and an in-process batch is abandoned.
         """
         deadline = time.monotonic() + (60.0 if timeout is None else timeout)
-        if not self._stop_driver(self._thread, deadline - time.monotonic()):
+        if not self._stop_driver(self._thread, deadline - time.monotonic(), self._running_items()):
             return
         self._engine.shutdown(None if timeout is None else max(0.0, deadline - time.monotonic()))
 

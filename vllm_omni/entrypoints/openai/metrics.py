@@ -35,6 +35,8 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "vllm_omni:diffusion_queue_time_seconds": ("histogram", ("stage",), "seconds before the batch started"),
     "vllm_omni:diffusion_step_seconds": ("histogram", ("stage",), "seconds per denoising step of a batch"),
+    "vllm_omni:diffusion_running_requests": ("gauge", ("stage",), "requests in the denoiser batch now"),
+    "vllm_omni:diffusion_step_batch_size": ("histogram", ("stage",), "denoiser samples per step"),
     "vllm_omni:diffusion_images_total": ("counter", ("stage",), "images"),
     "vllm_omni:diffusion_videos_total": ("counter", ("stage",), "videos"),
     "vllm_omni:lora_requests_total": ("counter", ("stage", "adapter"), "requests"),
@@ -60,6 +62,8 @@ _HELP = {
     "vllm_omni:stage_request_latency_seconds": "Seconds from submission to the stage's output.",
     "vllm_omni:diffusion_queue_time_seconds": "Seconds a diffusion request waited for its batch.",
     "vllm_omni:diffusion_step_seconds": "Seconds per denoising step of a diffusion batch.",
+    "vllm_omni:diffusion_running_requests": "Requests in a step-batched diffusion stage's denoiser batch.",
+    "vllm_omni:diffusion_step_batch_size": "Denoiser samples of each step of a step-batched diffusion stage.",
     "vllm_omni:diffusion_images_total": "Images the diffusion stage produced.",
     "vllm_omni:diffusion_videos_total": "Videos the diffusion stage produced.",
     "vllm_omni:lora_requests_total": "Finished requests that used the adapter.",
@@ -163,6 +167,8 @@ class OmniCollector:
         if snap.kind == "diffusion":
             _add_histogram(families["vllm_omni:diffusion_queue_time_seconds"], [stage], snap.queue)
             _add_histogram(families["vllm_omni:diffusion_step_seconds"], [stage], snap.step)
+            families["vllm_omni:diffusion_running_requests"].add_metric([stage], snap.running)
+            _add_histogram(families["vllm_omni:diffusion_step_batch_size"], [stage], snap.step_batch)
             families["vllm_omni:diffusion_images_total"].add_metric([stage], snap.images)
             families["vllm_omni:diffusion_videos_total"].add_metric([stage], snap.videos)
         for name, adapter in sorted(snap.adapters.items()):
