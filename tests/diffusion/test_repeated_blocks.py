@@ -8,10 +8,19 @@ compiled block runs inside that block's graph.
 
 from __future__ import annotations
 
+import logging
+import threading
+
+import pytest
 import torch
 import torch.nn as nn
 
-from vllm_omni.diffusion.compile import RegionalCompiler, repeated_blocks
+from vllm_omni.diffusion.compile import (
+    NO_DISPATCH_KEYS,
+    RegionalCompiler,
+    excluded_dispatch_keys,
+    repeated_blocks,
+)
 
 
 class Block(nn.Module):
@@ -93,3 +102,51 @@ def test_regional_compiler_runs_every_found_block_compiled_with_eager_numbers(tm
     # one compiled function for the class: the three plain blocks share one graph, the block with
     # an inner block (a branch dynamo guards on) gets the second; the unlisted head none
     assert backend.graphs == 2
+
+
+def _close_here_a_no_dispatch_guard_entered_in_another_thread() -> None:
+    """What a ``no_dispatch()`` guard held by a suspended generator leaves when the generator is
+    entered in one thread and closed in this one (as the garbage collector closes it, in whatever
+    thread it runs; torch's ``in_kernel_invocation_manager`` is such a generator): the keys stay
+    excluded here."""
+
+    def guarded():
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            yield
+
+    gen = guarded()
+    entered, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        next(gen)
+        entered.set()
+        release.wait()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    entered.wait()
+    gen.close()
+    release.set()
+    thread.join()
+
+
+def test_a_compiled_call_after_a_no_dispatch_guard_left_in_this_thread_works(tmp_path, caplog):
+    _close_here_a_no_dispatch_guard_entered_in_another_thread()
+    assert excluded_dispatch_keys() == list(NO_DISPATCH_KEYS)
+    x = torch.randn(3, 5, 4)
+    # plain torch.compile fails in that state (what a serving process saw for every later compile)
+    with pytest.raises(Exception, match="no_dispatch"):
+        torch.compile(lambda t: torch.tanh(t) * 3, backend="eager")(x)
+    eager, compiled = Toy(), Toy()
+    compiled.load_state_dict(eager.state_dict())
+    backend = Counting()
+    compiler = RegionalCompiler(compiled, cache_dir=str(tmp_path), backend=backend, label="stage 7")
+    with caplog.at_level(logging.WARNING, logger="vllm_omni.diffusion.compile"), torch.no_grad():
+        got, want = compiled(x), eager(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert backend.graphs == 2 and compiler.stats.dispatch_repairs == 1
+    assert excluded_dispatch_keys() == []  # the thread's state is clean again, for every later compile
+    assert (
+        "stage 7: torch's dispatch keys Python, PreDispatch, PythonTLSSnapshot were left excluded"
+        in caplog.text
+    )

@@ -25,6 +25,16 @@ dynamo guards on a view's base, which would give the first block of a stack (fed
 embedder's output) graphs of its own. :mod:`vllm_omni.diffusion.compile_warmup` compiles every
 variant before the first request (``compile_warm_up``).
 
+A compiled call starts from a clean dispatch state (:func:`restore_dispatch_keys`): torch's
+``no_dispatch()`` guard (``torch._C._DisableTorchDispatch``, which excludes the ``Python``,
+``PreDispatch`` and ``PythonTLSSnapshot`` dispatch keys in the calling thread) has no stack of its
+own; when one is entered in one thread and exited in another (a suspended generator or coroutine
+that holds it, closed by the garbage collector wherever that runs, as torch's own
+``in_kernel_invocation_manager`` can be), the thread that closes it keeps those keys excluded, and
+every later ``torch.compile`` in it fails ("you set no_dispatch() before calling into this
+function"). A serving process would keep that state for good; the compiler puts the keys back and
+says so in the log.
+
 Compiled artefacts are reused across restarts through inductor's FX graph cache in ``cache_dir``
 (``TORCHINDUCTOR_CACHE_DIR`` is set to it around every compiled call); dynamo still traces each graph
 again in a new process, which is the warm-restart cost.
@@ -36,6 +46,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,15 +126,58 @@ class CompileStats:
         graphs: dynamo graphs created during compiled calls (new variants and recompiles).
         seconds: wall time of the calls that created them (compile time plus one block's run).
         variants: the input signatures seen (see the module doc).
+        dispatch_repairs: compiled calls that found the dispatch keys of ``no_dispatch()`` excluded
+            and included them again (:func:`restore_dispatch_keys`).
     """
 
     graphs: int = 0
     seconds: float = 0.0
     variants: set = field(default_factory=set)
+    dispatch_repairs: int = 0
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
 
 
 def _unique_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+#: The dispatch keys ``torch._C._DisableTorchDispatch`` (``no_dispatch()``) excludes; no compiled call is
+#: legitimately made with one of them excluded (dynamo refuses to make fake tensors then).
+NO_DISPATCH_KEYS = ("Python", "PreDispatch", "PythonTLSSnapshot")
+
+
+def excluded_dispatch_keys() -> list[str]:
+    """The keys of :data:`NO_DISPATCH_KEYS` the calling thread's dispatch state excludes (empty: clean)."""
+    return [
+        k
+        for k in NO_DISPATCH_KEYS
+        if torch._C._dispatch_tls_is_dispatch_key_excluded(getattr(torch._C.DispatchKey, k))
+    ]
+
+
+def restore_dispatch_keys(label: str = "torch.compile") -> list[str]:
+    """Include again the :data:`NO_DISPATCH_KEYS` the calling thread has excluded (see the module doc).
+
+    Only for code that is never legitimately inside ``no_dispatch()``: the compiled calls of
+    :class:`RegionalCompiler`. Logs a warning naming the keys, ``label`` and the thread.
+
+    Returns:
+        The keys that were excluded and are included again (empty when the state was clean).
+    """
+    keys = excluded_dispatch_keys()
+    for key in keys:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(getattr(torch._C.DispatchKey, key), False)
+    if keys:
+        logger.warning(
+            "%s: torch's dispatch keys %s were left excluded in thread %r by earlier code (a no_dispatch() "
+            "guard exited in another thread); included again so that compilation works",
+            label,
+            ", ".join(keys),
+            threading.current_thread().name,
+        )
+    return keys
 
 
 def _plain_one(value):
@@ -209,6 +263,8 @@ class RegionalCompiler:
 
     def run(self, block: nn.Module, fn: Callable, args: tuple, kwargs: dict):
         """One compiled block call (see :class:`_CompiledBlock`)."""
+        if torch._C._dispatch_tls_is_dispatch_key_excluded(_PYTHON_KEY):
+            self.stats.dispatch_repairs += bool(restore_dispatch_keys(self.label))
         if os.environ.get(_CACHE_ENV) != self.cache_dir:
             os.environ[_CACHE_ENV] = self.cache_dir
         if self.before_call is not None:
@@ -274,11 +330,14 @@ class _CompiledBlock:
 
 __all__ = [
     "INDUCTOR_OPTIONS",
+    "NO_DISPATCH_KEYS",
     "RECOMPILE_LIMIT",
     "CompileStats",
     "RegionalCompiler",
     "default_cache_dir",
+    "excluded_dispatch_keys",
     "repeated_block_lists",
     "repeated_blocks",
+    "restore_dispatch_keys",
     "stage_cache_key",
 ]
