@@ -130,3 +130,50 @@ def test_an_update_with_every_slot_pinned_is_refused_and_the_old_version_serves(
     stats = omni.stage_stats()[0].adapters["p"]  # item 6: the name stays loaded and pinned across versions
     assert (stats.loaded, stats.pinned) == (True, True)
     assert omni.remove_lora(31)
+
+
+def test_a_folder_rewritten_in_place_never_reaches_a_request_bound_to_its_loaded_version(
+    omni, tiny_llm_assets, tmp_path
+):
+    """Issue 46: vLLM reads an adapter's safetensors mapped and keeps the tensors without a copy, and
+    loads an evicted adapter again from its path. A trainer saving its next checkpoint over the served
+    folder (truncated, half written, then complete) must not change what requests bound to the loaded
+    version get (queued while the folder changes, running, or loaded again after an eviction), and must
+    not take the stage down; the next request through the registry gets the new files."""
+    from tests.waiting import wait_until
+    from vllm_omni.inputs.stage_request import StageRequest
+    from vllm_omni.lora.request import RequestAdapters
+
+    model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
+    ref_a, ref_b = hf_greedy(model, PROMPT_IDS, N, a), hf_greedy(model, PROMPT_IDS, N, b)
+    path = shutil.copytree(a, tmp_path / "served")
+    weights = path / "adapter_model.safetensors"
+    lora = LoRARequest("served", 41, str(path))
+    assert omni.add_lora(lora)
+    bound = omni.adapter_registry.get("served").engine  # what requests bound to version 1 carry
+    runtime = omni._orchestrator.runtimes[0]
+
+    def submit(max_tokens: int = N):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return runtime.submit(StageRequest(PROMPT_IDS, params, RequestAdapters.of(bound)))
+
+    running = submit(40)
+    wait_until(lambda: any(i.future is running for i in list(runtime._running.values())), "a running request")
+    new_bytes = (b / "adapter_model.safetensors").read_bytes()
+    weights.write_bytes(b"")  # the trainer's save truncates first
+    assert running.result(timeout=600).outputs[0].token_ids[:N] == ref_a
+    # two other adapters take vLLM's two cache entries: version 1 must be loaded again for what follows
+    for other in (LoRARequest("x", 42, str(a)), LoRARequest("y", 43, str(b))):
+        omni.generate(PROMPT_IDS, greedy(), lora_request=other)
+    assert bound.lora_int_id not in runtime._engine.list_loras()
+    with runtime.hold():
+        queued = [submit() for _ in range(3)]
+        weights.write_bytes(new_bytes[: len(new_bytes) // 2])  # half written
+    assert [f.result(timeout=600).outputs[0].token_ids for f in queued] == [ref_a] * 3
+    with pytest.raises(InvalidAdapterError, match="adapter_model.safetensors"):
+        omni.generate(PROMPT_IDS, greedy(), lora_request=lora)  # the half-written files are refused
+    _copy_over(b, path)
+    assert omni.generate(PROMPT_IDS, greedy(), lora_request=lora)[0].token_ids == ref_b
+    assert omni.adapter_registry.get("served").version == 2
+    for int_id in (41, 42, 43):
+        omni.remove_lora(int_id)

@@ -158,6 +158,9 @@ class LLMStageEngine(StageDriver):
         # adapters that passed validation, {lora_int_id: lora_path}: a request repeating one
         # skips the validator (realpath, lock); cleared per id by remove_lora
         self._valid_adapters: dict[int, str] = {}
+        #: adapter folders read by the validator, in their in-memory form ({lora_int_id: form}): vLLM
+        #: loads these bytes, never the files (see :func:`~vllm_omni.engine.tensor_lora.held_form`)
+        self._held_files: dict[int, LoRARequest] = {}
         #: adapter names by id, for the statistics (``stats()``)
         self._lora_names: dict[int, str] = {}
         #: adapters removed while requests using them still ran (driver thread only): vLLM's worker
@@ -376,9 +379,17 @@ class LLMStageEngine(StageDriver):
             and self._valid_adapters.get(lora_request.lora_int_id) == lora_request.lora_path
         ):
             return
-        self.validator.validate(lora_request)
+        content = self.validator.validate(lora_request)
+        if content is not None and tensor_lora.reachable():  # a folder, read once: vLLM gets these bytes
+            held = tensor_lora.held_form(lora_request, content)
+            tensor_lora.remember(held, self, self.stage.label)
+            self._held_files[lora_request.lora_int_id] = held
         tensor_lora.remember(lora_request, self, self.stage.label)  # in-memory adapters' tensors
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
+
+    def _vllm_form(self, lora: LoRARequest) -> LoRARequest:
+        """What vLLM is handed for ``lora``: its held bytes for a folder (``_held_files``), named per version."""
+        return vllm_lora_request(self._held_files.get(lora.lora_int_id, lora))
 
     def _lora_name(self, lora: LoRARequest) -> str:
         name = self._lora_names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
@@ -400,18 +411,23 @@ class LLMStageEngine(StageDriver):
         if lora_int_id in self._removal_deferred:
             return False
         if lora_int_id not in self._ids_in_use():
-            tensor_lora.forget(lora_int_id, self)
+            self._forget(lora_int_id)
             return self._engine.remove_lora(lora_int_id)
         held = lora_int_id in self._engine.list_loras()
         if held:
             self._removal_deferred.add(lora_int_id)
         return held
 
+    def _forget(self, lora_int_id: int) -> None:
+        """Drop what this stage holds for ``lora_int_id`` outside the engine (driver thread)."""
+        tensor_lora.forget(lora_int_id, self)
+        self._held_files.pop(lora_int_id, None)
+
     def _remove_deferred(self) -> None:
         """Remove the deferred adapters no running request uses any more (driver thread)."""
         done = self._removal_deferred - self._ids_in_use()
         for lora_int_id in done:
-            tensor_lora.forget(lora_int_id, self)
+            self._forget(lora_int_id)
             self._engine.remove_lora(lora_int_id)
         self._removal_deferred -= done
 
@@ -426,7 +442,7 @@ class LLMStageEngine(StageDriver):
         self._removal_deferred.discard(lora.lora_int_id)  # wanted again: the engine keeps it
         start = time.perf_counter()
         try:
-            added = self._engine.add_lora(vllm_lora_request(lora))
+            added = self._engine.add_lora(self._vllm_form(lora))
         except Exception as exc:
             if _ALL_PINNED not in str(exc):
                 raise
@@ -491,7 +507,7 @@ class LLMStageEngine(StageDriver):
                     item.request_id,
                     item.prompt,
                     item.params,
-                    lora_request=None if item.lora_request is None else vllm_lora_request(item.lora_request),
+                    lora_request=None if item.lora_request is None else self._vllm_form(item.lora_request),
                 )
             except Exception as exc:  # fail this request only
                 logger.warning("%s: request %s rejected: %s", self.stage.label, item.request_id, exc)

@@ -43,7 +43,7 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -55,10 +55,12 @@ from vllm.lora.utils import is_in_target_modules
 
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.adapter_files import (
+    adapter_config_from_bytes,
+    fingerprint_bytes,
     locate_adapter,
     pair_lora_tensors,
-    read_adapter_config,
-    read_safetensors,
+    read_file_bytes,
+    safetensors_from_bytes,
     update_range_problem,
 )
 from vllm_omni.lora.request import LoRARequest, lora_request_problem
@@ -70,6 +72,21 @@ _PEFT_PREFIX = "base_model.model."
 def _location(path: str) -> str:
     """``path`` resolved, so that two spellings of one directory are one adapter."""
     return os.path.realpath(path) if isinstance(path, str) and "://" not in path else str(path)
+
+
+class AdapterContent(NamedTuple):
+    """What the validator read of an adapter folder, in memory the caller owns (never a mapped file).
+
+    Attributes:
+        config: the ``adapter_config.json`` content (a dict).
+        tensors: every tensor of ``adapter_model.safetensors`` as stored (CPU, own memory).
+        sha256: the content's fingerprint (:func:`~vllm_omni.lora.adapter_files.fingerprint_files`'s
+            digest of the bytes read), the registry's version of these bytes.
+    """
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -194,11 +211,16 @@ class LLMAdapterValidator:
         self._passed: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def validate(self, request: LoRARequest) -> None:
+    def validate(self, request: LoRARequest) -> AdapterContent | None:
         """Check ``request``'s adapter; cached per ``(lora_int_id, path)``.
 
         An id that passed is bound to its path (resolved) until :meth:`forget`: vLLM caches
         adapters by id, so the same id with another path would be served the old weights.
+
+        Returns:
+            for an adapter folder read by this call, what was read and checked (the stage hands its
+            engine exactly these bytes, whatever happens to the files later); ``None`` for an
+            in-memory adapter or one that passed before.
 
         Raises:
             InvalidAdapterError: the adapter cannot be served, or its id is bound to another
@@ -220,12 +242,13 @@ class LLMAdapterValidator:
                 f"give this adapter another id, or remove_lora({lora_id}) first"
             )
         if bound is not None:
-            return
+            return None
+        content = None
         try:
             if isinstance(request, TensorLoRARequest):  # in memory: the same checks, no file
                 self._check_content(request.peft_config, request.lora_tensors, name)
             else:
-                self._check(path, name)
+                content = self._check(path, name)
         except InvalidAdapterError:
             raise
         except Exception as exc:  # unreadable file, bad JSON, bad safetensors header ...
@@ -236,15 +259,21 @@ class LLMAdapterValidator:
             bound = self._passed.setdefault(lora_id, key)
         if bound != key:  # another thread bound the id meanwhile
             raise InvalidAdapterError(f"{name}: lora_int_id {lora_id} already names adapter {bound!r}")
+        return content
 
     def forget(self, lora_int_id: int) -> None:
         with self._lock:
             self._passed.pop(lora_int_id, None)
 
-    def _check(self, path: str, name: str) -> None:
+    def _check(self, path: str, name: str) -> AdapterContent:
+        """Read the folder once (plain reads into memory, never a mapping) and check what was read."""
         files = locate_adapter(path, shown=name, directory_only=True)
-        _, raw = read_adapter_config(files.config, source=name)
-        self._check_content(raw, read_safetensors(files.weights, name)[0], name)
+        config_bytes = read_file_bytes(files.config)
+        weights = read_file_bytes(files.weights)
+        _, raw = adapter_config_from_bytes(config_bytes, f"{name}, file {files.config!r}")
+        tensors, _ = safetensors_from_bytes(weights, f"{name}, file {files.weights!r}")
+        self._check_content(raw, tensors, name)
+        return AdapterContent(raw, tensors, fingerprint_bytes(config_bytes, weights))
 
     def _check_content(self, raw: dict, state_dict: dict[str, torch.Tensor], name: str) -> None:
         """Checks 2-5 of the module docstring on a config dict and its tensors (a file's or in memory)."""

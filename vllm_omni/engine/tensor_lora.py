@@ -15,6 +15,12 @@ place), the same calls vLLM makes after reading files; any other request takes v
 own LRU cache evicted it, so an entry stays until every stage holding it removed it from its engine
 (:func:`forget`) or was garbage-collected.
 
+Adapter folders take the same path: the stage's validator reads a folder once into memory
+(:class:`~vllm_omni.engine.lora_validation.AdapterContent`) and the stage remembers it in its in-memory form
+(:func:`held_form`), so vLLM never maps an adapter file (safetensors tensors are mmap-backed and vLLM keeps
+them without a copy: a folder rewritten in place would change a loaded version's weights, or kill the
+process with ``SIGBUS``), and a version evicted and loaded again gets the bytes it was validated with.
+
 The tensors reach the stage's process with the request: by reference (``inline``), through shared
 memory (``mp``: torch's ``ForkingPickler``), or Ray's object store (``ray``).
 """
@@ -29,7 +35,7 @@ from typing import Any
 from vllm_omni.errors import InvalidAdapterError
 from vllm_omni.lora.tensor_request import TENSOR_SCHEME, TensorLoRARequest
 
-__all__ = ["forget", "held", "install", "remember"]
+__all__ = ["forget", "held", "held_form", "install", "reachable", "remember"]
 
 _lock = threading.Lock()
 #: lora_path -> (the request, the stages holding it: ``id(stage)``)
@@ -47,6 +53,29 @@ def held(lora_path: str) -> TensorLoRARequest | None:
     return None if entry is None else entry[0]
 
 
+def reachable() -> bool:
+    """Whether vLLM's loader runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset or false),
+    where :func:`remember` ed content reaches it."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() in ("0", "false")
+
+
+def held_form(lora: Any, content: Any) -> TensorLoRARequest:
+    """The in-memory form of a file adapter whose folder was read into ``content``
+    (:class:`~vllm_omni.engine.lora_validation.AdapterContent`): vLLM is handed these bytes, never the
+    files, so a version keeps its weights whatever happens to its folder (a trainer saving its next
+    checkpoint over it, a truncation) and nothing is mapped from a file a user may rewrite. Its
+    ``lora_path`` names the folder and the content (``tensors://<folder>#<first 16 hex of the hash>``).
+    """
+    return TensorLoRARequest(
+        lora_name=lora.lora_name,
+        lora_int_id=lora.lora_int_id,
+        lora_path=f"{TENSOR_SCHEME}{lora.lora_path}#{content.sha256[:16]}",
+        peft_config=content.config,
+        lora_tensors=content.tensors,  # read into memory of their own by the validator; not copied again
+        content_sha256=content.sha256,
+    )
+
+
 def remember(lora: Any, owner: object, stage_label: str) -> None:
     """Keep ``lora``'s tensors for vLLM's worker when it is a :class:`TensorLoRARequest` (else nothing).
 
@@ -56,7 +85,7 @@ def remember(lora: Any, owner: object, stage_label: str) -> None:
     """
     if not isinstance(lora, TensorLoRARequest):
         return
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower() not in ("0", "false"):
+    if not reachable():
         raise InvalidAdapterError(
             f"{lora.source}: {stage_label} runs vLLM's engine core in a process of its own "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=1), which in-memory adapters cannot reach; unset it "

@@ -11,7 +11,8 @@ adapter registry (:mod:`vllm_omni.entrypoints.openai.lora`).
 * :func:`read_adapter_config` / :func:`lora_config_from_dict`: the configuration as peft's own
   ``LoraConfig``, refusing what would silently change the math (no ``lora_alpha``, a non-integer
   ``r``, a non-finite alpha) and features this runtime does not implement (:func:`check_lora_config`).
-* :func:`read_safetensors`: tensors and header metadata, with safetensors only.
+* :func:`read_safetensors`: tensors and header metadata, with safetensors only, from the file's bytes
+  read into memory (never mapped: trainers rewrite adapter files in place).
 * :func:`pair_lora_tensors`: ``lora_A`` / ``lora_B`` grouped per module, floating-point and finite.
 * :func:`update_range_problem`: whether one module's update ``s * B @ A`` stays representable in the
   dtype a stage computes in (each gate calls it with its own compute dtype).
@@ -31,14 +32,15 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import safetensors.torch
 import torch
 from peft import LoraConfig
 from peft.utils.other import get_pattern_key
-from safetensors import safe_open
 
 from vllm_omni.errors import LoRAFormatError
 
@@ -295,9 +297,21 @@ def read_adapter_config(config_file: str, source: str | None = None) -> tuple[An
         config_file = os.path.join(config_file, ADAPTER_CONFIG_NAME)
     source = source or config_file
     try:
-        with open(config_file) as handle:
-            raw = json.load(handle)
-    except (OSError, json.JSONDecodeError) as exc:
+        data = read_file_bytes(config_file)
+    except OSError as exc:
+        raise LoRAFormatError(f"{source}: {ADAPTER_CONFIG_NAME} is not readable JSON: {exc}") from exc
+    return adapter_config_from_bytes(data, source)
+
+
+def adapter_config_from_bytes(data: bytes, source: str) -> tuple[Any, dict]:
+    """:func:`read_adapter_config` of an ``adapter_config.json`` already read: ``(config, raw_json)``.
+
+    Raises:
+        LoRAFormatError: invalid JSON, or what :func:`lora_config_from_dict` refuses.
+    """
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoRAFormatError(f"{source}: {ADAPTER_CONFIG_NAME} is not readable JSON: {exc}") from exc
     return lora_config_from_dict(raw, source), raw
 
@@ -315,20 +329,66 @@ def declared_rank_alpha(config: Any, module_key: str) -> tuple[int, float]:
 
 
 # ---------------------------------------------------------------------------- tensors
+def read_file_bytes(path: str) -> bytes:
+    """The whole file, read (never mapped: a file rewritten or truncated meanwhile gives other bytes,
+    never a ``SIGBUS``).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def _safetensors_header(data: bytes) -> dict[str, Any]:
+    """The JSON header of safetensors bytes (``{key: {dtype, shape, data_offsets}, "__metadata__": ...}``).
+
+    Raises:
+        ValueError: shorter than its declared header, or the header is not a JSON object.
+    """
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError(f"the header declares {size} bytes, the file holds {len(data) - 8} after it")
+    header = json.loads(data[8 : 8 + size])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
+
+
+def safetensors_from_bytes(data: bytes, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """Tensors (CPU, as stored, each owning its memory) and header metadata of safetensors ``data``.
+
+    Raises:
+        LoRAFormatError: ``data`` is not a complete safetensors file (``source`` named).
+    """
+    try:
+        metadata = _safetensors_header(data).get("__metadata__")
+        with warnings.catch_warnings():  # the views over the immutable bytes are copied right below
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            views = safetensors.torch.load(data)
+        return {key: view.clone() for key, view in views.items()}, metadata
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise LoRAFormatError(f"{source}: not a readable safetensors file: {exc}") from exc
+
+
 def read_safetensors(
     path: str, source: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """All tensors (CPU, as stored) and the header metadata of a ``.safetensors`` file.
+    """All tensors (CPU, as stored, in memory of their own) and the header metadata of a ``.safetensors``
+    file. The file is read, never mapped: adapter files are rewritten in place by trainers, and a
+    mapped tensor would change under the adapter (or raise ``SIGBUS`` once the file is truncated).
 
     Raises:
-        LoRAFormatError: the file is not a readable safetensors file.
+        LoRAFormatError: the file is not a readable safetensors file (``source`` and the file named).
     """
+    shown = source if source is None or path in source else f"{source}, file {path!r}"
     try:
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            metadata = handle.metadata()
-            return {key: handle.get_tensor(key) for key in handle.keys()}, metadata  # noqa: SIM118
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise LoRAFormatError(f"{source or path}: not a readable safetensors file: {exc}") from exc
+        data = read_file_bytes(path)
+    except OSError as exc:
+        raise LoRAFormatError(f"{shown or path}: cannot read the file: {exc}") from exc
+    return safetensors_from_bytes(data, shown or path)
 
 
 def check_safetensors_header(path: str, source: str | None = None) -> int:
@@ -337,14 +397,36 @@ def check_safetensors_header(path: str, source: str | None = None) -> int:
     Raises:
         LoRAFormatError: the file is not a readable safetensors file, or holds no tensor.
     """
+    return len(safetensors_keys(path, source))
+
+
+def safetensors_keys(path: str, source: str | None = None) -> list[str]:
+    """The tensor keys a ``.safetensors`` file declares (its header is read with plain reads, never mapped).
+
+    Raises:
+        LoRAFormatError: the file is not a readable safetensors file, or holds no tensor.
+    """
     try:
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            count = len(list(handle.keys()))
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            size = int.from_bytes(head, "little") if len(head) == 8 else 0
+            header = _safetensors_header(head + handle.read(size))
+    except (OSError, ValueError) as exc:
         raise LoRAFormatError(f"{source or path}: not a readable safetensors file: {exc}") from exc
-    if count == 0:
+    keys = [key for key in header if key != "__metadata__"]
+    if not keys:
         raise LoRAFormatError(f"{source or path}: the safetensors file holds no tensor")
-    return count
+    return keys
+
+
+def fingerprint_bytes(config: bytes | None, weights: bytes) -> str:
+    """:func:`fingerprint_files` of contents already read (the same digest for the same bytes)."""
+    digest = hashlib.sha256(b"config\0")
+    if config is not None:
+        digest.update(config)
+    digest.update(b"weights\0")
+    digest.update(weights)
+    return digest.hexdigest()
 
 
 def check_dtypes(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
@@ -374,7 +456,7 @@ def _check_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, source:
 
 
 def _as_float32(tensor: torch.Tensor, key: str, source: str) -> torch.Tensor:
-    converted = tensor.detach().to("cpu", torch.float32)
+    converted = tensor.detach().to("cpu", torch.float32, copy=True)  # never the caller's tensor
     if tensor.dtype == torch.float64 and not torch.isfinite(converted).all() and torch.isfinite(tensor).all():
         raise LoRAFormatError(
             f"{source}: tensor {key!r} holds float64 values beyond the float32 range "

@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.nn as nn
-from safetensors import safe_open
 
 from vllm_omni.config.fields import lora_engine_arg_names
 from vllm_omni.diffusion.lora.adapter import LoRAAdapterWeights
@@ -35,7 +34,7 @@ from vllm_omni.diffusion.lora.targets import TargetIndex, bind_adapter
 from vllm_omni.diffusion.lora.tensor_adapter import adapter_from_tensors
 from vllm_omni.engine.protocols import AdapterCapabilities
 from vllm_omni.errors import ConfigError, InvalidAdapterError, LoRAFormatError, StageEngineError, restate
-from vllm_omni.lora.adapter_files import listing, locate_adapter
+from vllm_omni.lora.adapter_files import listing, locate_adapter, safetensors_keys
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.lora.tensor_request import TensorLoRARequest
 
@@ -174,8 +173,7 @@ class ModuleLoRA:
     def _read_path(self, path: str) -> LoRAAdapterWeights:
         """The adapter at ``path`` with its module keys renamed to the module's layer names."""
         files = locate_adapter(path)
-        with safe_open(files.weights, "pt") as f:
-            self._refuse_keys(list(f.keys()), files.weights)
+        self._refuse_keys(safetensors_keys(files.weights), files.weights)  # the header, read (not mapped)
         adapter = load_lora_adapter(path)
         modules = {self._layer_name(k): w for k, w in adapter.modules.items()}
         return replace(adapter, modules=modules)
