@@ -48,6 +48,7 @@ IN_TREE_PIPELINES: dict[str, str] = {
     "QwenImageEditPipeline": "vllm_omni.diffusion.pipelines.qwen_image_edit:QwenImageEditPipeline",
     "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
     "WanImageToVideoPipeline": "vllm_omni.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline",
+    "FluxPipeline": "vllm_omni.diffusion.pipelines.flux:FluxPipeline",
 }
 
 # Field metadata: ``concern`` groups the LoRA options; ``option=False`` marks runtime-internal
