@@ -216,7 +216,7 @@ LORA_SPECS: dict[str, tuple[int, list[str]]] = {
     "mlp": (22, ["ff.net.0.proj", "ff_context.net.2", "norm.linear", "context_embedder"]),
 }
 LORA_RANK, LORA_ALPHA, LORA_STD = 4, 8.0, 0.3
-LORA_ASSET_VERSION = "2"
+LORA_ASSET_VERSION = "3"
 
 
 def bfl_modules(dim: int, num_layers: int, num_single_layers: int) -> dict[str, tuple[int, int]]:
@@ -265,11 +265,31 @@ def write_bfl_lora(
     return path
 
 
+def write_xlabs_lora(path: Path, seed: int, rank: int = 4) -> Path:
+    """An XLabs-layout Flux LoRA file (``double_blocks.N.processor.{qkv,proj}_lora{1,2}.{down,up}.weight``:
+    image stream 1, text stream 2; no alpha, so ``s = 1``) on the tiny transformer's double blocks."""
+    from safetensors.torch import save_file
+
+    cfg = transformer_config(True)
+    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(cfg["num_layers"]):
+        for kind, d_out in (("qkv", 3 * dim), ("proj", dim)):
+            for stream in (1, 2):
+                name = f"double_blocks.{i}.processor.{kind}_lora{stream}"
+                tensors[f"{name}.down.weight"] = torch.randn(rank, dim, generator=gen) * LORA_STD
+                tensors[f"{name}.up.weight"] = torch.randn(d_out, rank, generator=gen) * LORA_STD
+    save_file(tensors, str(path))
+    return path
+
+
 def ensure_tiny_flux_loras(model_dir: str | os.PathLike, root: str | os.PathLike) -> dict[str, Path]:
     """Build (if missing or stale) the tiny Flux adapters under ``root / "tiny-flux-loras"``.
 
     Returns ``{name: path}``: the PEFT folders of :data:`LORA_SPECS` (on the transformer of ``model_dir``)
-    and the single files ``kohya`` / ``comfyui`` (:func:`write_bfl_lora`, BFL layer names).
+    and the single files ``kohya`` / ``comfyui`` (:func:`write_bfl_lora`, BFL layer names) and ``xlabs``
+    (:func:`write_xlabs_lora`).
     """
     from filelock import FileLock
 
@@ -278,7 +298,7 @@ def ensure_tiny_flux_loras(model_dir: str | os.PathLike, root: str | os.PathLike
     root = Path(root)
     final = root / "tiny-flux-loras"
     paths = {name: final / name for name in LORA_SPECS}
-    paths.update({name: final / f"{name}.safetensors" for name in ("kohya", "comfyui")})
+    paths.update({name: final / f"{name}.safetensors" for name in ("kohya", "comfyui", "xlabs")})
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / ".tiny_flux_loras.lock")):
         stamp = final / ".asset_version"
@@ -292,6 +312,7 @@ def ensure_tiny_flux_loras(model_dir: str | os.PathLike, root: str | os.PathLike
                     )  # fmt: skip
                 write_bfl_lora(tmp / "kohya.safetensors", 23, "kohya")
                 write_bfl_lora(tmp / "comfyui.safetensors", 24, "comfyui")
+                write_xlabs_lora(tmp / "xlabs.safetensors", 25)
                 (tmp / ".asset_version").write_text(LORA_ASSET_VERSION + "\n")
                 if final.exists():
                     shutil.rmtree(final)

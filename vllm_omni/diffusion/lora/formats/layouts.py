@@ -142,11 +142,14 @@ def detect_layout(keys: Iterable[str]) -> str:
 
 
 _DOWN_UP = re.compile(r"\.lora_(down|up)\.weight$")
+#: XLabs' Flux files: ``double_blocks.0.processor.qkv_lora1.down.weight`` (diffusers' Flux converter reads them)
+_XLABS_DOWN_UP = re.compile(r"(\.processor\.[a-z]+_lora\d*)\.(down|up)\.weight$")
 
 
 def normalize_lora_keys(state_dict: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Rename kohya's ``<m>.lora_down.weight`` / ``<m>.lora_up.weight`` to ``<m>.lora_A.weight`` /
-    ``<m>.lora_B.weight`` (kohya's down projection is A, ``[r, d_in]``; up is B, ``[d_out, r]``).
+    """Rename kohya's ``<m>.lora_down.weight`` / ``<m>.lora_up.weight`` (and XLabs'
+    ``<m>.processor.<x>_lora<n>.down.weight`` / ``.up.weight``) to ``<m>.lora_A.weight`` /
+    ``<m>.lora_B.weight`` (the down projection is A, ``[r, d_in]``; up is B, ``[d_out, r]``).
 
     Raises:
         LoRAFormatError: one module stored in both namings.
@@ -155,6 +158,9 @@ def normalize_lora_keys(state_dict: Mapping[str, torch.Tensor], source: str) -> 
     clashes: list[str] = []
     for key, tensor in state_dict.items():
         new = _DOWN_UP.sub(lambda m: ".lora_A.weight" if m.group(1) == "down" else ".lora_B.weight", key)
+        new = _XLABS_DOWN_UP.sub(
+            lambda m: m.group(1) + (".lora_A.weight" if m.group(2) == "down" else ".lora_B.weight"), new
+        )
         if new in out:
             clashes.append(key)
         out[new] = tensor

@@ -104,6 +104,12 @@ FAMILY_CONVERTERS: list[FamilyConverter] = [
         _any_key(lambda k: k.endswith(".lora_down.weight")),
         "_convert_kohya_flux_lora_to_diffusers",
     ),
+    FamilyConverter(  # FluxLoraLoaderMixin: XLabs files, read after kohya's
+        "Flux (XLabs)",
+        ("FluxTransformer2DModel",),
+        _any_key(lambda k: "processor" in k),
+        "_convert_xlabs_flux_lora_to_diffusers",
+    ),
     FamilyConverter(
         "Wan",
         ("WanTransformer3DModel",),
@@ -165,7 +171,7 @@ def convert_with_family(adapter: LoRAAdapterWeights, converter: FamilyConverter)
     assert raw is not None
     try:
         converted = converter.convert(raw)
-    except (KeyError, ValueError, RuntimeError, IndexError) as exc:
+    except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as exc:  # Flux's asserts sizes
         raise LoRAFormatError(
             f"{adapter.source}: diffusers' {converter.name} LoRA converter ({converter.function}) could not read "
             f"this {adapter.layout} file: {type(exc).__name__}: {exc}"
