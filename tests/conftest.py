@@ -24,6 +24,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The workers' fork server ends when the last pipeline of its process shuts down (each test's own);
+# the suite keeps it (a new one imports torch and vLLM again, ~8 s of CPU). Tests of that rule set 0.
+os.environ.setdefault("VLLM_OMNI_WORKER_SERVER_IDLE_S", "3600")
 
 # `tools` is not part of the installed package; make it importable from the checkout.
 if str(REPO_ROOT) not in sys.path:
@@ -98,7 +101,7 @@ def _cpu_now() -> tuple[float, float]:
     ``mp`` workers of in-process pipelines: the fork server itself is reaped only at exit).
     """
     from tests import preload
-    from vllm_omni.engine.workers import start
+    from vllm_omni import worker_start as start
 
     t = os.times()
     own = start.server_pid() if start._started_by == os.getpid() else None
@@ -132,20 +135,21 @@ def pytest_runtest_makereport(item, call):
 
 def _dispatch_tls_state():
     """The calling thread's torch dispatch-key TLS (include, exclude sets), or None before torch is imported."""
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch._C, "_dispatch_tls_local_exclude_set"):
+    C = getattr(sys.modules.get("torch"), "_C", None)  # None while torch is being imported
+    if not hasattr(C, "_dispatch_tls_local_exclude_set"):
         return None
-    return str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())
+    return str(C._dispatch_tls_local_include_set()), str(C._dispatch_tls_local_exclude_set())
 
 
 _GC_FLIPS: list[str] = []  # collections that changed the Python key's exclusion in the main thread
 
 
 def _python_key_excluded() -> bool | None:
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded"):
-        return None
-    return bool(torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python))
+    """Whether the calling thread excludes torch's ``Python`` dispatch key (``None``: torch not (fully) imported)."""
+    C = getattr(sys.modules.get("torch"), "_C", None)  # None while torch is being imported
+    check = getattr(C, "_dispatch_tls_is_dispatch_key_excluded", None)
+    key = getattr(getattr(C, "DispatchKey", None), "Python", None)
+    return None if check is None or key is None else bool(check(key))
 
 
 _gc_before: list[bool | None] = [None]
@@ -157,9 +161,10 @@ def _watch_collections(phase: str, info: dict) -> None:
     ``vllm_omni/diffusion/compile.py``). Noted for the test's failure message."""
     if threading.current_thread() is not threading.main_thread():
         return
+    now = _python_key_excluded()
     if phase == "start":
-        _gc_before[0] = _python_key_excluded()
-    elif _gc_before[0] is not None and _python_key_excluded() != _gc_before[0]:
+        _gc_before[0] = now
+    elif _gc_before[0] is not None and now is not None and now != _gc_before[0]:
         _GC_FLIPS.append(f"generation {info.get('generation')} collection, {info.get('collected')} collected")
 
 
