@@ -10,7 +10,7 @@ sets its argv, cwd, environment and stdio and runs the script or module as ``__m
 (``runpy``), as the fresh interpreter would. What the child does after that (its own
 ``multiprocessing`` spawns, engine processes, Ray) is unchanged, except that its stage workers
 and diffusion ranks start from the zygote's worker fork server, a fork of the zygote
-(``vllm_omni.engine.workers.start.share_forked_server``): they are that fork server's
+(``tests.fork_server.share_forked_server``): they are that fork server's
 children, not the command's, and follow the command's process (``popen(..., own_workers=True)`` for a test of a
 command's process tree).
 
@@ -70,10 +70,10 @@ def _zygote_main() -> None:
     if "vllm_omni" in names:
         # the workers' fork server, forked from here (no import of its own) and shared with every
         # command forked from here: a server or script then pays no worker import either
-        from vllm_omni.engine.workers import start as worker_start
+        from tests.fork_server import share_forked_server
 
         with contextlib.suppress(ValueError):  # a bad VLLM_OMNI_WORKER_START: each command reports it
-            fork_server = worker_start.share_forked_server(environ)
+            fork_server = share_forked_server(environ)
     _send(sock, {"ready": os.getpid(), "fork_server": fork_server})
     import select
 
@@ -122,8 +122,8 @@ def _child(sock: socket.socket, req: dict, fds: list[int]) -> None:
         for fd in set(fds):
             if fd > 2:
                 os.close(fd)
-        if req["own_workers"] and "vllm_omni.engine.workers.start" in sys.modules:
-            sys.modules["vllm_omni.engine.workers.start"].use_own_fork_server()  # workers it descends from
+        if req["own_workers"] and "tests.fork_server" in sys.modules:
+            sys.modules["tests.fork_server"].use_own_fork_server()  # workers it descends from
         os.chdir(req["cwd"])
         if "multiprocessing.process" in sys.modules:  # the start-up directory spawned children resolve from
             sys.modules["multiprocessing.process"].ORIGINAL_DIR = req["cwd"]

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "vllm_omni.errors",
             "vllm_omni.process_guard",
-            "vllm_omni.engine.workers.start",  # standard library only; the diffusion ranks start with it
+            "vllm_omni.worker_start",  # standard library only; the diffusion ranks start with it
             "vllm_omni.stats",
             "vllm_omni.version",
             "vllm_omni.ipc",

@@ -77,7 +77,8 @@ OMNI_ENV_VARS = (
     "VLLM_OMNI_CACHE_DIR",  # derived Qwen2.5-Omni checkpoints (stages/qwen2_5_omni/checkpoint.py)
     "VLLM_OMNI_MAX_REQUEST_BODY_MB",  # HTTP body limit (entrypoints/openai/limits.py)
     "VLLM_OMNI_TEST_ASSETS",  # where the tests write tiny checkpoints
-    "VLLM_OMNI_WORKER_START",  # how mp stage workers start (engine/workers/start.py)
+    "VLLM_OMNI_WORKER_START",  # how mp stage workers start (worker_start.py)
+    "VLLM_OMNI_WORKER_SERVER_IDLE_S",  # how long the workers' fork server stays unused (worker_start.py)
 )
 
 

@@ -87,7 +87,7 @@ def follow(pid: int) -> None:
     """Make this process's watch follow ``pid`` instead of its parent (call before :func:`watch_parent`).
 
     For a worker forked by a fork server on behalf of ``pid`` (its driver,
-    :mod:`vllm_omni.engine.workers.start`): the fork server is its parent but may outlive the
+    :mod:`vllm_omni.worker_start`): the fork server is its parent but may outlive the
     driver (a fork server shared by several drivers). Only this process follows ``pid``; its own
     children watch it, their parent. A ``pid`` already gone ends this process at the first
     :func:`watch_parent`.

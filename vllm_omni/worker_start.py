@@ -46,10 +46,18 @@ Fidelity (what a spawned worker would have):
   :data:`STOP_WAIT_S`) for the fork server, which skips the interpreter's teardown: its CPU time
   (and its workers') counts in the driver's ``RUSAGE_CHILDREN``.
 
-A process that forks drivers from a preloaded interpreter (the test suite's zygotes) can fork
-its fork server from itself and share it with them (:func:`share_forked_server`): neither the
+Lifetime: the fork server holds torch and vLLM (hundreds of MB). Every user of it (an ``mp``
+stage runtime, a diffusion engine with several ranks) holds it from its start to its shutdown
+(:func:`hold` / :func:`release`); when the last one of this process shuts down, the fork server ends
+(:data:`IDLE_ENV` seconds later when that variable is set, default 0: at once), so a process that goes
+on after ``Omni.shutdown()`` keeps no child of it. The next pipeline starts a new one. (``multiprocessing``'s
+resource tracker, a small process without torch, stays: it unlinks leaked shared memory at exit.)
+
+A process that forks drivers from a preloaded interpreter (the test suite's zygotes,
+``tests/fork_server.py``) can fork its fork server from itself and share it with them: neither the
 fork server nor a forked driver's workers import anything; the workers are the shared fork
-server's children and follow their driver as above.
+server's children and follow their driver as above. A forked driver uses a shared fork server
+(:data:`_shared` set by the launcher) and never stops it.
 
 ``VLLM_OMNI_WORKER_START=spawn`` starts every worker as a fresh interpreter (as before).
 """
@@ -77,7 +85,7 @@ START_METHODS = ("forkserver", "spawn")
 #: ``mp`` stage worker and of a diffusion tensor-parallel rank (torch, vLLM; a pipeline's own
 #: module, diffusers included, is imported by the rank that builds it: ~0.7 s of CPU that a
 #: process without diffusion stages never pays).
-PRELOAD = ("vllm_omni.engine.workers.start", "vllm_omni.engine.workers.mp", "vllm_omni.diffusion.engine")
+PRELOAD = ("vllm_omni.worker_start", "vllm_omni.engine.workers.mp", "vllm_omni.diffusion.engine")
 #: Variables no import reads (or that the child applies itself): a worker's environment may
 #: differ from the fork server's in these and still be forked.
 READ_AFTER_IMPORT = frozenset({
@@ -87,7 +95,7 @@ READ_AFTER_IMPORT = frozenset({
     "OMNI_DEMOTE_KNOWN_LOG_NOISE",  # log_noise, installed again in the child
     "VLLM_CPU_OMP_THREADS_BIND", "VLLM_USE_AOT_COMPILE", "VLLM_DIST_IDENT",
     "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-    "VLLM_OMNI_CACHE_ROOT", "VLLM_OMNI_MAX_REQUEST_BODY_MB", START_ENV,
+    "VLLM_OMNI_CACHE_ROOT", "VLLM_OMNI_MAX_REQUEST_BODY_MB", START_ENV, "VLLM_OMNI_WORKER_SERVER_IDLE_S",
     "PYTEST_CURRENT_TEST", "COLUMNS", "LINES",
     # ray.init() sets these in the driver's environment and never restores them; Ray reads them
     # when it is called, and PYTHONBREAKPOINT is read at each breakpoint() (a process that used
@@ -95,6 +103,9 @@ READ_AFTER_IMPORT = frozenset({
     "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED",
 })  # fmt: skip
 
+#: Environment variable: seconds the fork server stays after the last pipeline of its process shut
+#: down (:func:`release`; default ``0``: it ends then).
+IDLE_ENV = "VLLM_OMNI_WORKER_SERVER_IDLE_S"
 #: Set in the fork server's environment while it starts (it then ends without the interpreter's teardown).
 SERVER_MARK = "OMNI_WORKER_FORK_SERVER"
 #: Seconds the driver waits at exit for its fork server to end.
@@ -107,7 +118,9 @@ _started_by: int | None = None  # the process that started it (a fork of it has 
 _server_after: tuple[int | None, dict[str, str]] | None = None  # (fork server pid, its env after imports)
 _PROBE_LOCK = threading.Lock()
 _forked = False  # whether this process's fork server has forked a worker (so it has imported its preload)
-_shared = False  # whether forks of this process use its fork server (share_forked_server)
+_shared = False  # whether this process's fork server is shared with its forks (set by such a launcher)
+_holders: set[int] = set()  # ids of the users of the fork server (hold / release)
+_idle_timer: threading.Timer | None = None
 #: In a worker: whether ``vllm`` was imported before the worker's entry point ran (it was preloaded).
 preloaded_at_entry = False
 
@@ -128,9 +141,9 @@ def start_preloaded() -> bool:
     """Start this process's fork server now, if workers fork (idempotent; imports neither torch
     nor vLLM here: the fork server imports them in its own process).
 
-    In a process forked from one that shares its fork server (:func:`share_forked_server`), that
-    fork server is used (unless :func:`use_own_fork_server` was called); a fork server inherited
-    without sharing is left to the process that started it.
+    In a process forked from one that shares its fork server (:data:`_shared`, set by such a
+    launcher: ``tests/fork_server.py``), that fork server is used; a fork server inherited without
+    sharing is left to the process that started it.
 
     Returns:
         True when a fork server runs (started now, before, or shared by the process this one
@@ -164,85 +177,68 @@ def start_preloaded() -> bool:
     return True
 
 
-def share_forked_server(environ_before_imports: Mapping[str, str]) -> int | None:
-    """Start this process's worker fork server as a fork of this process, shared with the
-    processes forked from this one later (``os.fork`` without ``exec``).
-
-    For a launcher that forks drivers from a preloaded interpreter (the test suite's zygotes,
-    ``tests/preload.py``): the fork server has this process's modules, so it costs no import
-    (a spawned one imports torch and vLLM again, ~8 s of CPU), and a forked driver starts its
-    workers from it (:func:`start_preloaded`) instead of starting a fork server of its own. Each
-    such worker follows its own driver (:func:`vllm_omni.process_guard.follow`), not the fork
-    server, which lives as long as this process or a fork of it does. Call it while this
-    process runs one thread and has run no torch op (the workers inherit its state, as the fork
-    server's own). ``environ_before_imports``: this process's environment before its imports,
-    against which a worker's environment is compared (as for a spawned fork server, whose
-    imports start from that environment).
-
-    Returns:
-        The fork server's pid; ``None`` when workers spawn (:data:`START_ENV`).
+def idle_seconds() -> float:
+    """:data:`IDLE_ENV` in seconds (``0`` when unset).
 
     Raises:
-        ValueError: :data:`START_ENV` is set to something else than :data:`START_METHODS`.
-        RuntimeError: this process already has a fork server.
+        ValueError: it is not a number >= 0 (naming the variable).
     """
-    global _server_env, _server_pid, _started_by, _forked, _shared
-    if start_method() != "forkserver":
-        return None
-    import importlib
-    import socket
-    from multiprocessing import connection, forkserver, resource_tracker
-
-    for name in PRELOAD:  # imported here once: the fork server and every fork of this process have them
-        importlib.import_module(name)
-    with START_LOCK:
-        server = forkserver._forkserver
-        if server._forkserver_pid is not None:
-            raise RuntimeError(f"this process already has a worker fork server ({server._forkserver_pid})")
-        resource_tracker.ensure_running()  # before the fork, as ``ensure_running`` does
-        address = connection.arbitrary_address("AF_UNIX")
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(address)
-        os.chmod(address, 0o600)
-        listener.listen()
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            _serve_forked(listener.fileno(), alive_r)  # never returns
-        listener.close()
-        os.close(alive_r)
-        server._forkserver_address, server._forkserver_alive_fd = address, alive_w
-        server._forkserver_pid = pid
-        server._preload_modules = list(PRELOAD)
-        _server_env, _server_pid, _started_by = dict(environ_before_imports), pid, os.getpid()
-        _forked, _shared = False, True
-    logger.debug("worker fork server %d forked (shared with this process's forks)", pid)
-    return pid
-
-
-def _serve_forked(listener_fd: int, alive_r: int) -> None:
-    """The forked fork server: multiprocessing's own fork-server loop on ``listener_fd``, which
-    ends when every holder of the "alive" pipe's write end is gone; only stdio, the listener and
-    ``alive_r`` stay open (a descriptor of the launcher kept here would outlive the launcher)."""
+    raw = os.environ.get(IDLE_ENV, "").strip() or "0"
     try:
-        keep = {0, 1, 2, listener_fd, alive_r}
-        with contextlib.suppress(OSError):
-            for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-                if fd not in keep:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        from multiprocessing import forkserver
-
-        forkserver.main(listener_fd, alive_r, list(PRELOAD), sys_path=list(sys.path))
-    finally:
-        os._exit(0)
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{IDLE_ENV}={raw!r}: expected a number of seconds >= 0")
+    return value
 
 
-def use_own_fork_server() -> None:
-    """In a process forked from one that shares its fork server (:func:`share_forked_server`): start
-    a fork server of its own at the next worker start, so that its workers are its descendants."""
-    global _shared
-    _shared = False
+def hold(owner: object) -> None:
+    """``owner`` (a stage runtime, a diffusion engine) starts workers from this process's fork server
+    until :func:`release`: the fork server is not stopped meanwhile (a pending idle stop is cancelled)."""
+    global _idle_timer
+    with START_LOCK:
+        _holders.add(id(owner))
+        if _idle_timer is not None:
+            _idle_timer.cancel()
+            _idle_timer = None
+
+
+def release(owner: object) -> None:
+    """``owner`` has shut its workers down (idempotent). When it was the last holder, the fork server
+    this process started ends: now, or :func:`idle_seconds` later unless a new holder comes first.
+    A fork server shared with this process by the one it was forked from is left alone.
+
+    Raises:
+        ValueError: a bad :data:`IDLE_ENV` (the fork server then ends now).
+    """
+    global _idle_timer
+    with START_LOCK:
+        if id(owner) not in _holders:
+            return
+        _holders.discard(id(owner))
+        if _holders or _started_by != os.getpid():
+            return
+        try:
+            idle = idle_seconds()
+        except ValueError:
+            _stop_server()
+            raise
+        if idle == 0:
+            _stop_server()
+            return
+        _idle_timer = threading.Timer(idle, _stop_if_idle)
+        _idle_timer.daemon = True
+        _idle_timer.name = "omni-worker-server-idle"
+        _idle_timer.start()
+
+
+def _stop_if_idle() -> None:
+    global _idle_timer
+    with START_LOCK:
+        _idle_timer = None
+        if not _holders:
+            _stop_server()
 
 
 def server_pid() -> int | None:
@@ -275,24 +271,38 @@ def _ensure_shared_running() -> None:
 
 
 def _stop_server() -> None:
-    """At the driver's exit (after its workers were shut down): end the fork server it started
-    (killed if it never forked a worker) and reap it (bounded by :data:`STOP_WAIT_S`)."""
+    """End the fork server this process started (killed if it never forked a worker: it may still
+    be importing, seconds of CPU nobody will use) and reap it (bounded by :data:`STOP_WAIT_S`).
+    Called when the last holder releases it (:func:`release`) and at this process's exit (after
+    its workers were shut down); a later worker start starts a new one."""
+    global _server_pid, _server_env, _forked
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
     if _started_by != os.getpid() or server._forkserver_alive_fd is None:
         return
+    pid = server._forkserver_pid
     with contextlib.suppress(OSError):
-        os.close(server._forkserver_alive_fd)
+        os.close(server._forkserver_alive_fd)  # the fork server's loop ends when this closes
     server._forkserver_alive_fd = None
-    if not _forked:  # it may still be importing (seconds of CPU nobody will use)
+    if not _forked:
         with contextlib.suppress(OSError):
-            os.kill(server._forkserver_pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + STOP_WAIT_S
     with contextlib.suppress(ChildProcessError):
-        while not os.waitpid(server._forkserver_pid, os.WNOHANG)[0] and time.monotonic() < deadline:
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() >= deadline:  # a fork of this process still holds the pipe
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
             time.sleep(0.01)
-    server._forkserver_pid = None
+    address = server._forkserver_address
+    if isinstance(address, str) and not address.startswith("\0"):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+    server._forkserver_pid = server._forkserver_address = None
+    _server_pid, _server_env, _forked = None, None, False
+    logger.debug("worker fork server %s stopped", pid)
 
 
 def _exit_now() -> None:

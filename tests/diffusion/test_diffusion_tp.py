@@ -1,5 +1,5 @@
 """Tensor-parallel (TP=2, gloo, two rank processes) equals TP=1; the ranks fork from the
-preloaded worker fork server (``vllm_omni/engine/workers/start.py``) or, when they must, spawn."""
+preloaded worker fork server (``vllm_omni/worker_start.py``) or, when they must, spawn."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import os
 import pytest
 
 from tests.fork_server import match_the_fork_server
+from vllm_omni import worker_start as start
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine, _guarded_worker_main, rank_process
-from vllm_omni.engine.workers import start
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 pytestmark = pytest.mark.slow

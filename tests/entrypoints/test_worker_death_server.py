@@ -61,7 +61,7 @@ def _tokens(server, **extra) -> list[int]:
 
 
 def _stage_worker(server) -> psutil.Process:
-    """The server's stage worker: a child of its worker fork server (``vllm_omni/engine/workers/start.py``),
+    """The server's stage worker: a child of its worker fork server (``vllm_omni/worker_start.py``),
     or a spawned one (multiprocessing ``spawn_main``, not its resource tracker) under
     ``VLLM_OMNI_WORKER_START=spawn``."""
     workers = []

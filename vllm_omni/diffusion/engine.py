@@ -9,12 +9,12 @@
 larger sizes start one worker process per rank (gloo on CPU / NCCL on CUDA) and everything that
 must touch the pipelines — LoRA loading included — goes through :meth:`DiffusionEngine.collective_rpc`.
 
-A rank starts as an ``mp`` stage worker does (:mod:`vllm_omni.engine.workers.start`): forked
+A rank starts as an ``mp`` stage worker does (:mod:`vllm_omni.worker_start`): forked
 from this process's preloaded fork server, which imported torch, vLLM and this module once, so a
 rank pays no import (about 7 s of CPU per rank on a 2-core machine); it gets this process's
 environment, stdout and stderr. A rank whose environment differs from the fork server's in a
 variable an import may read is spawned as a fresh interpreter instead (the reason logged at DEBUG
-by ``vllm_omni.engine.workers.start``), and so is every rank with ``VLLM_OMNI_WORKER_START=spawn``.
+by ``vllm_omni.worker_start``), and so is every rank with ``VLLM_OMNI_WORKER_START=spawn``.
 CUDA is never initialised in the fork server: each rank selects ``cuda:<rank>`` itself, after the
 fork (:class:`~vllm_omni.diffusion.worker.DiffusionWorker`). A rank watches its parent
 (:mod:`vllm_omni.process_guard`): a forked rank's parent is the fork server, which exits when
@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm_omni import worker_start as start
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.worker import DiffusionWorker, worker_main
-from vllm_omni.engine.workers import start
 from vllm_omni.errors import ConfigError, StageDeadError, StageEngineError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.ipc import Call, CallResult, Failed, Ready, Shutdown, decoder, dump, encode, load, load_error
@@ -67,8 +67,8 @@ def rank_process(
     od_config: OmniDiffusionConfig, rank: int, world: int, init_method: str, conn
 ) -> tuple[Any, str]:
     """The unstarted process of tensor-parallel rank ``rank`` (serving ``conn``) and how it starts,
-    ``"forkserver"`` or ``"spawn"`` (:func:`vllm_omni.engine.workers.start.process_for`; start it
-    with :func:`~vllm_omni.engine.workers.start.start_process`)."""
+    ``"forkserver"`` or ``"spawn"`` (:func:`vllm_omni.worker_start.process_for`; start it
+    with :func:`~vllm_omni.worker_start.start_process`)."""
     return start.process_for(
         f"diffusion rank {rank}",
         _guarded_worker_main,
@@ -113,6 +113,7 @@ class DiffusionEngine:
             self._tmpdir = tempfile.mkdtemp(prefix="vllm_omni_diffusion_")
             init_method = f"file://{os.path.join(self._tmpdir, 'pg')}"
         mark_owner()  # the ranks exit with this process, however it ends (process_guard)
+        start.hold(self)  # released at shutdown: the last user of this process ends the fork server
         started = time.monotonic()
         try:
             for rank in range(world):
@@ -256,6 +257,7 @@ class DiffusionEngine:
         self._procs, self._conns = [], []
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+        start.release(self)
 
     def __enter__(self) -> DiffusionEngine:
         return self

@@ -1,7 +1,7 @@
 """Work a command can start before it imports vLLM: the ``mp`` workers' preloaded interpreter.
 
 The command line (``vllm-omni serve``, ``vllm serve --omni``) calls :func:`start_worker_server`
-first thing, so the fork server of :mod:`vllm_omni.engine.workers.start` imports torch and vLLM
+first thing, so the fork server of :mod:`vllm_omni.worker_start` imports torch and vLLM
 on another core while the command imports them to parse its flags. This module imports neither.
 """
 
@@ -25,7 +25,7 @@ def start_worker_server(argv: Sequence[str]) -> bool:
             value = args[i + 1]
         if value in ("inline", "ray"):
             return False
-    from vllm_omni.engine.workers import start
+    from vllm_omni import worker_start as start
 
     try:
         return start.start_preloaded()

@@ -54,7 +54,7 @@ def _cpu_s(pid: int) -> float:
 )
 def test_no_worker_outlives_the_driver(sig, shared, tiny_llm_assets, tmp_path):
     """``shared``: the driver is forked from a process that shares its worker fork server
-    (``vllm_omni.engine.workers.start.share_forked_server``, as the suite's zygotes): the worker
+    (``tests.fork_server.share_forked_server``, as the suite's zygotes): the worker
     is that fork server's child, which outlives the driver, so the worker must follow the driver
     itself. Otherwise the driver starts its own fork server (as from a shell): every process of
     the pipeline descends from the driver."""

@@ -1,5 +1,6 @@
-"""How ``mp`` workers start (``vllm_omni/engine/workers/start.py``): forked from the preloaded
-fork server, vLLM not imported again, the worker's env in effect; the spawn fallback and opt-out.
+"""How ``mp`` workers start (``vllm_omni/worker_start.py``): forked from the preloaded
+fork server, vLLM not imported again, the worker's env in effect; the spawn fallback and opt-out;
+the fork server ends with the last pipeline of its process.
 
 The workers here run a probe runtime (a registered-style factory, no model): what is measured is
 the start path, not a stage.
@@ -7,6 +8,7 @@ the start path, not a stage.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import psutil
@@ -14,7 +16,7 @@ import pytest
 
 from tests.fork_server import match_the_fork_server
 from tests.waiting import wait_until
-from vllm_omni.engine.workers import start
+from vllm_omni import worker_start as start
 from vllm_omni.entrypoints.omni_base import build_omni_config
 
 pytestmark = [pytest.mark.engine]
@@ -122,3 +124,52 @@ def test_the_command_line_starts_the_server_unless_no_mp_worker_will_start(monke
     assert not prestart.start_worker_server(["serve", "m", "--worker-backend=ray"])
     assert calls == []
     assert prestart.start_worker_server(["serve", "m"]) and calls == [1]
+
+
+def _children(pid: int) -> set[int]:
+    """The live (not zombie) children of ``pid``, from ``/proc/*/stat`` (PPid: the 4th field, after the
+    command in parentheses)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_the_fork_server_ends_with_the_last_pipeline_of_its_process(stage, server_env):
+    """In a process that goes on after its pipelines shut down, nothing of them stays: the fork
+    server (torch and vLLM imported) ends with the last one and is reaped; the next pipeline starts
+    a new one. (Last in this module: the tests above use the running fork server.)"""
+    server_env.setenv(start.IDLE_ENV, "0")  # the default; the suite keeps the fork server longer
+    server = start.server_pid()
+    others = _children(os.getpid()) - {server}  # the suite's zygotes, the resource tracker
+    first, second = _worker(stage), _worker(stage)
+    workers = {first.pid, second.pid}
+    assert first.start_method == second.start_method == "forkserver" and server in _children(os.getpid())
+    first.shutdown(30)
+    assert start.server_pid() == server and not _gone(server)  # the second pipeline still holds it
+    second.shutdown(30)
+    assert start.server_pid() is None and _gone(server)  # ended and reaped (no zombie)
+    assert _children(os.getpid()) <= others
+    wait_until(lambda: all(_gone(pid) for pid in workers), "the workers are reaped")
+    # the next pipeline starts a new fork server; kept afterwards for the suite's later tests
+    server_env.setenv(start.IDLE_ENV, "3600")
+    third = _worker(stage)
+    try:
+        assert third.start_method == "forkserver" and start.server_pid() not in (None, server)
+        assert third._call("probe")["pid"] == third.pid
+    finally:
+        third.shutdown(30)
+    assert start.server_pid() is not None  # within the idle time
+    with pytest.raises(ValueError, match="VLLM_OMNI_WORKER_SERVER_IDLE_S='soon'"):
+        server_env.setenv(start.IDLE_ENV, "soon")
+        start.idle_seconds()

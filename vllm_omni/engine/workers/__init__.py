@@ -11,7 +11,7 @@
   :class:`~vllm_omni.engine.protocols.StageRuntime` of the ``mp`` backend (the pipe transport).
 - :mod:`~vllm_omni.engine.workers.ray_backend`: ``RayStageRuntime`` (the Ray transport).
 - :mod:`~vllm_omni.engine.workers.lora_journal`: adapters and pins replayed into a restarted worker.
-- :mod:`~vllm_omni.engine.workers.start`: how ``mp`` workers start (forked from a preloaded
+- :mod:`~vllm_omni.worker_start`: how ``mp`` workers start (forked from a preloaded
   interpreter, or spawned); imports neither torch nor vLLM, so the command line can start the
   preloaded interpreter before its own imports (this package's ``WORKER_BACKENDS`` is lazy for that).
 """

@@ -29,8 +29,8 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni import worker_start as start
 from vllm_omni.engine.workers import protocol as P
-from vllm_omni.engine.workers import start
 from vllm_omni.engine.workers.mp import worker_main
 from vllm_omni.engine.workers.supervisor import Pending, SupervisedStageRuntime
 from vllm_omni.errors import StageDeadError, StageEngineError
@@ -115,11 +115,13 @@ class WorkerStageRuntime(SupervisedStageRuntime):
             _atexit_registered = True
             atexit.register(_shutdown_live)
         _LIVE.add(self)
+        start.hold(self)  # the fork server stays while this runtime may start workers
         try:
             self._begin()
         except BaseException:
             _LIVE.discard(self)
             self._dispatch.shutdown(wait=False)
+            start.release(self)
             raise
 
     # ---------------------------------------------------------------- StageRuntime
@@ -180,6 +182,7 @@ class WorkerStageRuntime(SupervisedStageRuntime):
     def _after_shutdown(self) -> None:
         _LIVE.discard(self)
         self._dispatch.shutdown(wait=False)
+        start.release(self)  # the last one of this process ends the fork server
 
     # ---------------------------------------------------------------- calls and messages
     def _worker_call(self, handle: Any, method: str, *args: Any) -> Any:
@@ -262,7 +265,7 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         """Start a worker and wait for its runtime (raises its start-up error; nothing is left running).
 
         The worker is forked from the preloaded worker interpreter, or spawned as a fresh one
-        (:mod:`~vllm_omni.engine.workers.start`: which, and how its ``env`` takes effect).
+        (:mod:`~vllm_omni.worker_start`: which, and how its ``env`` takes effect).
         """
         parent, child = multiprocessing.Pipe()
         proc, how = start.process_for(

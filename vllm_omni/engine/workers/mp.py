@@ -1,7 +1,7 @@
 """The stage worker process of the ``mp`` backend.
 
 :func:`worker_main` runs in a process forked from the preloaded worker interpreter or in a
-spawned one (:mod:`~vllm_omni.engine.workers.start`), with its env dict (device visibility, CPU
+spawned one (:mod:`~vllm_omni.worker_start`), with its env dict (device visibility, CPU
 threads) already applied; it sets the dict again, starts the parent watch of
 :mod:`vllm_omni.process_guard` (the worker exits when the orchestrator's process is gone,
 SIGKILL included), builds the stage's ordinary inline runtime and serves the messages of
@@ -23,10 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vllm_omni import worker_start as start
 from vllm_omni.engine.inline_runtime import RuntimeFactory, make_inline_runtime, worker_process_defaults
 from vllm_omni.engine.vllm_process import exit_follows_shutdown
 from vllm_omni.engine.workers import protocol as P
-from vllm_omni.engine.workers import start
 from vllm_omni.process_guard import watch_parent
 
 logger = logging.getLogger(__name__)
