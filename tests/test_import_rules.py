@@ -10,6 +10,10 @@ Every import counts: at module level, inside a function, under ``TYPE_CHECKING``
   ``AsyncOmni`` and its public stage description only: no import of ``vllm_omni.diffusion``
   or ``vllm_omni.engine``.
 - Diffusion models import no LoRA code (``vllm_omni.diffusion.lora``).
+- A folder's modules sit on its layer or above: no layer's prefix lies inside the folder of a higher
+  layer (a lower-layer module in a higher folder let ``diffusion/engine.py`` import from
+  ``engine/workers/`` while the layer check passed), and the diffusion runtime imports nothing from
+  ``vllm_omni.engine``.
 
 ``docs/design/architecture.md`` draws :data:`LAYERS`; change both together.
 """
@@ -211,6 +215,48 @@ def test_http_and_cli_import_no_runtime_internals():
         PACKAGE, ["entrypoints/openai", "entrypoints/cli"], ("vllm_omni.diffusion", "vllm_omni.engine")
     )
     assert not bad, "the HTTP layer / CLI must go through AsyncOmni:\n" + "\n".join(bad)
+
+
+def nested_lower_layers(layers=LAYERS) -> list[str]:
+    """``prefix (layer) inside prefix (higher layer)`` for every layer prefix that lies in the folder of
+    a higher layer's prefix (the package itself, the top layer, excepted)."""
+    out = []
+    for i, (name, prefixes) in enumerate(layers[:-1]):
+        for j in range(i + 1, len(layers) - 1):
+            for prefix in prefixes:
+                for outer in layers[j][1]:
+                    if prefix.startswith(outer + "."):
+                        out.append(f"{prefix} ({name}) inside {outer} ({layers[j][0]})")
+    return out
+
+
+def test_no_lower_layer_lives_in_a_higher_folder():
+    bad = nested_lower_layers()
+    assert not bad, "a module of a lower layer inside a higher layer's folder (move it down):\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_diffusion_runtime_imports_no_engine_module():
+    bad = violations(PACKAGE, ["diffusion"], ("vllm_omni.engine",))
+    assert not bad, "the diffusion runtime sits below vllm_omni.engine:\n" + "\n".join(bad)
+
+
+def test_the_old_upward_import_would_fail():
+    """The layout before ``worker_start.py`` moved down: both rules above catch it."""
+    old = tuple(
+        (
+            name,
+            tuple("vllm_omni.engine.workers.start" if p == "vllm_omni.worker_start" else p for p in prefixes),
+        )
+        for name, prefixes in LAYERS
+    )
+    assert nested_lower_layers(old) == [
+        "vllm_omni.engine.workers.start (errors, process guard and start, stats, ipc) inside vllm_omni.engine "
+        "(engine: stage runtimes and their parts)",
+        "vllm_omni.engine.workers.start (errors, process guard and start, stats, ipc) inside vllm_omni.engine.workers "
+        "(engine: workers (mp, ray))",
+    ]
 
 
 def test_diffusion_models_import_no_lora_code():
