@@ -52,7 +52,7 @@ def diffusers_pipe(folder, adapters=()):
 def diffusers_latents(pipe, prompt=PROMPT, **kw):
     kw.setdefault("output_type", "latent")
     kw.setdefault("guidance_scale", 4.0)
-    return pipe(prompt, generator=torch.Generator().manual_seed(5), **COMMON, **kw).images
+    return pipe(prompt=prompt, generator=torch.Generator().manual_seed(5), **COMMON, **kw).images
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,7 @@ def flux_dirs():
     return {
         "dev": dev,
         "schnell": ensure_tiny_flux(root, "schnell"),
+        "kontext": ensure_tiny_flux(root, "kontext"),
         "loras": ensure_tiny_flux_loras(dev, root),
     }
 
@@ -133,6 +134,37 @@ def test_schnell_layout_matches_diffusers(flux_dirs):
         assert _max(got, _latents(engine, guidance_scale=1.5)) == 0.0  # no guidance embedding
     assert _max(got, diffusers_latents(pipe)) <= TOL
     assert _max(cfg, diffusers_latents(pipe, negative_prompt="blurry", true_cfg_scale=3.0)) <= TOL
+
+
+def test_kontext_edit_matches_diffusers(flux_dirs, loras):
+    """FLUX.1-Kontext: the input image's tokens (frame 1) beside the output's; diffusers' own sizing
+    arguments (``max_area``, ``_auto_resize``) keep the tiny sizes."""
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    from vllm_omni import Omni
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray((rng.random((40, 56, 3)) * 255).astype(np.uint8)) for _ in range(2)]
+    sizing = {"max_area": 32 * 48, "_auto_resize": False}
+    pipe = FluxKontextPipeline.from_pretrained(str(flux_dirs["kontext"]))
+    pipe.set_progress_bar_config(disable=True)
+    load_peft_into_transformer(pipe.transformer, loras["attn"], "a")
+    pipe.set_adapters(["a"], [0.7])
+    attn = LoRARequest("attn", 1, str(loras["attn"]))
+    with Omni(model=str(flux_dirs["kontext"]), dtype="float32", enable_progress_bar=False) as engine:
+        assert (
+            engine._orchestrator.runtimes[0].collective_rpc("describe")[0]["pipeline"]
+            == "FluxKontextPipeline"
+        )
+        got = [
+            _latents(engine, extra_args={"image": im, **sizing}, lora_requests=[attn], lora_scales=[0.7])
+            for im in images
+        ]
+        with pytest.raises(ValueError, match=r"extra_args=\{'image'"):  # an edit without an image
+            _latents(engine)
+    expected = diffusers_latents(pipe, image=images[0], **sizing)
+    assert _max(got[0], expected) <= TOL and _max(got[0], got[1]) > 50 * TOL  # the input image acts
 
 
 @pytest.mark.parametrize("layout", ["attn", "kohya", "comfyui", "xlabs"])

@@ -49,6 +49,7 @@ IN_TREE_PIPELINES: dict[str, str] = {
     "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
     "WanImageToVideoPipeline": "vllm_omni.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline",
     "FluxPipeline": "vllm_omni.diffusion.pipelines.flux:FluxPipeline",
+    "FluxKontextPipeline": "vllm_omni.diffusion.pipelines.flux_kontext:FluxKontextPipeline",
 }
 
 # Field metadata: ``concern`` groups the LoRA options; ``option=False`` marks runtime-internal
