@@ -179,18 +179,27 @@ class StepBatcher:
             except Exception as exc:
                 finished.append((item.rid, exc))
         failed = {rid for rid, _ in finished}
-        for item in batch:
-            if item.rid in failed:
-                self.drop([item.rid])
-            elif item.rows.done:
-                self.running.pop(item.rid)
-                try:
-                    finished.append((item.rid, self.unit.finish(item.prompt, item.rows, item.output_type)))
-                except Exception as exc:
-                    finished.append((item.rid, exc))
-                finally:
-                    self.lora.release(item.held)
+        self.drop([item.rid for item in batch if item.rid in failed])
+        done = [item for item in batch if item.rid not in failed and item.rows.done]
+        for item in done:
+            self.running.pop(item.rid)
+            self.lora.release(item.held)
+        by_type: dict[str, list[_Running]] = {}
+        for item in done:
+            by_type.setdefault(item.output_type, []).append(item)
+        for output_type, items in by_type.items():
+            finished += self._finish(items, output_type)
         return finished, sum(item.rows.rows for item in batch)
+
+    def _finish(self, items: Sequence[_Running], output_type: str) -> list[tuple[int, Any]]:
+        """Decode ``items`` together; when that fails, each alone (only one that fails alone fails)."""
+        try:
+            outputs = self.unit.finish([i.prompt for i in items], [i.rows for i in items], output_type)
+            return [(item.rid, out) for item, out in zip(items, outputs, strict=True)]
+        except Exception as exc:
+            if len(items) == 1:
+                return [(items[0].rid, exc)]
+        return [pair for item in items for pair in self._finish([item], output_type)]
 
     def _predict(self, batch: Sequence[_Running]) -> list[torch.Tensor]:
         """The step unit's outputs for ``batch``, each request's adapters at its own step."""

@@ -6,7 +6,7 @@ schedulers keep their history per request), its step index and whatever its pipe
 step (caption features, guidance). A pipeline's :class:`StepUnit` makes one from a request
 (``prepare``: text encoding and initial noise, outside the denoiser loop), runs the denoiser once for
 the rows of several requests whose latents share a shape (``predict``: one call, each row at its own
-timestep, each request's CFG combined with its own guidance), and decodes a finished one (``finish``).
+timestep, each request's CFG combined with its own guidance), and decodes a finished one (``finish``, several at once).
 
 The unit's contract is that a request's rows give what the pipeline's own ``generate`` gives for that
 request alone: same text encoding, same noise for the same seed, same scheduler steps.
@@ -90,8 +90,11 @@ class StepUnit(Protocol):
         per request the model output its scheduler steps with (CFG combined), float32."""
         ...
 
-    def finish(self, prompt: str, rows: StepRows, output_type: str) -> DiffusionOutput:
-        """The request's :class:`DiffusionOutput` from its final latents (decoded unless ``"latent"``)."""
+    def finish(
+        self, prompts: Sequence[str], rows: Sequence[StepRows], output_type: str
+    ) -> list[DiffusionOutput]:
+        """Per request its :class:`DiffusionOutput` from its final latents (decoded unless ``"latent"``;
+        requests that finished at the same step with the same shape, decoded together)."""
         ...
 
 

@@ -115,12 +115,20 @@ class ZImageSteps:
         return results
 
     @torch.no_grad()
-    def finish(self, prompt: str, rows: StepRows, output_type: str) -> DiffusionOutput:
-        n = rows.state.n
-        [result] = split_by_prompt([prompt], rows.latents, n)
-        if output_type != "latent":
-            attach_decoded([result], self.pipe.decode(rows.latents, output_type), output_type, n)
-        return result
+    def finish(
+        self, prompts: Sequence[str], rows: Sequence[StepRows], output_type: str
+    ) -> list[DiffusionOutput]:
+        results = []
+        for prompt, r in zip(prompts, rows, strict=True):
+            results += split_by_prompt([prompt], r.latents, r.state.n)
+        if output_type != "latent":  # one VAE call for the requests that finished together
+            latents = torch.cat([r.latents for r in rows])
+            decoded = self.pipe.decode(latents, output_type)
+            start = 0
+            for result, r in zip(results, rows, strict=True):
+                attach_decoded([result], decoded[start : start + r.state.n], output_type, r.state.n)
+                start += r.state.n
+        return results
 
 
 __all__ = ["ZImageSteps"]
