@@ -477,6 +477,21 @@ def test_runtime_load_and_unload(server, client, paths):
     assert_openai_error(unload({"lora_name": "b-rt"}), (404,))
 
 
+def test_concurrent_unloads_and_loads_of_one_name_answer_as_a_serial_history(server, paths):
+    """Issue 46: ten concurrent unloads of an adapter loaded once answer one 200 and nine 404 (they all
+    answered 200); ten concurrent loads of one new name answer one 200 and nine 400 (already loaded)."""
+    post = lambda route, body: HTTP.post(server.url(route), json=body, timeout=600).status_code  # noqa: E731
+    load = {"lora_name": "once", "lora_path": str(paths["b"])}
+    with ThreadPoolExecutor(10) as pool:
+        loads = sorted(pool.map(lambda _: post("/v1/load_lora_adapter", load), range(10)))
+        unloads = sorted(
+            pool.map(lambda _: post("/v1/unload_lora_adapter", {"lora_name": "once"}), range(10))
+        )
+    assert loads == [200] + [400] * 9
+    assert unloads == [200] + [404] * 9
+    assert HTTP.get(server.url("/health")).status_code == 200
+
+
 def test_concurrent_requests_with_different_adapters(server, client, paths):
     plan = [None, "a", "b", None, "b", "a"] * 2
     lora_b = {"name": "b", "path": str(paths["b"])}

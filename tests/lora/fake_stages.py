@@ -14,7 +14,7 @@ from vllm_omni.errors import ConfigError, InvalidAdapterError, LoRANotEnabledErr
 
 class FakeStages:
     """``n`` stages; ``lora_stages`` take adapters. ``refuse(stage_id, lora) -> str | None`` makes a stage
-    refuse an ``add_lora`` with that message; ``delay`` (s) widens race windows inside ``add_lora``."""
+    refuse an ``add_lora`` with that message; ``delay`` (s) widens race windows inside ``add_lora`` and ``remove_lora``."""
 
     def __init__(
         self,
@@ -62,6 +62,8 @@ class FakeStages:
             return held is None
 
     def _remove_lora(self, stage: int, lora_id: int) -> bool:
+        if self.delay:
+            time.sleep(self.delay)
         with self._lock:
             self.calls.append(("remove_lora", stage, lora_id))
             self.pinned[stage].discard(lora_id)

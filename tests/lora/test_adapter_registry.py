@@ -190,6 +190,28 @@ def test_concurrent_registrations_of_one_name_have_one_outcome(tmp_path):
         assert set(stages.loaded[stage]) == engine_ids
 
 
+def test_concurrent_removals_of_one_registration_answer_as_a_serial_history(tmp_path):
+    """Issue 46: ten concurrent removals of an adapter registered once: exactly one removes it (the
+    HTTP route's 200), the others find no such name (404), as if they had run one after another."""
+    stages = FakeStages(2, delay=0.002)
+    reg = _registry(stages)
+    reg.add(LoRARequest("z", 9, _adapter(tmp_path / "z", b"z")), stage_id=[0, 1])
+    barrier = threading.Barrier(10)
+    results: list[object] = []
+
+    def remove():
+        barrier.wait()
+        results.append(reg.remove_name("z"))
+
+    threads = [threading.Thread(target=remove) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.name for r in results if r is not None] == ["z"] and results.count(None) == 9
+    assert reg.get("z") is None and stages.loaded == {0: {}, 1: {}}
+
+
 def test_a_registered_denoiser_is_checked_and_fills_requests_that_name_none(tmp_path):
     """``add(..., denoiser=...)`` (issue 21 rule 3): aliases resolve, a name the target stage lacks is
     refused naming the stage's denoisers and registers nothing, and a request adapter that names no

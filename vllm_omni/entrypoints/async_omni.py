@@ -170,6 +170,11 @@ class AsyncOmni(OmniBase):
         """Remove an adapter; see ``Omni.remove_lora``."""
         return await asyncio.to_thread(self._remove_lora, lora_int_id, stage_id)
 
+    async def remove_lora_named(self, lora_name: str) -> bool:
+        """Unregister the adapter called ``lora_name`` from every stage; ``False`` when no adapter of that
+        name is registered (of concurrent calls for one registration exactly one answers ``True``)."""
+        return await asyncio.to_thread(self.adapter_registry.remove_name, lora_name) is not None
+
     async def list_loras(self, stage_id: int | None = None) -> set[int]:
         """Ids of the loaded adapters; see ``Omni.list_loras``."""
         return await asyncio.to_thread(self._list_loras, stage_id)

@@ -533,33 +533,40 @@ class AdapterRegistry:
         if record is None:
             return any(self._call("remove_lora", int_id, stage_id=stage_id).values())
         with self._name_lock(record.name):
-            with self._lock:
-                record = self._by_id.get(int_id)
-                engine_ids = [e for e, p in self._engine_public.items() if p == int_id]
-            removed = False
-            for engine_id in engine_ids or [int_id]:
-                removed |= any(self._call("remove_lora", engine_id, stage_id=stage_id).values())
-            if record is None:
-                return removed
-            with self._lock:
-                self._lost.forget(int_id, None if stage_id is None else (stage_id,))
-                self._refused.clear()  # room was freed: requests try refused versions again
-                left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
-                if left:
-                    stages = {s: st for s, st in record.stages.items() if s != stage_id}
-                    self._by_id[int_id] = replace(record, targets=left, stages=stages)
-                elif self._by_id.get(int_id) is record:
-                    del self._by_id[int_id]
-                    if self._names.get(record.name) == int_id:
-                        del self._names[record.name]
+            return self._remove_held(int_id, stage_id)
+
+    def _remove_held(self, int_id: int, stage_id: int | None) -> bool:
+        """:meth:`remove` with the adapter's name lock held."""
+        with self._lock:
+            record = self._by_id.get(int_id)
+            engine_ids = [e for e, p in self._engine_public.items() if p == int_id]
+        removed = False
+        for engine_id in engine_ids or [int_id]:
+            removed |= any(self._call("remove_lora", engine_id, stage_id=stage_id).values())
+        if record is None:
             return removed
+        with self._lock:
+            self._lost.forget(int_id, None if stage_id is None else (stage_id,))
+            self._refused.clear()  # room was freed: requests try refused versions again
+            left = tuple(t for t in record.targets if t != stage_id) if stage_id is not None else ()
+            if left:
+                stages = {s: st for s, st in record.stages.items() if s != stage_id}
+                self._by_id[int_id] = replace(record, targets=left, stages=stages)
+            elif self._by_id.get(int_id) is record:
+                del self._by_id[int_id]
+                if self._names.get(record.name) == int_id:
+                    del self._names[record.name]
+        return removed
 
     def remove_name(self, name: str) -> AdapterRecord | None:
-        """Unregister the adapter called ``name`` from every stage; the record, or ``None`` if unknown."""
-        record = self.get(name)
-        if record is not None:
-            self.remove(record.int_id)
-        return record
+        """Unregister the adapter called ``name`` from every stage; the record, or ``None`` if no adapter
+        of that name is registered when the call gets the name's lock: of concurrent calls for one
+        registration exactly one gets the record (a serial history: one removal, then "not found")."""
+        with self._name_lock(name):
+            record = self.get(name)
+            if record is not None:
+                self._remove_held(record.int_id, None)
+            return record
 
     def pin(self, int_id: int, stage_id: int | None = None) -> bool:
         """Pin adapter ``int_id`` (never evicted) on ``stage_id``, or on its target stages (every LoRA stage

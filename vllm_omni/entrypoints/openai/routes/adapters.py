@@ -60,9 +60,8 @@ async def unload_lora_adapter(request: Request) -> Response:
     """Unregister a named adapter and remove it from the stages (404 for an unknown name)."""
     state = get_state(request)
     req = parse_body(UnloadLoRAAdapterRequest, await read_json(request))
-    record = state.registry.core.get(req.lora_name)
-    if record is None:
-        raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
     with engine_errors("lora_name", "lora_name"):
-        await state.omni.remove_lora(record.int_id)
+        removed = await state.omni.remove_lora_named(req.lora_name)  # atomic: one removal per registration
+    if not removed:
+        raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
