@@ -105,7 +105,7 @@ class FluxPipeline(InTreePipelineBase):
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
-    extra_args_taken = EXTRA_ARGS
+    extra_args_taken: tuple[str, ...] = EXTRA_ARGS
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         from transformers import AutoTokenizer
