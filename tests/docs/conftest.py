@@ -20,6 +20,7 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
 
     from tools.make_tiny_diffusion import ensure_tiny_diffusion_assets
     from tools.make_tiny_diffusion_lora import ensure_tiny_z_image_loras
+    from tools.make_tiny_flux import ensure_tiny_flux, ensure_tiny_flux_loras
     from tools.make_tiny_qwen3_omni import ensure_tiny_qwen3_omni_assets
     from tools.make_tiny_qwen_image import ensure_tiny_qwen_image, ensure_tiny_qwen_image_loras
     from tools.make_tiny_wan import ensure_tiny_wan, ensure_tiny_wan_loras
@@ -30,6 +31,8 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
     qwen_image = ensure_tiny_qwen_image(root)
     qwen_loras = ensure_tiny_qwen_image_loras(qwen_image, root)
     wan_loras = ensure_tiny_wan_loras(root)
+    flux = ensure_tiny_flux(root, "dev")
+    flux_loras = ensure_tiny_flux_loras(flux, root)
     qwen3_omni = ensure_tiny_qwen3_omni_assets(root)
     assets = {
         "llm_model": tiny_llm_assets.model_dir,
@@ -43,6 +46,9 @@ def docs_assets_root(tiny_llm_assets, tiny_omni_assets, tmp_path_factory) -> Pat
         "qwen_image_edit": ensure_tiny_qwen_image(root, edit=True),
         "qwen_image_kohya": qwen_loras["attn_kohya"],
         "qwen_image_mlp": qwen_loras["mlp"],
+        "flux_dev": flux,
+        "flux_kohya": flux_loras["kohya"],
+        "flux_mlp": flux_loras["mlp"],
         "wan_moe": ensure_tiny_wan(root, moe=True),
         "wan_ti2v": ensure_tiny_wan(root, ti2v=True),
         "wan_high": wan_loras["high"],

@@ -85,6 +85,9 @@ PLACEHOLDERS: dict[str, tuple[str | None, bool]] = {
     "qwen_image_edit": ("qwen_image_edit", False),  # the same weights as QwenImageEditPipeline (+ processor)
     "qwen_image_loras/style.safetensors": ("qwen_image_kohya", True),  # kohya / musubi file, attention
     "qwen_image_loras/detail": ("qwen_image_mlp", True),  # PEFT, r 4, MLPs and txt_mod
+    "flux": ("flux_dev", False),  # tiny FLUX.1-dev diffusers directory (tools/make_tiny_flux.py)
+    "flux_loras/style.safetensors": ("flux_kohya", True),  # kohya sd-scripts file (BFL names), double blocks
+    "flux_loras/detail": ("flux_mlp", True),  # PEFT, r 4, MLPs, single-block modulation, context_embedder
     "wan2.2": ("wan_moe", False),  # tiny Wan2.2-style two-expert directory (tools/make_tiny_wan.py --moe)
     "wan2.2-ti2v-5b": ("wan_ti2v", False),  # tiny TI2V-5B folder, WanPipeline + expand_timesteps (--ti2v)
     "wan_loras/high_noise.safetensors": ("wan_high", True),  # diffusers-format file for transformer
@@ -103,6 +106,7 @@ PLACEHOLDER_DIRS = {
     "qwen2_5_omni_loras",
     "qwen3_omni_loras",
     "qwen_image_loras",
+    "flux_loras",
     "wan_loras",
 }
 
