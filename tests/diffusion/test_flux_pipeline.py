@@ -197,6 +197,49 @@ def test_two_adapters_compose_and_a_mixed_batch_equals_each_alone(omni, flux_dir
         assert _max(out.latents, _latents(omni, prompt, lora_requests=s, lora_scales=sc)) <= TOL
 
 
+@pytest.fixture(scope="module")
+def clip_lora_file(base_pipe, tmp_path_factory):
+    """A diffusers-format Flux file (``FluxPipeline.save_lora_weights``) with a denoiser part and a CLIP-L
+    part (``text_encoder.*``), random r 4 / alpha 6 weights, configs in the header."""
+    import copy
+
+    from diffusers import FluxPipeline
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    parts, meta = {}, {}
+    for seed, (name, model, targets) in enumerate(
+        [
+            ("transformer", base_pipe.transformer, ["to_q", "proj_mlp"]),
+            ("text_encoder", base_pipe.text_encoder, ["q_proj", "fc1"]),
+        ]
+    ):
+        config = LoraConfig(r=4, lora_alpha=6, target_modules=targets, init_lora_weights=False)
+        peft_model = inject_adapter_in_model(config, copy.deepcopy(model))
+        gen = torch.Generator().manual_seed(30 + seed)
+        with torch.no_grad():
+            for key, param in peft_model.named_parameters():
+                if "lora_" in key:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        parts[f"{name}_lora_layers"] = get_peft_model_state_dict(peft_model)
+        meta[f"{name}_lora_adapter_metadata"] = {"r": 4, "lora_alpha": 6, "target_modules": targets}
+    out = tmp_path_factory.mktemp("flux_clip_lora")
+    FluxPipeline.save_lora_weights(out, weight_name="lora.safetensors", **parts, **meta)
+    return out / "lora.safetensors"
+
+
+def test_text_encoder_part_matches_diffusers(omni, flux_dirs, clip_lora_file):
+    """The file's CLIP-L part acts on the pooled prompt (``text_encoder_scale`` follows the scale), as
+    diffusers' ``load_lora_weights`` applies it."""
+    from vllm_omni.lora.request import RequestAdapter
+
+    lora = LoRARequest("clip", 5, str(clip_lora_file))
+    pipe = diffusers_pipe(flux_dirs["dev"], [(clip_lora_file, 1.3)])
+    got = _latents(omni, lora_requests=[lora], lora_scales=[1.3])
+    assert _max(got, diffusers_latents(pipe)) <= TOL
+    no_te = omni.generate(PROMPT, params(), adapters=[RequestAdapter(lora, 1.3, text_encoder_scale=0.0)])
+    assert _max(no_te[0].latents, got) > 50 * TOL  # the encoder part matters
+
+
 def test_per_step_schedule_matches_diffusers_step_callback(omni, flux_dirs, loras):
     steps = [1.5, 0.25]
     got = _latents(omni, lora_requests=[LoRARequest("attn", 1, str(loras["attn"]))], lora_scales=[steps])
