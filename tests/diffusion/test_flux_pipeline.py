@@ -232,7 +232,7 @@ def test_text_encoder_part_matches_diffusers(omni, flux_dirs, clip_lora_file):
     diffusers' ``load_lora_weights`` applies it."""
     from vllm_omni.lora.request import RequestAdapter
 
-    lora = LoRARequest("clip", 5, str(clip_lora_file))
+    lora = LoRARequest("clip", 50, str(clip_lora_file))
     pipe = diffusers_pipe(flux_dirs["dev"], [(clip_lora_file, 1.3)])
     got = _latents(omni, lora_requests=[lora], lora_scales=[1.3])
     assert _max(got, diffusers_latents(pipe)) <= TOL
