@@ -1,17 +1,20 @@
 """Diffusion serving under open-loop arrivals: step-level batching vs whole-request batching (issue 48).
 
 Two stages on the same model run in this process, one with ``batching="step"`` and one with
-``batching="request"`` (both ``max_batch_size`` 8, ``max_loras`` 1, float32). Each serves the same
-requests, taking turns per pattern and round, so a change in the machine's load hits both alike:
+``batching="request"`` (both ``max_batch_size`` 8, ``max_loras`` 1, float32, ``--threads`` intra-op
+threads, default 1). Each serves the same requests, taking turns per pattern (the order alternating by
+round), so a change in the machine's load hits both alike:
 
 * requests alternate long (``--long-steps``, 32) and short (``--short-steps``, 4, with the demo's
   ``warm`` adapter: a Lightning-like distilled request) and use CFG (guidance 3), each with its own seed;
-* ``fixed``: one request every quarter of a long request's time alone (``T_long``, measured first on
-  the request-batching stage); ``poisson``: exponential gaps with the same mean (fixed seed);
+* ``fixed``: one request every quarter of a long request's time alone (``T_long``, measured on the
+  request-batching stage at the start of every round); ``poisson``: exponential gaps with the same mean
+  (seeded by the round);
 * ``saturated``: every request queued at once (throughput: requests per second until the last one).
 
 Latency is from a request's arrival to its result. Reported per pattern and mode: mean / p50 / p90
-latency of all requests and of the short ones, and throughput; then the ratios step / request. Before
+latency of all requests and of the short ones, and throughput (medians over rounds); then the ratios
+step / request (per round, the two modes back to back, and their median). Before
 timing, the first request of each kind is checked: the step stage's latents equal the request stage's
 (within 1e-5). The 1-minute load average is printed with the figures (a shared machine slows both).
 
@@ -125,9 +128,12 @@ def _check_equal(stages: dict, requests) -> None:
 
 
 def run(args) -> dict:
+    import torch
+
     from vllm_omni import Omni
     from vllm_omni.lora.request import LoRARequest
 
+    torch.set_num_threads(args.threads)
     common = dict(dtype="float32", enable_progress_bar=False, max_batch_size=args.max_batch_size, max_loras=1)
     omnis = {mode: Omni(model=str(DEMO), batching=mode, **common) for mode in ("step", "request")}
     stages = {mode: o._orchestrator.runtimes[0] for mode, o in omnis.items()}
@@ -135,27 +141,35 @@ def run(args) -> dict:
         adapter = LoRARequest("warm", 1, str(DEMO / "adapters" / "warm"))
         requests = _requests(args, adapter)
         _check_equal(stages, requests)
-        long_alone = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            stages["request"].submit(requests[0][1]).result()
-            long_alone.append(time.perf_counter() - t0)
-        t_long = min(long_alone)
-        gap = t_long / 4
-        rng = random.Random(0)
-        patterns = {
-            "fixed": [0.0] + [gap] * (len(requests) - 1),
-            "poisson": [0.0] + [rng.expovariate(1 / gap) for _ in range(len(requests) - 1)],
-            "saturated": [0.0] * len(requests),
+        rows: dict[str, dict[str, list[dict]]] = {
+            p: {"step": [], "request": []} for p in ("fixed", "poisson", "saturated")
         }
-        rows: dict[str, dict[str, list[dict]]] = {p: {"step": [], "request": []} for p in patterns}
-        loads = []
-        for _ in range(args.rounds):
+        loads, t_longs = [], []
+        for round_ in range(args.rounds):
+            # T_long per round (least disturbed of two): the machine's load drifts over minutes
+            long_alone = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                stages["request"].submit(requests[0][1]).result()
+                long_alone.append(time.perf_counter() - t0)
+            t_longs.append(min(long_alone))
+            gap = t_longs[-1] / 4
+            rng = random.Random(round_)
+            patterns = {
+                "fixed": [0.0] + [gap] * (len(requests) - 1),
+                "poisson": [0.0] + [rng.expovariate(1 / gap) for _ in range(len(requests) - 1)],
+                "saturated": [0.0] * len(requests),
+            }
+            order = ("request", "step") if round_ % 2 == 0 else ("step", "request")
             for pattern, gaps in patterns.items():
-                for mode in ("request", "step"):
+                for mode in order:
                     loads.append(os.getloadavg()[0])
                     rows[pattern][mode].append(_summary(_serve(stages[mode], requests, gaps)))
-                    print(f"  {pattern:9s} {mode:7s} done (load {os.getloadavg()[0]:.1f})", flush=True)
+                    print(
+                        f"  round {round_} T_long {t_longs[-1]:.2f} s {pattern:9s} {mode:7s} done "
+                        f"(load {os.getloadavg()[0]:.1f})",
+                        flush=True,
+                    )
     finally:
         for o in omnis.values():
             o.shutdown()
@@ -169,16 +183,17 @@ def run(args) -> dict:
         return statistics.median(vals)
 
     report = {
-        "t_long_alone_s": t_long,
-        "gap_s": gap,
+        "t_long_alone_s": t_longs,
         "requests": args.requests,
         "size": args.size,
         "steps": [args.long_steps, args.short_steps],
         "load_avg_1m": [min(loads), max(loads)],
+        "threads": args.threads,
         "patterns": {},
     }
     print(
-        f"\nT_long alone {t_long:.2f} s, arrivals every {gap:.2f} s (fixed) / mean {gap:.2f} s (poisson); "
+        f"\nT_long alone {', '.join(f'{t:.2f}' for t in t_longs)} s (per round); arrivals every T_long / 4 "
+        "(fixed) or Poisson with that mean; "
         f"{args.requests} requests, {args.size}x{args.size}; load average {min(loads):.1f}-{max(loads):.1f}"
     )
     print(
@@ -200,11 +215,12 @@ def run(args) -> dict:
                 f"{pattern:9s} {mode:7s} {a['all']['mean']:7.2f} {a['all']['p50']:7.2f} {a['all']['p90']:7.2f} "
                 f"{a['short']['mean']:10.2f} {a['throughput']:7.3f}"
             )
-        s, q = out["step"], out["request"]
+        # per round (the two modes ran back to back), then the median over rounds
+        pairs = list(zip(by_mode["step"], by_mode["request"], strict=True))
         out["ratios"] = {
-            "short_mean": s["short"]["mean"] / q["short"]["mean"],
-            "all_mean": s["all"]["mean"] / q["all"]["mean"],
-            "throughput": s["throughput"] / q["throughput"],
+            "short_mean": statistics.median(s["short"]["mean"] / q["short"]["mean"] for s, q in pairs),
+            "all_mean": statistics.median(s["all"]["mean"] / q["all"]["mean"] for s, q in pairs),
+            "throughput": statistics.median(s["throughput"] / q["throughput"] for s, q in pairs),
         }
         r = out["ratios"]
         print(
@@ -225,6 +241,9 @@ def main() -> None:
     parser.add_argument("--long-steps", type=int, default=32)
     parser.add_argument("--short-steps", type=int, default=4)
     parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared machine)"
+    )
     parser.add_argument(
         "--output-type", default="pil", choices=("pil", "latent"), help="'latent': no VAE decode"
     )

@@ -53,6 +53,7 @@ def test_stage_carries_typed_config_with_defaults_and_explicit_options():
     [
         ({"lora_backend": "lycoris"}, r"lora_backend must be one of \['peft', 'distill'\], got 'lycoris'"),
         ({"pipeline_backend": "onnx"}, r"pipeline_backend must be one of"),
+        ({"batching": "steps"}, r"batching must be one of \['request', 'step'\], got 'steps'"),
         ({"dtype": "int8"}, r"dtype must be a torch.dtype or one of"),
         ({"device": "tpu"}, r"device must be 'cpu', 'cuda' or None"),
         ({"max_loras": 2, "max_cpu_loras": 1}, r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),

@@ -189,3 +189,32 @@ def test_failing_and_cancelled_requests_leave_the_running_batch_unchanged(stage,
     _, prompt, params, ads, seed = SCRIPT[1]
     out = stage.submit(StageRequest(prompt, dataclasses.replace(params, seed=seed), ads))
     torch.testing.assert_close(out.result().latents, alone[1], atol=1e-5, rtol=1e-5)
+
+
+def test_admission_bounds_the_running_set_and_keeps_order():
+    """``max_batch_size`` requests run at once, with at most ``max_loras`` distinct adapters; a request
+    that would exceed it waits, later ones that bring new adapters wait behind it, others pass."""
+    from collections import deque
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from vllm_omni.engine.diffusion_steps import StepScheduling
+
+    def item(*loras):
+        return SimpleNamespace(adapters=adapters(*((lora, 1.0) for lora in loras)), future=Future())
+
+    other = LoRARequest("other", 3, WARM.lora_path)
+    stage = StepScheduling()
+    stage._init_steps()
+    stage.max_batch_size, stage.max_loras = 4, 2
+    stage._running = {0: (item(WARM), 0.0)}
+    blocked, plain, same, behind, gone, late = item(STRIPES, other), item(), item(WARM), item(other), item(), item()
+    gone.future.cancel()
+    stage._queue = deque([blocked, plain, same, behind, gone, late])
+    assert stage._take_joining() == [plain, same, late]
+    assert list(stage._queue) == [blocked, behind]
+    stage._running = {}
+    # the first request always joins an empty set (its own adapters are checked when it joins); the
+    # next one uses only adapters already joining
+    assert stage._take_joining() == [blocked, behind]
+    assert not stage._queue

@@ -76,7 +76,8 @@ class StepScheduling:
             if item.future.cancelled():
                 continue
             new = {a.lora.lora_int_id for a in item.adapters} - ids
-            if len(joining) >= room or (new and (blocked or len(ids | new) > self.max_loras)):
+            alone = not self._running and not joining  # always runs (its own adapters are checked at join)
+            if len(joining) >= room or (new and not alone and (blocked or len(ids | new) > self.max_loras)):
                 blocked = blocked or bool(new)
                 rest.append(item)
                 continue
