@@ -39,8 +39,8 @@ from vllm_omni.config.diffusion import IN_TREE_PIPELINES, is_known_pipeline_clas
 from vllm_omni.config.stage_config import DiffusionStageConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.pipelines.base import check_image_side
-from vllm_omni.diffusion.worker_lora import startup_lora_request
 from vllm_omni.diffusion.step_batching import step_supported
+from vllm_omni.diffusion.worker_lora import startup_lora_request
 from vllm_omni.engine.diffusion_steps import StepScheduling
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
