@@ -59,7 +59,13 @@ class OmniError(Exception):
 
 
 class OmniUserError(OmniError, ValueError):
-    """The caller's input is wrong (HTTP: 400). The message says which input and why."""
+    """The caller's input is wrong (HTTP: 400). The message says which input and why.
+
+    Attributes:
+        param: the request field at fault, when the raiser knows it (the HTTP error body's ``param``).
+    """
+
+    param: str | None = None
 
 
 class ConfigError(OmniUserError):

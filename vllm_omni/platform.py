@@ -158,7 +158,7 @@ def _without_negative_rows(op: Callable) -> Callable:
             lora_indices_tensor = lora_indices_tensor.clamp(min=0)
         return op(inputs, lora_weights, output_tensor, lora_indices_tensor, *rest, **kw)
 
-    op_skipping_rows_without_adapter.vllm_omni_original = op
+    op_skipping_rows_without_adapter.vllm_omni_original = op  # type: ignore[attr-defined]  # a function attribute
     return op_skipping_rows_without_adapter
 
 

@@ -27,6 +27,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def watch_parent() -> bool:
         if _watching_pid == os.getpid():
             return True
         _watching_pid = os.getpid()
+    target: Callable[[int], None]
     if _followed is not None and _followed[0] == os.getpid():
         target, args = _watch_followed, (_followed[1],)
     else:

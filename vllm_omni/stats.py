@@ -294,7 +294,8 @@ class StatsRecorder:
             held = self._versions.setdefault(name, {})
             if version is None:
                 held.clear()
-            held.pop(version, None)
+            else:
+                held.pop(version, None)
             a.loaded, a.pinned = bool(held), any(held.values())
             a.evictions += evicted
 

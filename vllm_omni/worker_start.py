@@ -125,6 +125,14 @@ _idle_timer: threading.Timer | None = None
 preloaded_at_entry = False
 
 
+def _mp_fork_server() -> Any:
+    """``multiprocessing``'s fork-server singleton. Its pid, address and "alive" pipe are private
+    attributes (no public API reads them or stops the server), so they are read and reset here."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver  # type: ignore[attr-defined]
+
+
 def start_method() -> str:
     """The start method of this process's workers (:data:`START_ENV`, default ``forkserver``).
 
@@ -155,7 +163,7 @@ def start_preloaded() -> bool:
     from multiprocessing import forkserver
 
     with START_LOCK:
-        server = forkserver._forkserver
+        server = _mp_fork_server()
         if _started_by not in (None, os.getpid()):  # inherited through fork(): its parent's
             if _shared and _alive(server._forkserver_pid):
                 server.ensure_running = _ensure_shared_running  # it is not our child: no waitpid
@@ -243,9 +251,8 @@ def _stop_if_idle() -> None:
 
 def server_pid() -> int | None:
     """The pid of the fork server this process's workers start from (``None``: none yet)."""
-    from multiprocessing import forkserver
 
-    return forkserver._forkserver._forkserver_pid
+    return _mp_fork_server()._forkserver_pid
 
 
 def _alive(pid: int | None) -> bool:
@@ -263,11 +270,12 @@ def _alive(pid: int | None) -> bool:
 def _ensure_shared_running() -> None:
     """``ForkServer.ensure_running`` in a fork of the process that shares its fork server: that
     server is not this process's child (``waitpid`` would fail), so only check that it lives."""
-    from multiprocessing import forkserver, resource_tracker
+    from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    if not _alive(forkserver._forkserver._forkserver_pid):
-        raise OSError(f"the shared worker fork server {forkserver._forkserver._forkserver_pid} is gone")
+    pid = _mp_fork_server()._forkserver_pid
+    if not _alive(pid):
+        raise OSError(f"the shared worker fork server {pid} is gone")
 
 
 def _stop_server() -> None:
@@ -276,9 +284,8 @@ def _stop_server() -> None:
     Called when the last holder releases it (:func:`release`) and at this process's exit (after
     its workers were shut down); a later worker start starts a new one."""
     global _server_pid, _server_env, _forked
-    from multiprocessing import forkserver
 
-    server = forkserver._forkserver
+    server = _mp_fork_server()
     if _started_by != os.getpid() or server._forkserver_alive_fd is None:
         return
     pid = server._forkserver_pid
@@ -400,11 +407,16 @@ def process_for(
                 ", ".join(bad),
             )
             how = "spawn"
-    ctx = multiprocessing.get_context(how)
+    proc: multiprocessing.process.BaseProcess
     if how == "forkserver":
         args = (target, (_StdFd(1), _StdFd(2)), environ, os.getpid(), *args)
-        target = preloaded_main
-    proc = ctx.Process(target=target, args=args, name=name, daemon=daemon)
+        proc = multiprocessing.get_context("forkserver").Process(
+            target=preloaded_main, args=args, name=name, daemon=daemon
+        )
+    else:
+        proc = multiprocessing.get_context("spawn").Process(
+            target=target, args=args, name=name, daemon=daemon
+        )
     return proc, how
 
 
@@ -466,9 +478,8 @@ def preloaded_main(
     process_guard.follow(driver)  # its parent watch follows the driver, not the fork server
     preloaded_at_entry = "vllm" in sys.modules
     atexit.unregister(_exit_now)  # registered in the fork server; this is a worker
-    from multiprocessing import forkserver
 
-    server = forkserver._forkserver
+    server = _mp_fork_server()
     if server._forkserver_alive_fd is not None:  # the fork server must end with the driver
         with contextlib.suppress(OSError):
             os.close(server._forkserver_alive_fd)

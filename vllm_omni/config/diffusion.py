@@ -81,7 +81,7 @@ def is_known_pipeline_class(class_name: str | None) -> bool:
     # measured: ~0.9 s CPU on top of vLLM and torch)
     import diffusers
 
-    return bool(class_name) and hasattr(diffusers, class_name)
+    return bool(class_name) and hasattr(diffusers, str(class_name))
 
 
 @dataclass

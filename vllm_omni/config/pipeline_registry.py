@@ -299,7 +299,8 @@ def pipeline_for_model(model: str) -> PipelineConfig:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
     kind, cfg = read_model_dir_config(path)
-    if kind == "llm" and _hf_architecture(cfg) in PIPELINES_BY_ARCHITECTURE:
-        with_audio, text_only = PIPELINES_BY_ARCHITECTURE[_hf_architecture(cfg)]
+    architecture = _hf_architecture(cfg) if kind == "llm" else None
+    if architecture is not None and architecture in PIPELINES_BY_ARCHITECTURE:
+        with_audio, text_only = PIPELINES_BY_ARCHITECTURE[architecture]
         return resolve_pipeline_config(with_audio if cfg.get("enable_audio_output", True) else text_only, cfg)
     return resolve_pipeline_config("default_diffusion" if kind == "diffusion" else "default_llm", cfg)

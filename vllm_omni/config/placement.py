@@ -56,7 +56,7 @@ def parse_devices(value: Any) -> list[str] | None:
         raise ConfigError(
             f"devices: unknown device name(s) {bad}{hint}; expected {_EXAMPLES}", options=("devices",)
         )
-    names = [n if n == "cpu" else f"cuda:{int(_CUDA.match(n)[1])}" for n in names]  # cuda:01 -> cuda:1
+    names = [n if n == "cpu" else f"cuda:{int(n.partition(':')[2])}" for n in names]  # cuda:01 -> cuda:1
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"devices lists {twice} more than once: {value!r}", options=("devices",))

@@ -543,8 +543,8 @@ def pair_lora_tensors(
                     f"{source}: module {match['module']!r} appears twice (several adapters?)"
                 )
             target[match["module"]] = _as_float32(tensor, key, source)
-        elif allow_alpha_keys and _ALPHA_KEY.match(key) and tensor.numel() == 1:
-            alphas[_ALPHA_KEY.match(key)["module"]] = float(tensor.reshape(()).float().item())
+        elif allow_alpha_keys and (alpha := _ALPHA_KEY.match(key)) and tensor.numel() == 1:
+            alphas[alpha["module"]] = float(tensor.reshape(()).float().item())
         else:
             unknown.append(key)
     if unknown:

@@ -90,7 +90,7 @@ class AdapterFileAllowList:
             )
 
 
-class RefusedRestore(LoRARequest, kw_only=True):
+class RefusedRestore(LoRARequest, kw_only=True):  # type: ignore[call-arg]  # a msgspec Struct (vLLM, not analysed)
     """An adapter a restarting worker must not load again: reading its files now is refused
     (``refusal`` says why, naming the file); the restart reports it as not restored."""
 

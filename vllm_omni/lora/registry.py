@@ -344,7 +344,7 @@ class AdapterRegistry:
             return old.targets if old is not None and old.targets else (self.entry_stage_id,)
         if isinstance(stage_id, int) and not isinstance(stage_id, bool):
             return (stage_id,)
-        ids = tuple(dict.fromkeys(stage_id))
+        ids = tuple(dict.fromkeys(stage_id))  # type: ignore[arg-type]  # a bool is refused just below
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise InvalidAdapterError(
                 f"stage_id must be a stage id or a non-empty list of them, got {stage_id!r}"
@@ -423,8 +423,11 @@ class AdapterRegistry:
             name = canonical_denoiser(denoiser, f"{describe_adapter(lora)}: denoiser")
         except InvalidRequestError as exc:
             raise denoiser_error(str(exc)) from None
-        for stage in targets if self._denoisers is not None else ():
-            have = self._denoisers(stage)
+        denoisers = self._denoisers
+        for stage in targets:
+            if denoisers is None:
+                break
+            have = denoisers(stage)
             if have is not None and name not in have:
                 given = repr(denoiser) if denoiser == name else f"{denoiser!r} ({name})"
                 raise denoiser_error(

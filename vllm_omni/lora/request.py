@@ -31,7 +31,7 @@ from typing import Any
 from vllm.lora.request import LoRARequest
 
 from vllm_omni.errors import InvalidRequestError
-from vllm_omni.lora.schedule import MAX_ADAPTER_SCALE, LoRAScaleSchedule, coerce_scale
+from vllm_omni.lora.schedule import MAX_ADAPTER_SCALE, LoRAScaleSchedule, coerce_number, coerce_scale
 from vllm_omni.lora.tensor_request import TensorLoRARequest
 
 __all__ = [
@@ -115,7 +115,7 @@ def assign_denoisers(adapters: Sequence[RequestAdapter], denoisers: Sequence[str
     if len(denoisers) == 1:
         return [denoisers[0]] * len(adapters)
     if all(name is not None for name in named):
-        return list(named)
+        return [name for name in named if name is not None]
     if any(name is not None for name in named):
         unnamed = [_adapter_label(a, i) for i, a in enumerate(adapters) if a.denoiser is None]
         raise InvalidRequestError(
@@ -385,7 +385,7 @@ def _text_encoder_scale(value: Any, where: str) -> float | None:
             f"{where} must be a number (the prompt is encoded once, so it has no per-step or per-block "
             f"schedule), got {type(value).__name__}"
         )
-    return coerce_scale(value, where)
+    return None if value is None else coerce_number(value, where)
 
 
 def to_request_adapters(
@@ -463,6 +463,8 @@ def gather_request_adapters(
         raise InvalidRequestError("lora_scale needs lora_request (use lora_scales with lora_requests)")
     if lora_scales and not lora_requests:
         raise InvalidRequestError("lora_scales needs lora_requests")
+    requests: Sequence[LoRARequest]
+    scales: Sequence[float] | None
     if lora_request is not None:
         requests, scales = [lora_request], None if lora_scale is None else [lora_scale]
     elif lora_requests:

@@ -50,7 +50,12 @@ def step_fraction(step: int, num_steps: int) -> float:
     return step / num_steps
 
 
-def _number(value: Any, where: str) -> float:
+def coerce_number(value: Any, where: str) -> float:
+    """A plain scale: a finite int or float within the scale limits, as ``float``.
+
+    Raises:
+        InvalidRequestError: anything else (naming ``where``).
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         value = f"a {type(value).__name__}"
     else:
@@ -119,7 +124,7 @@ class LoRAScaleSchedule:
                 )
             steps, blocks = value.get("steps"), value.get("blocks") or ()
         elif isinstance(value, list | tuple):
-            steps, blocks = value, ()
+            steps, blocks = tuple(value), ()
         else:
             raise InvalidRequestError(
                 f"{where} must be a number, a list or {{'steps': ..., 'blocks': {{...}}}}, got {type(value).__name__}"
@@ -269,12 +274,12 @@ def _parse_steps(steps: Any, where: str) -> float | tuple[float, ...] | tuple[Sc
     if steps is None:
         return None
     if not isinstance(steps, list | tuple):
-        return _number(steps, where)
+        return coerce_number(steps, where)
     if not steps or len(steps) > MAX_SCHEDULE_ITEMS:
         raise InvalidRequestError(f"{where} must hold 1 to {MAX_SCHEDULE_ITEMS} entries, got {len(steps)}")
     if all(isinstance(s, Mapping | ScaleRange) for s in steps):
         return _parse_ranges(steps, where)
-    return tuple(_number(v, f"{where}[{i}]") for i, v in enumerate(steps))
+    return tuple(coerce_number(v, f"{where}[{i}]") for i, v in enumerate(steps))
 
 
 def _parse_ranges(items: Sequence[Any], where: str) -> tuple[ScaleRange, ...]:
@@ -290,10 +295,10 @@ def _parse_ranges(items: Sequence[Any], where: str) -> tuple[ScaleRange, ...]:
                 f"{at} must have exactly the keys 'start', 'end', 'scale' (missing "
                 f"{missing}, unknown {unknown})"
             )
-        start, end = (_number(item[k], f"{at}.{k}") for k in ("start", "end"))
+        start, end = (coerce_number(item[k], f"{at}.{k}") for k in ("start", "end"))
         if not 0.0 <= start < end <= 1.0:
             raise InvalidRequestError(f"{at} needs 0 <= start < end <= 1, got start={start:g} end={end:g}")
-        ranges.append(ScaleRange(start, end, _number(item["scale"], f"{at}.scale")))
+        ranges.append(ScaleRange(start, end, coerce_number(item["scale"], f"{at}.scale")))
     ranges.sort(key=lambda r: r.start)
     edge = 0.0
     for r in ranges:
@@ -329,7 +334,7 @@ def _parse_blocks(blocks: Any, where: str) -> tuple[tuple[str | int, float], ...
             raise InvalidRequestError(
                 f"{where}: key {key!r} must be a module-name pattern or a block index >= 0"
             )
-        out.append((key, _number(multiplier, f"{where}[{key!r}]")))
+        out.append((key, coerce_number(multiplier, f"{where}[{key!r}]")))
     return tuple(out)
 
 
@@ -343,4 +348,4 @@ def coerce_scale(value: Any, where: str) -> float | LoRAScaleSchedule | None:
         return None
     if isinstance(value, LoRAScaleSchedule | Mapping | list | tuple):
         return LoRAScaleSchedule.parse(value, where)
-    return _number(value, where)
+    return coerce_number(value, where)

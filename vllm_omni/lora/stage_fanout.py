@@ -56,9 +56,12 @@ class StageFanOut:
         done: list[tuple[int, bool]] = []
         states: dict[int, StageState] = {}
         engine = record.engine
-        for stage in targets if self._check is not None else ():
+        check = self._check
+        for stage in targets:
+            if check is None:
+                break
             try:
-                self._check(stage, engine)
+                check(stage, engine)
             except OmniError as exc:
                 raise restate(exc, self.where(record, stage)) from exc
         for stage in targets:

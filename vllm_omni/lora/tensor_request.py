@@ -94,7 +94,7 @@ def _digest(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> s
     return digest.hexdigest()
 
 
-class TensorLoRARequest(LoRARequest, kw_only=True):
+class TensorLoRARequest(LoRARequest, kw_only=True):  # type: ignore[call-arg]  # a msgspec Struct (vLLM, not analysed)
     """A LoRA adapter handed over in memory (see the module docstring).
 
     Keywords:
@@ -116,7 +116,7 @@ class TensorLoRARequest(LoRARequest, kw_only=True):
     content_sha256: str = ""
 
     def __post_init__(self) -> None:
-        if not self.lora_path:
+        if not self.lora_path:  # type: ignore[has-type]  # a field of vLLM's LoRARequest (not analysed)
             self.lora_path = f"{TENSOR_SCHEME}{self.lora_name}"
         if not self.content_sha256:  # built by a caller (a rebuilt pickle keeps its owned copies)
             source = f"adapter {self.lora_name!r} (id {self.lora_int_id}, in memory)"
