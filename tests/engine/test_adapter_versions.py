@@ -9,15 +9,19 @@ compared token for token with transformers+peft on the weights that are on disk 
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 from vllm import SamplingParams
 
 from tests.llm_reference import hf_greedy
+from tests.waiting import wait_until
 from vllm_omni.errors import InvalidAdapterError
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.inputs.stage_request import StageRequest
+from vllm_omni.lora.request import LoRARequest, RequestAdapters
 
 N = 6
 PROMPT_IDS = [10 + (i * 37) % 480 for i in range(300)]  # ~300 tokens: several full prefix-cache blocks
@@ -43,7 +47,7 @@ def omni(tiny_llm_assets):
         str(tiny_llm_assets.model_dir),
         enable_lora=True,
         max_lora_rank=16,
-        max_loras=2,
+        max_loras=1,  # and max_cpu_loras 1: the RL rollout set-up (one slot, pinned in one test)
         enable_prefix_caching=True,
         max_model_len=512,
         dtype="float32",
@@ -93,41 +97,81 @@ def test_a_new_path_under_a_registered_name_is_a_new_version(omni, tiny_llm_asse
     assert omni.adapter_registry.get("w").int_id == 22 and omni.remove_lora(22)
 
 
-def test_an_update_with_every_slot_pinned_is_refused_and_the_old_version_serves(
-    omni, tiny_llm_assets, tmp_path
-):
-    """Issue 35 item 7: with as many pinned adapters as vLLM's cache holds (``max_cpu_loras`` 2), a new
-    version of one of them (files rewritten in place) has no room. A reload used to raise vLLM's bare
-    ``All items are pinned ...`` and every later request naming the adapter failed with it; now the
-    reload is refused naming the adapter, the stage and the limits, and requests keep getting the loaded
-    version (transformers+peft on the old files). Once there is room, a reload serves the new files."""
-    from vllm_omni.errors import AdapterUpdateRefusedError
+def test_a_pinned_adapter_updates_in_place_with_every_slot_pinned(omni, tiny_llm_assets, tmp_path):
+    """Issues 35 / 46, the RL rollout set-up: ``max_loras=1, max_cpu_loras=1`` and the one adapter pinned.
+    Five updates (files rewritten, ``add_lora(reload=True)``) during a stream of requests: each new
+    version is validated off-slot, then swapped into the slot the old one holds once the old one's
+    running request is done. Every request equals one version's transformers+peft tokens (never a mix,
+    never an error), a request running when an update starts finishes on its version, a request sent
+    after an update returns gets the new one; a refused version leaves the old one serving, pinned."""
+    from safetensors.torch import load_file, save_file
 
-    model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
+    model, a = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a
     for record in omni.adapter_registry.records():
         omni.remove_lora(record.int_id)
-    p, q = LoRARequest("p", 31, str(shutil.copytree(a, tmp_path / "p"))), LoRARequest("q", 32, str(b))
-    for lora in (p, q):
-        assert omni.add_lora(lora) and omni.pin_lora(lora.lora_int_id)
-    _copy_over(b, tmp_path / "p")
-    ref_a = hf_greedy(model, PROMPT_IDS, N, a)
-    assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == ref_a
-    with pytest.raises(
-        AdapterUpdateRefusedError, match=r"'p'.*Stage 0.*pinned \(p, q; max_cpu_loras=2"
-    ) as info:
+    # two versions with one config (a trainer's steps): a's weights, and a's with lora_B negated
+    neg = shutil.copytree(a, tmp_path / "neg")
+    tensors = load_file(a / "adapter_model.safetensors")
+    save_file({k: -v if "lora_B" in k else v for k, v in tensors.items()}, neg / "adapter_model.safetensors")
+    dirs = {"a": a, "b": neg}
+    refs = {k: hf_greedy(model, PROMPT_IDS, N, d) for k, d in dirs.items()}
+    assert refs["a"] != refs["b"]
+    path = shutil.copytree(a, tmp_path / "p")
+    p = LoRARequest("p", 31, str(path))
+    assert omni.add_lora(p) and omni.pin_lora(31)
+    runtime = omni._orchestrator.runtimes[0]
+    outputs: list[list[int]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def save(version: str) -> None:
+        """The trainer's save: the weights written beside, then renamed over the served file."""
+        tmp = path / "adapter_model.safetensors.tmp"
+        shutil.copyfile(dirs[version] / "adapter_model.safetensors", tmp)
+        os.replace(tmp, path / "adapter_model.safetensors")
+
+    def stream():
+        while not stop.is_set():
+            try:
+                outputs.append(list(omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    try:
+        for version in range(1, 6):
+            old, new = ("a", "b") if version % 2 else ("b", "a")
+            bound = RequestAdapters.of(omni.adapter_registry.get("p").engine)
+            long = runtime.submit(
+                StageRequest(
+                    PROMPT_IDS, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), bound
+                )
+            )
+            wait_until(lambda f=long: any(i.future is f for i in list(runtime._running.values())), "running")
+            save(new)
+            omni.add_lora(p, reload=True)  # waits for the running request of the old version (or no-op:
+            # a request of the stream saw the new files first and registered them)
+            assert long.result(timeout=600).outputs[0].token_ids[:N] == refs[old], f"update {version}"
+            assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == refs[new]
+            assert omni.adapter_registry.get("p").version == 1 + version
+            assert omni.list_loras() == {31} and len(runtime._engine.list_loras()) == 1
+    finally:
+        stop.set()
+        streamer.join()
+    assert errors == [] and len(outputs) >= 5
+    assert all(out in refs.values() for out in outputs)
+    # a version the stage refuses: the old one keeps serving, pinned
+    rank64 = tiny_llm_assets.adapter_rank64
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(rank64 / name, path / name)
+    with pytest.raises(InvalidAdapterError):
         omni.add_lora(p, reload=True)
-    assert "All items are pinned" not in str(info.value) and "version 1 of 'p' keeps serving" in str(
-        info.value
-    )
-    assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == ref_a
-    assert omni.list_loras() == {31, 32} and omni.adapter_registry.get("p").version == 1
-    assert omni.remove_lora(32)  # room: the next request naming p gets the files on disk
-    assert omni.generate(PROMPT_IDS, greedy(), lora_request=p)[0].token_ids == hf_greedy(
-        model, PROMPT_IDS, N, b
-    )
-    assert omni.add_lora(p, reload=True) is False  # that version is registered already
-    assert omni.list_loras() == {31} and omni.adapter_registry.get("p").version == 2
-    stats = omni.stage_stats()[0].adapters["p"]  # item 6: the name stays loaded and pinned across versions
+    record = omni.adapter_registry.get("p")
+    assert record.version == 6 and runtime._engine.list_loras() == {record.engine.lora_int_id}
+    kept = runtime.submit(StageRequest(PROMPT_IDS, greedy(), RequestAdapters.of(record.engine)))
+    assert kept.result(timeout=600).outputs[0].token_ids == refs["b"]  # version 5's weights
+    stats = omni.stage_stats()[0].adapters["p"]
     assert (stats.loaded, stats.pinned) == (True, True)
     assert omni.remove_lora(31)
 
@@ -140,10 +184,6 @@ def test_a_folder_rewritten_in_place_never_reaches_a_request_bound_to_its_loaded
     folder (truncated, half written, then complete) must not change what requests bound to the loaded
     version get (queued while the folder changes, running, or loaded again after an eviction), and must
     not take the stage down; the next request through the registry gets the new files."""
-    from tests.waiting import wait_until
-    from vllm_omni.inputs.stage_request import StageRequest
-    from vllm_omni.lora.request import RequestAdapters
-
     model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
     ref_a, ref_b = hf_greedy(model, PROMPT_IDS, N, a), hf_greedy(model, PROMPT_IDS, N, b)
     path = shutil.copytree(a, tmp_path / "served")

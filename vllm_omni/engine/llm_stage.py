@@ -161,6 +161,10 @@ class LLMStageEngine(StageDriver):
         #: adapter folders read by the validator, in their in-memory form ({lora_int_id: form}): vLLM
         #: loads these bytes, never the files (see :func:`~vllm_omni.engine.tensor_lora.held_form`)
         self._held_files: dict[int, LoRARequest] = {}
+        #: the request each adapter in the engine was loaded from (driver thread): a swap puts it back
+        self._engine_requests: dict[int, LoRARequest] = {}
+        #: pending in-place updates of a pinned adapter (driver thread): {old id: (new version, future)}
+        self._swaps: dict[int, tuple[LoRARequest, Future]] = {}
         #: adapter names by id, for the statistics (``stats()``)
         self._lora_names: dict[int, str] = {}
         #: adapters removed while requests using them still ran (driver thread only): vLLM's worker
@@ -310,11 +314,23 @@ class LLMStageEngine(StageDriver):
             self._validate_adapter(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Validate then register an adapter in the engine's CPU cache."""
+        """Validate then register an adapter in the engine's CPU cache.
+
+        A new version of a pinned adapter when every entry is pinned (``max_loras=1``, the RL rollout
+        set-up) takes the old version's place (:meth:`_swap_in`): validated off-slot first, it replaces
+        the old one once no running request uses it (this call waits for that), pinned as the old one
+        was; queued requests of the old version then run on the new one. A failure leaves the old
+        version loaded and pinned.
+
+        Raises:
+            InvalidAdapterError: refused by validation (nothing changed).
+            LoRACacheError: every entry is pinned by other adapters.
+        """
         self._require_lora()
         try:
             self._validate_adapter(lora_request)
-            return self._call(lambda: self._load_adapter(lora_request, self._loaded_ids()))
+            result = self._call(lambda: self._load_or_swap(lora_request))
+            return result.result() if isinstance(result, Future) else result
         except Exception:
             self.recorder.count(self._lora_name(lora_request), "registration_failures")
             raise
@@ -422,6 +438,7 @@ class LLMStageEngine(StageDriver):
         """Drop what this stage holds for ``lora_int_id`` outside the engine (driver thread)."""
         tensor_lora.forget(lora_int_id, self)
         self._held_files.pop(lora_int_id, None)
+        self._engine_requests.pop(lora_int_id, None)
 
     def _remove_deferred(self) -> None:
         """Remove the deferred adapters no running request uses any more (driver thread)."""
@@ -430,6 +447,60 @@ class LLMStageEngine(StageDriver):
             self._forget(lora_int_id)
             self._engine.remove_lora(lora_int_id)
         self._removal_deferred -= done
+
+    def _load_or_swap(self, lora: LoRARequest) -> bool | Future:
+        """``_load_adapter``, or, with no room, the pending swap of another version of a pinned adapter
+        of the same name (driver thread): a future of its result."""
+        loaded = self._loaded_ids()
+        try:
+            return self._load_adapter(lora, loaded)
+        except LoRACacheError:
+            old = next(
+                (
+                    i
+                    for i in sorted(loaded)
+                    if i != lora.lora_int_id and self._lora_names.get(i) == lora.lora_name
+                ),
+                None,
+            )
+            if old is None or old in self._swaps or old not in self._engine_requests:
+                raise
+        done: Future = Future()
+        self._swaps[old] = (lora, done)
+        self._try_swaps()
+        return done
+
+    def _try_swaps(self) -> None:
+        """Run the pending swaps whose old version no running request uses any more (driver thread)."""
+        for old in [i for i in self._swaps if i not in self._ids_in_use()]:
+            new, done = self._swaps.pop(old)
+            try:
+                done.set_result(self._swap_in(old, new))
+            except Exception as exc:
+                done.set_exception(exc)
+
+    def _swap_in(self, old: int, new: LoRARequest) -> bool:
+        """Replace adapter ``old`` (pinned, unused) by ``new`` in the engine, pinned; queued requests of
+        ``old`` are bound to ``new``. If ``new`` fails to load, ``old`` is loaded and pinned again."""
+        previous = self._engine_requests[old]
+        self._engine.remove_lora(old)
+        try:
+            added = self._load_adapter(new, self._loaded_ids())
+            self._engine.pin_lora(new.lora_int_id)
+        except Exception:
+            self._engine.remove_lora(new.lora_int_id)
+            self._engine.add_lora(self._vllm_form(previous))
+            self._engine.pin_lora(old)
+            raise
+        self._engine_requests.pop(old, None)
+        name = self._lora_names.get(old, str(old))
+        self.recorder.unloaded(name, version=old)
+        self.recorder.pinned(name, new.lora_int_id)
+        with self._cv:
+            for item in self._queue:
+                if item.lora_request is not None and item.lora_request.lora_int_id == old:
+                    item.lora_request = new
+        return added
 
     def _load_adapter(self, lora: LoRARequest, loaded: set[int]) -> bool:
         """``engine.add_lora`` on the driver thread, noting its seconds and the adapters the
@@ -455,6 +526,7 @@ class LLMStageEngine(StageDriver):
                 "(and max_loras) above the number of pinned adapters"
             ) from exc
         seconds = time.perf_counter() - start
+        self._engine_requests[lora.lora_int_id] = lora
         now = self._loaded_ids()
         self.recorder.loaded(
             self._lora_name(lora), seconds if lora.lora_int_id not in loaded else None, lora.lora_int_id
@@ -485,10 +557,14 @@ class LLMStageEngine(StageDriver):
         """Move queued requests into the engine (adapter and no-adapter requests share batches)."""
         if self._holds:
             return
+        if self._swaps:
+            self._try_swaps()
         loaded: set[int] | None = None  # adapters in the engine's cache, read once per admission round
         while self._queue:
             item = self._queue[0]
             has_lora = item.lora_request is not None
+            if has_lora and item.lora_request.lora_int_id in self._swaps:
+                break  # its adapter is being replaced: admitted (on the new version) once that is done
             self._queue.popleft()
             if item.future.cancelled():
                 continue
@@ -581,6 +657,9 @@ class LLMStageEngine(StageDriver):
                         item.future.set_result(out)
             if self._removal_deferred:
                 self._remove_deferred()
+            if self._swaps:
+                with self._cv:
+                    self._try_swaps()
 
     def _stream_piece(self, item: _Pending, delta: RequestOutput) -> RequestOutput | None:
         """Hand one piece of a streaming request to its consumer; the merged output so far.
