@@ -42,7 +42,7 @@ from vllm_omni.diffusion.pipelines.base import check_image_side
 from vllm_omni.diffusion.step_batching import step_supported
 from vllm_omni.diffusion.worker_lora import startup_lora_request
 from vllm_omni.engine.diffusion_steps import StepScheduling
-from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
+from vllm_omni.engine.protocols import AdapterCapabilities, InputKind, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import (
     ConfigError,
@@ -144,6 +144,7 @@ class DiffusionStageEngine(StepScheduling, StageDriver):
             raise StageEngineError(f"{stage.label}: invalid diffusion option(s): {exc}") from exc
         self.default_seed = self.od_config.seed
         self.max_batch_size = self.od_config.max_batch_size
+        self.max_loras = self.od_config.max_loras
         try:
             self._engine = DiffusionEngine(self.od_config)
             info = self._engine.collective_rpc("describe")[0]
@@ -183,7 +184,7 @@ class DiffusionStageEngine(StepScheduling, StageDriver):
 
     def _describe(self, info: dict[str, Any]) -> StageDescription:
         """This stage's description from its pipeline's (rank 0's ``describe``)."""
-        inputs = {"text", "image"} if info["accepts_image"] else {"text"}
+        inputs: set[InputKind] = {"text", "image"} if info["accepts_image"] else {"text"}
         peft = self.od_config.lora_backend == "peft"  # the requests the worker pre-loaded and pinned
         startup = tuple(startup_lora_request(p) for p in self.od_config.startup_lora_paths) if peft else ()
         return StageDescription(
@@ -207,10 +208,6 @@ class DiffusionStageEngine(StepScheduling, StageDriver):
         )
 
     # ---------------------------------------------------------------- public API
-    @property
-    def max_loras(self) -> int:
-        return self.od_config.max_loras
-
     def describe(self) -> StageDescription:
         """Images or video out (as the pipeline declares); text in, and an input image when the
         pipeline takes one; batch and size limits; composed adapters up to ``max_loras``."""

@@ -28,16 +28,30 @@ from collections.abc import Iterator
 from concurrent.futures import InvalidStateError
 from typing import Any
 
+from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.step_batching import step_admit, step_reset, step_run
+from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import StageDeadError
 
 logger = logging.getLogger(__name__)
 
 
-class StepScheduling:
+class StepScheduling(StageDriver):
     """Mixin of :class:`~vllm_omni.engine.diffusion_stage.DiffusionStageEngine`: the step-level loop
-    (module docstring). Uses the stage's ``_engine``, ``_queue``, ``_cv``, ``_commands``, ``_holds``,
-    ``max_batch_size``, ``max_loras``, ``recorder`` and ``_record``."""
+    (module docstring). Uses the driver's ``_queue``, ``_cv``, ``_commands``, ``_holds``, ``recorder``
+    and the stage's ``_engine``, ``max_batch_size``, ``max_loras``, ``batch_sizes``, ``_record``."""
+
+    # provided by DiffusionStageEngine
+    _engine: DiffusionEngine
+    max_batch_size: int
+    batch_sizes: list[int]
+    max_loras: int
+
+    def _record(self, item: Any, started: float, result: Any) -> None:
+        raise NotImplementedError
+
+    def _take_worker_stats(self) -> None:
+        raise NotImplementedError
 
     def _init_steps(self) -> None:
         #: request id -> (pending item, monotonic time it joined)
@@ -71,7 +85,9 @@ class StepScheduling:
         """Remove from the queue (under the lock) the requests that join now (module docstring)."""
         ids = {a.lora.lora_int_id for item, _ in self._running.values() for a in item.adapters}
         room = self.max_batch_size - len(self._running)
-        joining, rest, blocked = [], [], False
+        joining: list[Any] = []
+        rest: list[Any] = []
+        blocked = False
         for item in self._queue:
             if item.future.cancelled():
                 continue

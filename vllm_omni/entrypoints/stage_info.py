@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from vllm_omni.config.call_defaults import CallDefaults, call_defaults
 from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.stage_config import DiffusionStageConfig
 from vllm_omni.engine.protocols import StageDescription
 from vllm_omni.engine.stage_registry import default_stage_params
 from vllm_omni.errors import ConfigError
@@ -182,7 +183,7 @@ def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescripti
     register_stage_runtimes()
     entry, described = config.entry_stage, stages[config.entry_stage.stage_id]
     audio = [d for d in stages if d.output_kind == "audio"]
-    common = {
+    common: dict[str, Any] = {  # fields shared by both EntryStageInfo shapes (checked by its constructor)
         "pipeline": config.pipeline.name,
         "model": config.model,
         "label": entry.label,
@@ -210,6 +211,7 @@ def describe_entry_stage(config: VllmOmniConfig, stages: Sequence[StageDescripti
             tokenizer=(options.get("tokenizer") or entry.model) if entry.model else None,
             trust_remote_code=bool(options.get("trust_remote_code", False)),
         )
+    assert isinstance(entry, DiffusionStageConfig), entry  # the other entry stages are LLM stages
     dcfg = entry.diffusion_config
     return EntryStageInfo(
         **common,
