@@ -206,9 +206,11 @@ class FluxTransformerBlock(nn.Module):
         self.ff_context = FluxFeedForward(dim, dtype, f"{prefix}.ff_context")
 
     def forward(
-        self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rotary: Rotary
+        self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``img`` ``(B, N, dim)``, ``txt`` ``(B, L, dim)``, ``temb`` ``(B, dim)``; new ``(img, txt)``."""
+        """``img`` ``(B, N, dim)``, ``txt`` ``(B, L, dim)``, ``temb`` ``(B, dim)``, RoPE tables ``(L + N, D)``
+        (plain tensors, so the block compiles as a region); new ``(img, txt)``."""
+        rotary = (cos, sin)
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
         img_attn, txt_attn = self.attn(
@@ -266,8 +268,12 @@ class FluxSingleTransformerBlock(nn.Module):
         )
         return full.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """``x`` ``(B, L + N, dim)`` (text then image tokens), ``temb`` ``(B, dim)``; same shape out."""
+    def forward(
+        self, x: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """``x`` ``(B, L + N, dim)`` (text then image tokens), ``temb`` ``(B, dim)``, RoPE tables
+        ``(L + N, D)``; same shape out."""
+        rotary = (cos, sin)
         shift, scale, gate = self.norm(temb)
         normed = _layer_norm(x) * (1 + scale) + shift
         mlp = F.gelu(linear_out(self.proj_mlp, normed), approximate="tanh")
@@ -482,9 +488,9 @@ class FluxTransformer2DModel(PretrainedDenoiser):
         txt = linear_out(self.context_embedder, encoder_hidden_states.to(self._dtype))
         rotary = rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope)
         for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, rotary)
+            img, txt = block(img, txt, temb, *rotary)
         seq_txt = txt.shape[1]
         x = torch.cat([txt, img], dim=1)
         for block in self.single_transformer_blocks:
-            x = block(x, temb, rotary)
+            x = block(x, temb, *rotary)
         return linear_out(self.proj_out, self.norm_out(x[:, seq_txt:], temb))
