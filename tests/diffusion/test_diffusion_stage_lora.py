@@ -17,7 +17,7 @@ import torch
 from lora_oracle import reference_latents, reference_pipeline
 
 from vllm_omni.entrypoints.request_adapters import request_adapters
-from vllm_omni.errors import LoRAFormatError
+from vllm_omni.errors import InvalidAdapterError, LoRAFormatError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest, RequestAdapters
@@ -236,36 +236,35 @@ def test_runtime_management_pin_and_lru(tiny_z_image_dir, reqs, oracle, tiny_z_i
         assert _err(_latents(omni, lora_request=a), oracle([(a.lora_path, 1.0)])) <= TOL
         assert omni.remove_lora(f.lora_int_id) and not omni.remove_lora(f.lora_int_id)
         assert omni.list_loras() == {1}
-        _an_update_with_every_slot_pinned_keeps_the_old_version(omni, a, oracle, tiny_z_image_loras, tmp_path)
+        _a_pinned_update_with_every_slot_pinned_swaps_in(omni, a, oracle, tiny_z_image_loras, tmp_path)
 
 
-def _an_update_with_every_slot_pinned_keeps_the_old_version(omni, pinned, oracle, loras, tmp_path):
-    """Issue 35 item 7: with every host-cache entry pinned, a new version of a pinned adapter (files
-    rewritten in place) has no room: ``add_lora(reload=True)`` is refused naming the adapter and the
-    limit, and requests keep getting the loaded version (diffusers+peft on the old files); once there
-    is room, a reload serves the new files."""
+def _a_pinned_update_with_every_slot_pinned_swaps_in(omni, pinned, oracle, loras, tmp_path):
+    """Issues 35 / 46: with every host-cache entry pinned, a new version of a pinned adapter (files
+    rewritten in place, ``add_lora(reload=True)``) is read and checked off-slot, then takes the old
+    version's pinned place (it was refused before): requests before the update get the loaded version,
+    after it the new one (diffusers+peft on each); a version the stage refuses leaves the loaded one
+    serving, pinned."""
     import shutil
-
-    from vllm_omni.errors import AdapterUpdateRefusedError
 
     path = tmp_path / "v"
     shutil.copytree(loras["qv"], path)
     v = LoRARequest("v", 9, str(path))
     assert omni.add_lora(v) and omni.pin_lora(9) and omni.list_loras() == {1, 9}
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        shutil.copyfile(loras["ff"] / name, path / name)
     old, new = oracle([(loras["qv"], 1.0)]), oracle([(loras["ff"], 1.0)])
     assert _err(old, new) > 5e-3
-    assert _err(_latents(omni, lora_request=v), old) <= TOL  # the rewrite found no room: v1 serves
-    with pytest.raises(
-        AdapterUpdateRefusedError, match=r"'v'.*cache is full \(2/2\).*version 1 of 'v' keeps"
-    ):
-        omni.add_lora(v, reload=True)
     assert _err(_latents(omni, lora_request=v), old) <= TOL
-    assert omni.list_loras() == {1, 9} and omni.adapter_registry.get("v").version == 1
-    assert omni.remove_lora(pinned.lora_int_id) and omni.add_lora(v, reload=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(loras["ff"] / name, path / name)
+    assert omni.add_lora(v, reload=True)  # no room: swapped into the old version's pinned place
     assert _err(_latents(omni, lora_request=v), new) <= TOL
-    assert omni.list_loras() == {9} and omni.adapter_registry.get("v").version == 2
+    record = omni.adapter_registry.get("v")
+    assert omni.list_loras() == {1, 9} and record.version == 2 and record.stages[0].state == "pinned"
+    (path / "adapter_model.safetensors").write_bytes(b"truncated")  # refused: version 2 keeps serving
+    with pytest.raises(InvalidAdapterError, match="adapter_model.safetensors"):
+        omni.add_lora(v, reload=True)
+    assert omni.adapter_registry.get("v").version == 2 and omni.list_loras() == {1, 9}
+    assert omni.remove_lora(9)
 
 
 def test_remove_during_request_waits_for_it(tiny_z_image_dir, reqs, tiny_z_image_loras):

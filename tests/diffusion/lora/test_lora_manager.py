@@ -126,6 +126,38 @@ def test_pinned_adapters_are_never_evicted(model, extra_dirs):
     assert mgr.list_loras() == [1, 4]
 
 
+@torch.no_grad()
+def test_a_pinned_adapter_updates_in_place_with_every_entry_pinned(model, adapters, extra_dirs):
+    """Issue 46, the RL rollout set-up on a diffusion stage (``max_loras=1, max_cpu_loras=1``, the one
+    adapter pinned): each new version of the adapter (same name, new id) is read and checked off-slot,
+    then takes the old one's pinned place; the output equals peft with that version's weights. A refused
+    version, or one arriving while a request holds the old one, leaves the old one cached, pinned, serving."""
+    mgr, _ = _new_manager(model, max_loras=1, max_rank=8, max_cpu_loras=1)
+    x, c = inputs(batch=1)
+    versions = [adapters["a"][0], adapters["b"][0]] * 3  # the trainer's steps, alternating weights
+    oracle = {adapters[k][0]: adapters[k][1] for k in ("a", "b")}  # peft models on copies of toy_base
+    for step, folder in enumerate(versions, start=1):
+        mgr.add_lora(LoRARequest("policy", step, folder))
+        if step == 1:
+            mgr.pin_lora(1)
+        assert mgr.list_loras() == [step] and mgr.cache_entry(step).pinned
+        mgr.set_active_adapters([LoRARequest("policy", step, folder)], [1.0])
+        ours = model(x, c)
+        mgr.deactivate()
+        expected = oracle[folder](x, c)
+        assert (ours - expected).abs().max() <= 1e-5, f"version {step}"
+    last = len(versions)
+    with pytest.raises(LoRAFormatError):  # refused: the old version stays
+        mgr.add_lora(LoRARequest("policy", 50, extra_dirs["rank_mismatch"]))
+    held = mgr.acquire_loras([LoRARequest("policy", last, versions[-1])])
+    with pytest.raises(LoRACacheError, match="in use"):  # a request holds the old version
+        mgr.add_lora(LoRARequest("policy", 51, extra_dirs["copy0"]))
+    mgr.release_loras(held)
+    with pytest.raises(LoRACacheError, match="pinned"):  # another name never takes a pinned place
+        mgr.add_lora(LoRARequest("other", 52, extra_dirs["copy0"]))
+    assert mgr.list_loras() == [last] and mgr.cache_entry(last).pinned
+
+
 @pytest.mark.parametrize(
     "bad, error, match",
     [

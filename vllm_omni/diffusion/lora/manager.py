@@ -224,15 +224,51 @@ class DiffusionLoRAManager:
             missing.setdefault(lora_id, request)
         if missing:
             keep = protected | set(missing) | (set(self._active_ids) if keep_active else set())
-            victims = self._cache.plan_eviction(len(missing), keep)
-            loaded = [self._load_entry(request) for request in missing.values()]
+            replaced: list[int] = []
+            try:
+                victims = self._cache.plan_eviction(len(missing), keep)
+            except LoRACacheError:
+                replaced = self._older_pinned_version(missing, keep)
+                if not replaced:
+                    raise
+                victims = replaced
+            loaded = [self._load_entry(request) for request in missing.values()]  # off-slot: may fail
+            for entry in loaded if replaced else ():
+                entry.pinned = True  # the new version takes the pinned place of the old one
+            for victim in replaced:
+                if self.merged is not None and (self.merged.key or (None,))[0] == victim:
+                    self.merged.restore(self.wrappers)
             for evicted in self._cache.commit(victims, loaded):
                 self._free_slot(evicted.lora_int_id)
         for request in requests:
             self._cache.touch(request.lora_int_id)
 
+    def _older_pinned_version(self, missing: dict[int, LoRARequest], keep: set[int]) -> list[int]:
+        """``[id]`` of the pinned cached entry a single missing adapter replaces in place (another version
+        under the same name, in no in-flight request nor the activation), else ``[]``: with every entry
+        pinned (``max_cpu_loras=1``, the RL rollout set-up) a new version of a pinned adapter takes its
+        place instead of being refused."""
+        if len(missing) != 1:
+            return []
+        name = getattr(next(iter(missing.values())), "lora_name", "") or ""
+        olds = [
+            i
+            for i in self._cache.ids()
+            if (e := self._cache.get(i)) is not None
+            and name
+            and e.name == name
+            and e.pinned
+            and e.refcount == 0
+            and i not in keep
+        ]
+        return olds[:1]
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the host cache.
+
+        A new version (another id, the same ``lora_name``) of a pinned adapter that finds every entry
+        pinned or in use takes the old version's place, pinned, once no request holds the old one; the
+        new version is read and checked first, so a refused one leaves the old one cached and pinned.
 
         Returns:
             ``True`` when it was loaded, ``False`` when the id was already cached (it becomes most
