@@ -52,6 +52,10 @@ READ_LATER = frozenset({
 MAX_ZYGOTES = 3
 _DISABLED = os.environ.get("VLLM_OMNI_TEST_FRESH_INTERPRETERS") == "1"
 _BIN = Path(sys.executable).parent
+#: The zygote's working directory, first on its ``sys.path`` (``python -c``): the checkout these tests
+#: belong to, so that it imports this tree's ``vllm_omni`` (not the one the venv's editable install
+#: names, another worktree's when the venv is shared).
+_REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- the zygote side
@@ -255,7 +259,7 @@ class _Zygote:
         code = f"import runpy; runpy.run_path({__file__!r}, run_name='__omni_zygote__')"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), ",".join(PRELOAD)], pass_fds=(theirs.fileno(),), env=env,
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(_BIN.parent.parent),
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(_REPO),
         )  # fmt: skip
         theirs.close()
         self._sock = ours
