@@ -77,3 +77,20 @@ def _greedy(model_key: str, ids: tuple[int, ...], max_new_tokens: int, adapter_k
         logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
         seq.append(int(torch.argmax(logits)))
     return tuple(seq[len(ids) :])
+
+
+@torch.inference_mode()
+def hf_logprobs(
+    model_dir: str | os.PathLike,
+    prompt_ids: list[int],
+    generated_ids: list[int],
+    adapter_dir: str | os.PathLike | None = None,
+) -> torch.Tensor:
+    """Log-probabilities (float32, natural log, shape ``[len(generated_ids), vocab]``) of the next
+    token at each generated position: row ``i`` is the distribution ``generated_ids[i]`` was drawn
+    from (after ``prompt_ids + generated_ids[:i]``), from one forward pass without a KV cache."""
+    model = _load(_key(model_dir), _key(adapter_dir))
+    seq = list(prompt_ids) + list(generated_ids)
+    logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
+    start = len(prompt_ids) - 1
+    return torch.log_softmax(logits[start : start + len(generated_ids)], dim=-1)

@@ -207,3 +207,75 @@ def fuzz_edits(server, max_examples: int = 40) -> None:
 
     check()
     assert HTTP.get(server.url("/health"), timeout=300).status_code == 200
+
+
+# ------------------------------------------------------------ hostile strings in every string field
+#: A smallest body of each JSON route (what it requires), and the string fields it takes, nested
+#: places spelled ``lora.path`` / ``messages[0].content``.
+MINIMAL_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/images/generations": {"prompt": "a red circle", "num_inference_steps": 1, "size": "32x32"},
+    "/v1/videos/generations": {"prompt": "a red circle", "num_inference_steps": 1, "num_frames": 1},
+    "/v1/load_lora_adapter": {"lora_name": "fuzzed", "lora_path": "/nonexistent"},
+    "/v1/unload_lora_adapter": {"lora_name": "fuzzed"},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [1]},
+}
+_SAMPLING_STRINGS = ["model", "stop", "lora.name", "lora.path", "response_format.type"]
+_DIFFUSION_STRINGS = ["model", "size", "negative_prompt", "lora.name", "lora.path"]
+STRING_FIELDS = {
+    "/v1/chat/completions": [
+        "messages[0].content",
+        "messages[0].name",
+        "messages[0].role",
+        *_SAMPLING_STRINGS,
+    ],
+    "/v1/completions": ["prompt", *_SAMPLING_STRINGS],
+    "/v1/images/generations": ["prompt", "output_format", *_DIFFUSION_STRINGS],
+    "/v1/videos/generations": ["prompt", "video_format", "input_reference", *_DIFFUSION_STRINGS],
+    "/v1/load_lora_adapter": ["lora_name", "lora_path", "denoiser"],
+    "/v1/unload_lora_adapter": ["lora_name"],
+    "/tokenize": ["prompt", "model"],
+    "/detokenize": ["model"],
+}
+#: (label, value): JSON text of a string value (non-UTF-8 bytes cannot be a str: they go in raw)
+HOSTILE_STRINGS = [
+    ("nul", json.dumps("a\x00b").encode()),
+    ("control", json.dumps("a\x01\x1b[31m\x7fb\n").encode()),
+    ("1MB", json.dumps("x" * (1 << 20)).encode()),
+    ("non-utf8", b'"a\xff\xfeb\xc0"'),
+]
+_MARK = "@@HOSTILE@@"
+
+
+def _with_value(body: dict, place: str) -> dict:
+    """``body`` with the string at ``place`` (``a.b`` / ``a[0].b``) set to a marker."""
+    body = json.loads(json.dumps(body))
+    keys = place.replace("[0]", ".0").split(".")
+    target = body
+    for key in keys[:-1]:
+        if key == "0":
+            target = target[0]
+        else:
+            target = target.setdefault(key, {})
+    target[keys[-1]] = _MARK
+    return body
+
+
+def fuzz_string_fields(server, routes) -> list[tuple[str, str, str, int]]:
+    """POST every route of ``routes`` x string field x hostile value (:data:`HOSTILE_STRINGS`) as raw
+    JSON; no answer >= 500, every 4xx an OpenAI error. Returns ``(route, field, label, status, response)``."""
+    seen = []
+    for route in routes:
+        for place in STRING_FIELDS[route]:
+            template = json.dumps(_with_value(MINIMAL_BODIES[route], place)).encode()
+            for label, value in HOSTILE_STRINGS:
+                content = template.replace(json.dumps(_MARK).encode(), value)
+                r = HTTP.post(server.url(route), content=content, headers={"content-type": "application/json"},
+                              timeout=600)  # fmt: skip
+                assert r.status_code < 500, (route, place, label, r.text[:300])
+                if r.status_code >= 400:
+                    assert_openai_error(r, (400, 404, 413, 422))
+                seen.append((route, place, label, r.status_code, r))
+    return seen

@@ -7,6 +7,7 @@ the decoded PNG pixels (uint8, within 2 levels).
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -191,6 +192,42 @@ def test_single_object_lora_and_chat_image_reply(client, server, paths):
     part = reply.choices[0].message.content[0]
     assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
     assert close(decode(part["image_url"]["url"].split(",", 1)[1]), via_images, 0)
+
+
+@pytest.mark.parametrize("fmt, pil_format", [("jpeg", "JPEG"), ("webp", "WEBP")])
+def test_output_format_encodes_the_diffusers_image(client, tiny_z_image_dir, fmt, pil_format):
+    """Issue 49: ``output_format`` jpeg / webp (``output_compression`` 95): that file format, the
+    reference image (diffusers, no adapter) within the codec's loss."""
+    result = client.images.generate(
+        model="z-image",
+        prompt=PROMPT,
+        n=1,
+        size=f"{SIZE}x{SIZE}",
+        output_format=fmt,
+        output_compression=95,
+        extra_body=dict(GEN),
+    )
+    image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
+    assert image.format == pil_format and image.size == (SIZE, SIZE)
+    got = np.asarray(image.convert("RGB"), dtype=np.int16)
+    assert np.abs(got - reference(tiny_z_image_dir)).mean() < 6
+
+
+def test_text_only_fields_on_an_image_pipeline_are_400_naming_them(server):
+    """Issue 49: logprobs, response_format and tools are not silently ignored by an image pipeline;
+    /tokenize needs an LLM entry stage; an unknown output_format is refused."""
+    chat = {"messages": [{"role": "user", "content": PROMPT}]}
+    for field, value in (
+        ("logprobs", True),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ):
+        r = HTTP.post(server.url("/v1/chat/completions"), json=chat | {field: value})
+        assert assert_openai_error(r, (400,))["param"] == field
+    body = {"prompt": PROMPT, "output_format": "bmp"}
+    r = HTTP.post(server.url("/v1/images/generations"), json=body)
+    assert assert_openai_error(r, (400,))["param"] == "output_format"
+    assert_openai_error(HTTP.post(server.url("/tokenize"), json={"prompt": "x"}), (400,))
 
 
 def test_input_audio_to_an_image_pipeline_is_400_naming_the_part(server):

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.entrypoints.server_utils import (
     HTTP,
@@ -709,3 +710,170 @@ def test_load_inplace_serves_the_new_weights_never_the_cached_prefix(server, cli
         assert [m.id for m in client.models.list().data].count("ip") == 1
     finally:
         HTTP.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "ip"}, timeout=60)
+
+
+# ---------------------------------------------------------------- issue 49: logprobs, formats, tokens
+def _token_text(tok, token_id: int) -> str:
+    """A token's text as vLLM shows it: "" for a piece of a multi-byte character."""
+    text = tok.decode([token_id])
+    return "" if "\ufffd" in text else text
+
+
+def _check_position(tok, ref_row, token_id, token, logprob, alternatives, k: int):
+    """One generated position against transformers + peft (within 1e-4): the sampled token's text and
+    value; the ``k`` most likely tokens' texts and values. ``alternatives``: chat's list of
+    ``(text, value)``, or completions' ``{text: value}`` (one entry per text: the most likely's)."""
+    assert token == _token_text(tok, token_id) and abs(logprob - float(ref_row[token_id])) < 1e-4
+    values, ids = torch.topk(ref_row, k)
+    expected = [(_token_text(tok, i), v) for i, v in zip(ids.tolist(), values.tolist())]
+    if isinstance(alternatives, list):
+        assert len(alternatives) == k
+        assert [v for _, v in alternatives] == pytest.approx([v for _, v in expected], abs=1e-4)
+        assert sorted(t for t, _ in alternatives) == sorted(t for t, _ in expected)
+    else:
+        for text, _ in expected:
+            assert abs(alternatives[text] - max(v for t, v in expected if t == text)) < 1e-4, (
+                text,
+                alternatives,
+            )
+
+
+def test_logprobs_through_an_adapter_equal_transformers_peft(client, paths):
+    """Issue 49: ``logprobs=True, top_logprobs=5`` (chat) and ``logprobs=5`` (completions), plain
+    and streamed, through adapter ``a``: every value == transformers + peft within 1e-4 (fp32)."""
+    from transformers import AutoTokenizer
+
+    from tests.llm_reference import hf_logprobs
+
+    tok = AutoTokenizer.from_pretrained(str(paths["model"]))
+    common = dict(
+        model="a", max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True}
+    )
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=5, **common)
+    gen, prompt_ids = chat_tokens(reply)
+    ref_rows = hf_logprobs(paths["model"], prompt_ids, gen, paths["a"])
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(gen) == 4
+    for row, token_id, lp in zip(ref_rows, gen, content):
+        alts = [(a.token, a.logprob) for a in lp.top_logprobs]
+        assert lp.bytes == list(lp.token.encode())
+        _check_position(tok, row, token_id, lp.token, lp.logprob, alts, 5)
+    streamed = client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=5, stream=True, **common
+    )
+    pieces = [
+        lp for c in streamed if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content
+    ]
+    assert [p.token for p in pieces] == [p.token for p in content]
+    assert [p.logprob for p in pieces] == pytest.approx([p.logprob for p in content], abs=1e-5)
+
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
+    comp = client.completions.create(prompt=PROMPT, logprobs=5, **common)
+    gen = comp.choices[0].token_ids
+    ref_rows = hf_logprobs(paths["model"], prompt_ids, gen, paths["a"])
+    lp = comp.choices[0].logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for row, token_id, token, value, alts in zip(
+        ref_rows, gen, lp.tokens, lp.token_logprobs, lp.top_logprobs
+    ):
+        assert token in alts and len(alts) <= 6  # the sampled token is always listed
+        _check_position(tok, row, token_id, token, value, alts, 5)
+    streamed = client.completions.create(prompt=PROMPT, logprobs=5, stream=True, **common)
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert sum((c.token_logprobs for c in chunks), []) == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert sum((c.text_offset for c in chunks), []) == lp.text_offset
+
+
+def test_response_format_is_enforced_and_tools_are_refused(server, client):
+    """Issue 49: ``response_format`` json_schema / json_object go through vLLM's structured outputs
+    (the reply is valid for the schema); an invalid schema and ``tools`` are 400 naming the field."""
+    import jsonschema
+
+    schema = {"type": "string", "enum": ["yes", "no"]}  # short: a random model ends it within a few tokens
+    messages = [{"role": "user", "content": PROMPT}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    reply = client.chat.completions.create(
+        model="a", messages=messages, max_tokens=24, temperature=0.0, response_format=fmt
+    )
+    assert reply.choices[0].finish_reason == "stop", reply
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    reply = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert reply.choices[0].text.lstrip().startswith("{"), reply.choices[0].text
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    for field, value in (
+        ("response_format", bad),
+        ("response_format", {"type": "json_schema"}),
+        ("response_format", {"type": "xml"}),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("top_logprobs", 50),
+        ("top_logprobs", 2),  # without logprobs: true
+    ):
+        body = {"messages": messages, "max_tokens": 2, field: value}
+        r = HTTP.post(server.url("/v1/chat/completions"), json=body)
+        assert assert_openai_error(r, (400,))["param"] == field, (body, r.text)
+
+
+def test_tokenize_and_detokenize_equal_the_tokenizer(server, client, paths):
+    """Issue 49: vLLM's ``/tokenize`` (text and chat) and ``/detokenize`` == the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(paths["model"]))
+    r = HTTP.post(
+        server.url("/tokenize"), json={"model": "tiny", "prompt": PROMPT, "return_token_strs": True}
+    )
+    assert r.status_code == 200, r.text
+    ids = tok.encode(PROMPT)
+    assert r.json() == {
+        "count": len(ids),
+        "max_model_len": 256,
+        "tokens": ids,
+        "token_strs": tok.convert_ids_to_tokens(ids),
+    }
+    messages = [{"role": "user", "content": PROMPT}]
+    r = HTTP.post(server.url("/tokenize"), json={"messages": messages})
+    assert r.json()["tokens"] == chat_tokens(chat(client))[1]  # what chat completions run
+    r = HTTP.post(server.url("/detokenize"), json={"model": "a", "tokens": ids})
+    assert r.json() == {"prompt": tok.decode(ids)}
+    err = assert_openai_error(HTTP.post(server.url("/detokenize"), json={"tokens": [len(tok)]}), (400,))
+    assert err["param"] == "tokens"
+    err = assert_openai_error(
+        HTTP.post(server.url("/tokenize"), json={"model": "nope", "prompt": "x"}), (404,)
+    )
+    assert err["param"] == "model"
+    # issue 49: routes not served answer 404 naming what serves instead
+    for route, instead in (
+        ("/v1/embeddings", "vllm serve <model> --runner pooling"),
+        ("/v1/responses", "POST /v1/chat/completions"),
+        ("/v1/audio/speech", '"modalities": ["text", "audio"]'),
+    ):
+        err = assert_openai_error(HTTP.post(server.url(route), json={"input": "hi"}), (404,))
+        assert err["message"].startswith(route) and instead in err["message"], err
+
+
+def test_hostile_strings_in_every_string_field_are_4xx_naming_the_field(server, paths):
+    """Issue 46: every route x string field x {NUL, control characters, 1 MB, non-UTF-8 bytes}: no
+    answer >= 500; NUL (anywhere) and control characters (in a name, path or keyword) are 400 naming
+    the field, 1 MB is 413 (this server's 1 MB body limit), bytes that are not UTF-8 are 400 naming
+    ``body``; the server then still answers as transformers does."""
+    from tests.entrypoints.route_strategies import STRING_FIELDS, fuzz_string_fields
+    from vllm_omni.entrypoints.openai.protocol import FREE_TEXT_FIELDS
+
+    for route, place, label, status, r in fuzz_string_fields(server, list(STRING_FIELDS)):
+        top = place.split(".")[0].split("[")[0]
+        param = r.json()["error"]["param"] if status >= 400 else None
+        if label == "nul" or (label == "control" and top not in FREE_TEXT_FIELDS):
+            assert (status, param) == (400, top), (route, place, label, r.text[:300])
+        elif label == "1MB":
+            assert status == 413, (route, place)
+        elif label == "non-utf8":
+            assert (status, param) == (400, "body"), (route, place, r.text[:300])
+    assert HTTP.get(server.url("/health")).status_code == 200
+    assert completion_tokens(server, lora={"name": "b", "path": str(paths["b"])}) == ref(paths, PROMPT, "b")

@@ -25,16 +25,20 @@ def check_image_side(name: str, value: int | None, factor: int, limit: int | Non
     """Refuse an image side (``name``: ``"height"`` / ``"width"``, pixels; ``None``: unset, the default).
 
     Raises:
-        InvalidRequestError: ``value`` is not a multiple of ``factor`` or exceeds ``limit``.
+        InvalidRequestError: ``value`` is not a multiple of ``factor`` or exceeds ``limit``; its ``param``
+            attribute is ``name`` (the HTTP layer names that field).
     """
     if value is None:
         return
+    problem = None
     if value % factor:
-        raise InvalidRequestError(f"{name} must be a multiple of {factor} for this model, got {value}")
-    if limit is not None and value > limit:
-        raise InvalidRequestError(
-            f"{name} {value} exceeds this model's maximum of {limit} pixels (the reach of its positional tables)"
-        )
+        problem = f"{name} must be a multiple of {factor} for this model, got {value}"
+    elif limit is not None and value > limit:
+        problem = f"{name} {value} exceeds this model's maximum of {limit} pixels (the reach of its positional tables)"
+    if problem is not None:
+        exc = InvalidRequestError(problem)
+        exc.param = name
+        raise exc
 
 
 #: ``lora_context(rows)`` is entered around the denoiser call(s): ``rows`` maps each denoiser

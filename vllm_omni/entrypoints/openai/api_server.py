@@ -3,7 +3,9 @@
 Routes (one module per family under :mod:`.routes`): ``GET /health``, ``GET /metrics``,
 ``GET /version``, ``GET|POST /ping``, ``GET /ui`` (a page to try the pipeline), ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/images/generations``,
-``POST /v1/images/edits`` (multipart), ``POST /v1/videos/generations`` and, when vLLM's
+``POST /v1/images/edits`` (multipart), ``POST /v1/videos/generations``, ``POST /tokenize``,
+``POST /detokenize`` (``/v1/embeddings``, ``/v1/responses`` and ``/v1/audio/speech`` answer 404 naming
+what serves instead) and, when vLLM's
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set, ``POST /v1/load_lora_adapter`` /
 ``POST /v1/unload_lora_adapter``. JSON routes take ``Content-Type: application/json`` bodies
 only (415 otherwise); ``/v1/images/edits`` takes ``multipart/form-data``. With ``--api-key``
@@ -34,7 +36,7 @@ from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.errors import error_response, install_error_handlers, log_client_error
 from vllm_omni.entrypoints.openai.limits import BodySizeLimitMiddleware, max_body_bytes
 from vllm_omni.entrypoints.openai.metrics import RegistrationFailures, metrics_registry
-from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, ops, videos
+from vllm_omni.entrypoints.openai.routes import adapters, chat, images, models, ops, tokens, unserved, videos
 from vllm_omni.entrypoints.openai.settings import ServerSettings
 from vllm_omni.entrypoints.openai.state import ServerState, make_state, register_startup_adapters
 
@@ -76,7 +78,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes())
     if state.settings.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=state.settings.api_keys)
-    for family in (models, chat, images, videos, ops):
+    for family in (models, chat, images, videos, ops, tokens, unserved):
         app.include_router(family.router)
     if adapters.runtime_lora_updating_allowed():
         app.include_router(adapters.router)

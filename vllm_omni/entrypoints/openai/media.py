@@ -40,6 +40,29 @@ def png_b64(image: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+#: ``output_format`` of an image request -> Pillow's format name
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+def image_b64(image: Any, output_format: str = "png", compression: int | None = None) -> str:
+    """Base64 of an image encoded as ``output_format`` (``png``, ``jpeg``, ``webp``; Pillow).
+
+    ``compression``: OpenAI's ``output_compression`` (0-100) for JPEG / WebP: 100 keeps the most
+    (quality 100), 0 the least; ``None``: Pillow's default quality (75). Ignored for PNG (lossless).
+    JPEG has no alpha: an RGBA image is flattened to RGB.
+    """
+    pil = _to_pil(image)
+    fmt = IMAGE_FORMATS[output_format]
+    kwargs: dict[str, Any] = {}
+    if fmt != "PNG" and compression is not None:
+        kwargs["quality"] = max(1, compression)
+    if fmt == "JPEG" and pil.mode not in ("RGB", "L"):
+        pil = pil.convert("RGB")
+    buf = io.BytesIO()
+    pil.save(buf, format=fmt, **kwargs)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def png_data_uri(image: Any) -> str:
     return "data:image/png;base64," + png_b64(image)
 

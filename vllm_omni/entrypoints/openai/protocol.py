@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from vllm_omni.entrypoints.openai.errors import bad_request, validation_message
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -23,6 +23,7 @@ MAX_N = 16
 MAX_PIXELS_SIDE = 4096
 MAX_STEPS = 1000
 MAX_PROMPTS = 32
+MAX_LOGPROBS = 20  # vLLM's default ``max_logprobs``; OpenAI's ``top_logprobs`` bound
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
@@ -88,6 +89,51 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: ``name``, ``schema`` (a JSON Schema), ``strict``."""
+
+    name: str = Field(default="response", min_length=1, max_length=64)
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON valid for ``json_schema.schema``), enforced by vLLM's structured outputs."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """vLLM's constraint for this format (``None`` for ``text``).
+
+        Raises:
+            OpenAIError: (400, ``response_format``) ``json_schema`` without a valid schema.
+        """
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        if schema is None:
+            raise bad_request("response_format: type json_schema needs json_schema.schema", "response_format")
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise bad_request(
+                f"response_format.json_schema.schema is not a valid JSON Schema: {exc.message}",
+                "response_format",
+            ) from exc
+        return StructuredOutputsParams(json=schema)
+
+
+#: OpenAI tool-calling fields: refused (400 naming the field) while no tool parser is served
+_TOOL_FIELDS = ("tools", "functions", "function_call")
+
+
 class SamplingFields(_Body):
     """OpenAI/vLLM text sampling fields shared by chat and completions."""
 
@@ -107,10 +153,37 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     lora: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def logprob_count(self) -> int | None:
+        """``SamplingParams.logprobs``: alternatives per generated token (``None``: no log-probabilities)."""
+        return None
+
+    def refuse_tools(self) -> None:
+        """Tool calling is not served (no tool-call parser runs on the output): a 400 naming the field.
+
+        ``tool_choice: "none"`` with no tools, and empty tool lists, ask for nothing and pass.
+
+        Raises:
+            OpenAIError: (400) ``tools``, ``functions``, ``function_call`` or ``tool_choice`` set.
+        """
+        for name in _TOOL_FIELDS:
+            if getattr(self, name):
+                raise bad_request(
+                    f"{name}: this server does not parse tool calls (no tool-call parser runs on the "
+                    f"output); send the request without {name}",
+                    name,
+                )
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice: no tools are served", "tool_choice")
 
     def sampling_params(self, default_max_tokens: int = 16, stream: bool = False):
         """vLLM ``SamplingParams`` of these fields; ``stream``: ask the LLM stage for DELTA outputs.
@@ -137,6 +210,11 @@ class SamplingFields(_Body):
         kwargs["ignore_eos"] = self.ignore_eos
         if stream:
             kwargs["output_kind"] = RequestOutputKind.DELTA
+        logprobs = self.logprob_count()
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        if self.response_format is not None:
+            kwargs["structured_outputs"] = self.response_format.structured_outputs()
 
         try:
             return SamplingParams(**kwargs)
@@ -209,6 +287,20 @@ class ChatCompletionRequest(SamplingFields, DiffusionFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        """``top_logprobs`` (0 by default) when ``logprobs`` is true.
+
+        Raises:
+            OpenAIError: (400, ``top_logprobs``) given without ``logprobs: true``.
+        """
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def wants_audio(self) -> bool:
@@ -220,6 +312,10 @@ class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[Any]:
         p = self.prompt
@@ -237,11 +333,41 @@ class CompletionRequest(SamplingFields):
         return out
 
 
+class TokenizeCompletionRequest(_Body):
+    """vLLM's ``POST /tokenize`` body for a text prompt."""
+
+    model: str | None = Field(default=None, max_length=4096)
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's ``POST /tokenize`` body for a conversation (rendered by the chat template)."""
+
+    model: str | None = Field(default=None, max_length=4096)
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize`` body."""
+
+    model: str | None = Field(default=None, max_length=4096)
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
 class ImageGenerationRequest(DiffusionFields):
     model: str | None = None
     prompt: str = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     response_format: Literal["b64_json"] = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(default=None, ge=0, le=100)
 
 
 class VideoGenerationRequest(DiffusionFields):
@@ -289,15 +415,63 @@ def _unicode_problem(value: Any, where: str) -> str | None:
     return None
 
 
+#: Top-level fields that hold free text (prompts, messages, stop strings, JSON schemas): any character
+#: but NUL. Every other string field is a name, path, size or keyword: printable text only.
+FREE_TEXT_FIELDS = frozenset(
+    {
+        "prompt",
+        "messages",
+        "negative_prompt",
+        "stop",
+        "response_format",
+        "tools",
+        "functions",
+        "chat_template_kwargs",
+    }
+)
+#: Characters a name, path or keyword never holds: C0 controls (tab and newlines too) and DEL.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: The longest name, path or keyword (a path's ``PATH_MAX``).
+MAX_NAME_CHARS = 4096
+
+
+def text_problem(value: Any, field: str) -> str | None:
+    """Why the strings in the top-level field ``field`` (its value ``value``) are refused, else ``None``:
+    a NUL character anywhere; in a field outside :data:`FREE_TEXT_FIELDS` also any other control
+    character or more than :data:`MAX_NAME_CHARS` characters. The message names the place
+    (``lora[0].path``) and the character."""
+    free = field in FREE_TEXT_FIELDS
+    stack = [(value, field)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            bad = "\x00" if free and "\x00" in item else None
+            if not free:
+                match = _CONTROL.search(item)
+                bad = match.group() if match else None
+            if bad is not None:
+                what = "NUL" if bad == "\x00" else f"control character U+{ord(bad):04X}"
+                kind = "text" if free else "a name, path or keyword (printable text only)"
+                return f"{at}: holds a {what} at position {item.index(bad)}; {at} is {kind}"
+            if not free and len(item) > MAX_NAME_CHARS:
+                return f"{at}: {len(item)} characters, more than the {MAX_NAME_CHARS} a name, path or keyword may have"
+        elif isinstance(item, dict):
+            stack.extend((v, f"{at}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return None
+
+
 def parse_body(model: type[BaseModel], data: Any) -> Any:
     """Validate a decoded JSON body; any problem is a 400 with the field names.
 
     Raises:
         OpenAIError: (400) not an object, text that is not valid Unicode (an unpaired
-            surrogate escape), or a field pydantic refuses.
+            surrogate escape), a control character or length :func:`text_problem` refuses,
+            or a field pydantic refuses; ``param``: the top-level field.
     """
     if not isinstance(data, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
+        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}", "body")
     bad_text = _unicode_problem(data, "")
     if bad_text is not None:
         raise bad_request(
@@ -305,6 +479,11 @@ def parse_body(model: type[BaseModel], data: Any) -> Any:
             f"valid Unicode",
             bad_text.split(".")[0].split("[")[0],
         )
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    for name, value in data.items():
+        problem = text_problem(value, name) if name in known else None  # unknown fields are ignored
+        if problem is not None:
+            raise bad_request(problem, name)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

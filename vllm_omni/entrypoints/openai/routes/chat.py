@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from vllm_omni.entrypoints.openai import audio_input, media
 from vllm_omni.entrypoints.openai.audio import audio_message, audio_request_params
 from vllm_omni.entrypoints.openai.errors import bad_request
+from vllm_omni.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from vllm_omni.entrypoints.openai.routes.common import (
     Adapters,
@@ -44,7 +45,7 @@ router = APIRouter()
 
 # Chat templating and tokenisation (and reading a --chat-template file) run here, off the event
 # loop; one thread, as a fast tokenizer must not be used from several threads at once.
-_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-tokenize")
+TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-tokenize")
 
 _NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
@@ -66,12 +67,15 @@ async def chat_completions(request: Request) -> Response:
     pipeline, ``message.audio`` too: :mod:`..audio`) or an image pipeline (images as data URIs)."""
     state = get_state(request)
     req = parse_body(ChatCompletionRequest, await read_json(request))
-    adapters = resolve_adapters(state, req.model, req.lora)
+    req.refuse_tools()
     text = "text" in state.info.output_kinds and state.info.is_llm
+    if not text:
+        refuse_text_only_fields(state, req)
+    adapters = resolve_adapters(state, req.model, req.lora)
     audio = audio_request_params(state.info, req)
     if text:
         loop = asyncio.get_running_loop()
-        run = await loop.run_in_executor(_TOKENIZE_POOL, prepare_text_chat, state, req, adapters, audio)
+        run = await loop.run_in_executor(TOKENIZE_POOL, prepare_text_chat, state, req, adapters, audio)
     else:
         run = prepare_image_chat(state, req, adapters)
     head = {
@@ -87,6 +91,8 @@ async def chat_completions(request: Request) -> Response:
             role=state.settings.response_role,
             include_usage=req.include_usage,
             return_token_ids=req.return_token_ids,
+            logprobs=req.logprob_count(),
+            tokenizer=state.tokenizer,
         )
         runs = [StreamRun(run.prompt, run.params, run.adapters, run.last_stage)]
         return await stream_text(request, state, runs, spec)
@@ -137,12 +143,13 @@ def text_chat_reply(state: ServerState, req: ChatCompletionRequest, outputs: lis
     """``choices`` and ``usage`` (and ``prompt_token_ids`` when asked) of a text chat reply."""
     ro = text_output(outputs)
     choices = []
+    top = req.logprob_count()
     for i, c in enumerate(ro.outputs):
         choice = {
             "index": i,
             "message": {"role": state.settings.response_role, "content": c.text},
             "finish_reason": c.finish_reason or "stop",
-            "logprobs": None,
+            "logprobs": None if top is None else chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, top),
         }
         if req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
@@ -151,6 +158,19 @@ def text_chat_reply(state: ServerState, req: ChatCompletionRequest, outputs: lis
     if req.return_token_ids:
         body["prompt_token_ids"] = list(ro.prompt_token_ids or [])
     return body
+
+
+def refuse_text_only_fields(state: ServerState, req: ChatCompletionRequest) -> None:
+    """Fields of a text reply asked of a pipeline that answers with images: a 400 naming the field.
+
+    Raises:
+        OpenAIError: (400) ``logprobs`` / ``top_logprobs`` or a ``response_format`` other than text.
+    """
+    what = f"pipeline {state.info.pipeline!r} answers with images, not text"
+    if req.logprobs or req.top_logprobs:
+        raise bad_request(f"logprobs: {what}", "logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"response_format: {what}", "response_format")
 
 
 def image_chat_reply(state: ServerState, outputs: list[Any]) -> dict[str, Any]:
@@ -175,8 +195,14 @@ def chat_chunks(body: dict) -> list[dict]:
     return chunks
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any]:
-    """Token ids of the templated conversation (as vLLM renders chat: no extra special tokens).
+def chat_prompt(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> dict[str, Any]:
+    """Token ids of the templated conversation (as vLLM renders chat: no extra special tokens);
+    ``add_generation_prompt`` / ``continue_final_message``: the chat template's switches.
 
     Raises:
         OpenAIError: (400) no chat template, the template fails on these messages, or the
@@ -194,7 +220,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any
         text = tok.apply_chat_template(
             audio.messages,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=template,
             **(req.chat_template_kwargs or {}),
         )
@@ -234,6 +261,7 @@ async def completions(request: Request) -> Response:
         raise bad_request(f"pipeline {state.info.pipeline!r} does not produce text completions")
     if req.echo:
         raise bad_request("echo is not supported", "echo")
+    req.refuse_tools()
     adapters = resolve_adapters(state, req.model, req.lora)
     params = stage_params(state, req.sampling_params(stream=req.stream), None)
     head = {
@@ -243,7 +271,14 @@ async def completions(request: Request) -> Response:
         "model": served_model(state, req.model, adapters),
     }
     if req.stream:
-        spec = TextStream(head, req.n, include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+        spec = TextStream(
+            head,
+            req.n,
+            include_usage=req.include_usage,
+            return_token_ids=req.return_token_ids,
+            logprobs=req.logprobs,
+            tokenizer=state.tokenizer,
+        )
         runs = [StreamRun(prompt, params, adapters) for prompt in req.prompts()]
         return await stream_text(request, state, runs, spec)
     choices, total = [], dict(_NO_USAGE)
@@ -254,7 +289,9 @@ async def completions(request: Request) -> Response:
                 "index": len(choices),
                 "text": c.text,
                 "finish_reason": c.finish_reason or "stop",
-                "logprobs": None,
+                "logprobs": None
+                if req.logprobs is None
+                else completion_logprobs(state.tokenizer, c.token_ids, c.logprobs),
             }
             if req.return_token_ids:
                 choice["prompt_token_ids"] = list(ro.prompt_token_ids or [])

@@ -54,9 +54,9 @@ def _parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from exc
+        raise bad_request(f"request body is not valid JSON: {exc}", "body") from exc
     except RecursionError as exc:
-        raise bad_request("request body is nested too deeply") from exc
+        raise bad_request("request body is nested too deeply", "body") from exc
 
 
 async def read_json(request: Request) -> Any:
@@ -240,7 +240,12 @@ async def run_diffusion(
     adapters = resolve_adapters(state, req.model, lora)
     dparams.extra_args.update(extra_args or {})
     params = stage_params(state, default_llm_params(state), dparams)
-    return await run_pipeline(state, prompt, params, adapters, request)
+    try:
+        return await run_pipeline(state, prompt, params, adapters, request)
+    except OpenAIError as exc:  # a side the model refuses: name the field the request set it with
+        if exc.param in ("height", "width") and getattr(req, "size", None):
+            exc.param = "size"
+        raise
 
 
 def text_output(outputs: list[Any]) -> Any:

@@ -23,7 +23,9 @@ router = APIRouter()
 
 @router.post("/v1/images/generations")
 async def images_generations(request: Request) -> JSONResponse:
-    """Images from a text prompt: ``{"created", "data": [{"b64_json": <PNG>}, ...]}``."""
+    """Images from a text prompt: ``{"created", "output_format", "data": [{"b64_json": <image>}, ...]}``;
+    ``output_format`` ``png`` (default), ``jpeg`` or ``webp`` (``output_compression`` 0-100 for the
+    last two)."""
     state = get_state(request)
     req = parse_body(ImageGenerationRequest, await read_json(request))
     return JSONResponse(await generate_images(state, req, image=None, request=request))
@@ -60,7 +62,9 @@ async def generate_images(
     outputs = await run_diffusion(
         state, req, req.n, request, produces="image", what="images", extra_args=extra
     )
+    fmt, quality = req.output_format, req.output_compression
     return {
         "created": int(time.time()),
-        "data": [{"b64_json": media.png_b64(img)} for img in output_images(outputs)],
+        "output_format": fmt,
+        "data": [{"b64_json": media.image_b64(img, fmt, quality)} for img in output_images(outputs)],
     }

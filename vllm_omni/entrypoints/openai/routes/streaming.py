@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from vllm_omni.entrypoints.openai.errors import engine_error_to_openai, engine_errors
+from vllm_omni.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from vllm_omni.entrypoints.openai.routes.common import (
     SSE_DONE,
     Adapters,
@@ -57,6 +58,9 @@ class TextStream:
         role: chat: the assistant role sent in each choice's first chunk; ``None`` for completions.
         include_usage: end with a ``usage`` chunk.
         return_token_ids: each chunk also carries its ``token_ids``.
+        logprobs: chat: ``top_logprobs``, completions: ``logprobs`` of the request (``None``: each
+            chunk's ``logprobs`` is ``null``); each chunk then carries its tokens' log-probabilities.
+        tokenizer: decodes a token vLLM gave no text for (``logprobs``).
     """
 
     head: dict[str, Any]
@@ -64,7 +68,11 @@ class TextStream:
     role: str | None = None
     include_usage: bool = False
     return_token_ids: bool = False
+    logprobs: int | None = None
+    tokenizer: Any = None
     usage: dict[str, int] = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
+    #: completions: characters of the tokens sent so far per choice index (the next ``text_offset``)
+    sent_chars: dict[int, int] = field(default_factory=dict)
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
         return sse_event(self.head | {"choices": choices})
@@ -89,15 +97,20 @@ class TextStream:
             self.usage["completion_tokens"] += len(c.token_ids)
             if not (c.text or c.finish_reason or (self.return_token_ids and c.token_ids)):
                 continue
-            choice: dict[str, Any] = {
-                "index": offset + c.index,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
+            index = offset + c.index
+            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": c.finish_reason}
             if self.role is None:
                 choice["text"] = c.text
+                if self.logprobs is not None:
+                    start = self.sent_chars.get(index, 0)
+                    logprobs = completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, start)
+                    choice["logprobs"] = logprobs
+                    if logprobs is not None:  # offsets count the tokens' texts, as in a plain reply
+                        self.sent_chars[index] = start + sum(map(len, logprobs["tokens"]))
             else:
                 choice["delta"] = {"content": c.text} if c.text else {}
+                if self.logprobs is not None:
+                    choice["logprobs"] = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, self.logprobs)
             if self.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             events.append(self.chunk([choice]))
