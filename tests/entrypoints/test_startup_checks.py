@@ -41,6 +41,7 @@ def bad_inputs(tmp_path, tiny_llm_assets):
     """(argv, expected message) pairs, one start-up mistake each, and a held port."""
     model = str(tiny_llm_assets.model_dir)
     adapter = str(tiny_llm_assets.adapter_a)
+    weights = str(tiny_llm_assets.model_dir / "model.safetensors")
     (tmp_path / "bad.yaml").write_text("stages:\n  - stage_id: 0\n    max_lora_rank: [8\n")
     (tmp_path / "list.yaml").write_text("- stage_id: 0\n")
     (tmp_path / "file.txt").write_text("not a folder\n")
@@ -63,6 +64,15 @@ def bad_inputs(tmp_path, tiny_llm_assets):
         (["--port", "70000"], "--port 70000: must be between 0 and 65535"),  # bind() would wrap it to 4464
         (["--port", "-1"], "--port -1: must be between 0 and 65535"),  # argparse's value, not the default's
         (["--port=65536", "--dry-run"], "--port 65536: must be between 0 and 65535"),
+        # issue 49: a base model's weights as an LLM adapter and as a diffusion --lora-path (the header
+        # tells), an out-of-range scale, upstream vllm-omni's flag, a control character in a path
+        (["--lora-modules", f"a={weights}", "--enable-lora"], "model.safetensors holds model weights, not a LoRA"),
+        (["--lora-path", weights], f"--lora-path {weights}: model.safetensors holds model weights"),
+        (["--lora-scale", "500"], "argument --lora-scale: 500 is out of range: give a finite number between -100"),
+        (["--lora-scale", "nan"], "argument --lora-scale: nan is out of range"),
+        (["--stage-configs-path", "s.yaml"], "upstream vllm-omni's flag; here a stage layout YAML is a deploy "
+         "config: pass it with --deploy-config"),
+        (["--lora-dirs", "/tmp/a\x1b[31m"], "holds the control character U+001B at position 6"),
     ]  # fmt: skip
     if os.getuid() != 0:  # root reads everything
         locked = tmp_path / "locked"
@@ -83,6 +93,7 @@ def test_refused_before_vllm_is_imported(bad_inputs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     errors = proc.stderr.split("--- end of case\n")
+    assert len(report["results"]) == len(bad_inputs)
     for (argv, message), result, err in zip(bad_inputs, report["results"], errors):
         assert result["code"] == 2, (argv, err)
         assert err.startswith("vllm-omni serve: error: ") and message in err, (argv, err)
@@ -246,3 +257,46 @@ def test_a_start_up_adapter_with_unreadable_files_is_refused_before_loading(tmp_
             with pytest.raises(ConfigError, match=why) as info:
                 parse_serve_argv(["some-model", *flags])
             assert str(folder) in str(info.value)
+
+
+def test_warm_cache_answers_help_groups_and_override_keys_without_vllm(
+    tmp_path, tiny_llm_assets, monkeypatch
+):
+    """Issue 49: with the command-line cache written, ``--help=<group>`` / ``--help=<word>`` and a
+    misspelled ``--stage-overrides`` key are answered without importing vLLM (exit 0 / 2)."""
+    from vllm_omni.entrypoints.cli import fast
+
+    root = tmp_path / "cache"
+    env = server_env(VLLM_OMNI_CACHE_ROOT=str(root))
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(root))
+    path = fast._cache_file()
+    lora_help = "LoRAConfig:\n  Configuration for LoRA.\n\n  --max-lora-rank {1,8,16}\n                        Max rank.\n"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({
+        "options": {"--stage-overrides": 1, "--max-lora-rank": 1},
+        "group_help": {"LoRAConfig": lora_help, "ModelConfig": "ModelConfig:\n  --dtype DTYPE\n"},
+        "defaults": {"max_lora_rank": 16, "stage_keys": ["enable_lora", "max_lora_rank"]},
+    }))  # fmt: skip
+    model = str(tiny_llm_assets.model_dir)
+    argvs = [
+        ["serve", model, "--help=loraconfig"],
+        ["serve", model, "--help=max-lora"],
+        ["serve", model, "--stage-overrides", '{"0": {"enable_lroa": true}}'],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argvs)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["code"] for r in report["results"]] == [0, 0, 2]
+    assert proc.stdout.count(
+        lora_help
+    ) == 1 and "  --max-lora-rank {1,8,16}\n                        Max rank." in (
+        proc.stdout.replace(lora_help, "", 1)
+    )
+    assert (
+        "--stage-overrides: stage 0: unknown option 'enable_lroa' (did you mean 'enable_lora'?)"
+        in proc.stderr
+    )
+    assert (report["vllm"], report["torch"]) == (False, False)

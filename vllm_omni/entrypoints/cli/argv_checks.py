@@ -6,14 +6,17 @@ the fix:
 
 * a value of the wrong kind or outside its choices (``--max-lora-rank abc``, ``--dtype fp8x``):
   our own flags always, vLLM's from the command-line cache once it is warm;
-* ``--stage-overrides`` that is not a JSON object;
+* ``--stage-overrides`` that is not a JSON object, or (once the cache is warm) names an option no
+  stage takes; a numeric flag out of its range (``--lora-scale 500``); a value holding a control
+  character; upstream vllm-omni's ``--stage-configs-path`` (pointed to ``--deploy-config``);
 * a local model path that does not exist, is a file, or is a folder that holds neither
   ``config.json`` nor ``model_index.json`` (or holds one that is not JSON);
 * on a one-stage LLM model (a ``...ForCausalLM`` with the default pipeline): ``--lora-modules``
   without ``--enable-lora``,
   and a start-up adapter whose rank (``adapter_config.json``: ``r``, ``rank_pattern``) is above
   ``--max-lora-rank`` (vLLM's default when the flag is not given);
-* a ``--lora-modules`` / ``--lora-path`` folder that is a model, not an adapter, an
+* a ``--lora-modules`` / ``--lora-path`` folder that is a model, not an adapter, a weights file
+  whose tensors are a model's (no adapter key: a base checkpoint given as an adapter), an
   ``adapter_config.json`` that is not a JSON object, a weights file without a safetensors header
   that declares a tensor;
 * and :func:`~vllm_omni.entrypoints.cli.preflight.check_argv`'s checks of the adapter, folder
@@ -33,7 +36,7 @@ import os
 from typing import Any
 
 from vllm_omni.entrypoints.cli.preflight import check_argv, parse_lora_module
-from vllm_omni.errors import ConfigError
+from vllm_omni.errors import ConfigError, did_you_mean
 
 #: vLLM's ``--max-lora-rank`` default (``EngineArgs.max_lora_rank``); the cache records the
 #: installed vLLM's own value, this is used only before the cache is written.
@@ -104,11 +107,19 @@ def check(
         ConfigError: the first mistake, naming the flag or file and the fix.
     """
     scan = Scan(argv, kinds)
+    for flag in scan.values:
+        if flag in RENAMED_FLAGS:
+            raise ConfigError(RENAMED_FLAGS[flag])
     for flag, values in scan.values.items():
         rule = rules.get(flag)
         for value in values if rule is not None else ():
             _check_value(flag, value, rule)
+        for value in values if flag in RANGES else ():
+            _check_range(flag, value)
+        for value in values:
+            _check_text(flag, value)
     overrides = _stage_overrides(scan.last("--stage-overrides"))
+    _check_override_keys(overrides, defaults.get("stage_keys"))
     kind = _model_kind(scan.model) if scan.model is not None else None
     check_argv(argv, bind=False)  # adapter, folder and deploy files exist and can be read; the port
     for flag, value, path in _startup_adapters(scan):
@@ -117,6 +128,82 @@ def check(
     plain = kind == "llm" and "--pipeline" not in scan.values and "--deploy-config" not in scan.values
     if plain and "0" not in overrides:  # one LLM stage, configured by these flags only
         _check_llm_lora(scan, defaults)
+
+
+#: Flags of upstream vllm-omni this command does not take, and what to use instead.
+RENAMED_FLAGS = {
+    "--stage-configs-path": (
+        "--stage-configs-path is upstream vllm-omni's flag; here a stage layout YAML is a deploy "
+        "config: pass it with --deploy-config <file> (docs/user_guide/deployment.md), or set one "
+        "stage's options with --stage-overrides '{\"0\": {...}}'"
+    ),
+}
+
+#: ``(lowest, highest)`` of numeric flags (``None``: unbounded); ``--lora-scale`` is the adapter
+#: scale bound of the diffusion config and of requests (``vllm_omni.lora.schedule.MAX_ADAPTER_SCALE``).
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "--lora-scale": (-100.0, 100.0),
+    "--max-lora-rank": (1, None),
+    "--max-loras": (1, None),
+    "--max-cpu-loras": (1, None),
+}
+
+#: The longest value a flag takes (a path's ``PATH_MAX``; JSON flags may be longer).
+MAX_FLAG_CHARS = 4096
+_JSON_FLAGS = ("--stage-overrides", "--lora-modules")
+
+
+def _check_text(flag: str, value: str) -> None:
+    """A flag's value holds no control character (a stray escape or newline pasted into a path) and
+    is of a sensible length (JSON flags excepted)."""
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None and not (flag in _JSON_FLAGS and bad in "\t\n\r"):
+        raise ConfigError(
+            f"{flag} {value!r}: holds the control character U+{ord(bad):04X} at position {value.index(bad)}; "
+            "retype the value without it"
+        )
+    if len(value) > MAX_FLAG_CHARS and flag not in _JSON_FLAGS:
+        raise ConfigError(f"{flag}: a value of {len(value)} characters, more than {MAX_FLAG_CHARS}")
+
+
+def _check_range(flag: str, value: str) -> None:
+    import math
+
+    try:
+        number = float(value)
+    except ValueError:
+        return  # not a number: the kind check (or the full parser) names it
+    low, high = RANGES[flag]
+    if (
+        not math.isfinite(number)
+        or (low is not None and number < low)
+        or (high is not None and number > high)
+    ):
+        bounds = (
+            f"between {low:g} and {high:g}"
+            if low is not None and high is not None
+            else f"at least {low:g}"
+            if low is not None
+            else f"at most {high:g}"
+        )
+        raise ConfigError(f"argument {flag}: {value} is out of range: give a finite number {bounds}")
+
+
+def _check_override_keys(overrides: dict[str, Any], known: list[str] | None) -> None:
+    """Every option key of ``--stage-overrides`` is one some stage takes (``known``: the cached
+    union of every stage type's options; ``None`` before the cache is written: left to the config
+    check). A key one stage type takes but not the stage it lands on is left to that check."""
+    if not known:
+        return
+    for stage, options in overrides.items():
+        if not isinstance(options, dict):
+            continue  # the typed config names it
+        for key in options:
+            if str(key) not in known:
+                raise ConfigError(
+                    f"--stage-overrides: stage {stage}: unknown option {key!r}{did_you_mean(str(key), known)}; "
+                    "options are vLLM engine arguments in snake_case (e.g. max_lora_rank) or stage keys"
+                )
 
 
 def _check_value(flag: str, value: str, rule: dict[str, Any]) -> None:
@@ -248,6 +335,40 @@ def _check_adapter_files(flag: str, value: str, path: str) -> None:
                 f"{flag} {value}: {os.path.basename(weights)} is not a safetensors file ({why}); save the "
                 "adapter again (peft's save_pretrained writes adapter_model.safetensors)"
             )
+        base = _model_weights_key(weights)
+        if base is not None:
+            raise ConfigError(
+                f"{flag} {value}: {os.path.basename(weights)} holds model weights, not a LoRA adapter (no "
+                f"lora_A / lora_B / lora_down / lora_up key; e.g. {base!r}); pass the adapter peft's "
+                "save_pretrained or your trainer wrote, not the base model's checkpoint"
+            )
+
+
+#: Parts of a tensor name that only adapter files hold (LoRA, LoHa, LoKr, DoRA, OFT, full deltas)
+_ADAPTER_KEY_MARKS = ("lora", "hada_", "lokr_", "dora_", "oft", "diff", "alpha")
+
+
+def _model_weights_key(path: str) -> str | None:
+    """A tensor name of ``path`` when none of its names is an adapter's (a model checkpoint), else
+    ``None`` (an adapter, or a header that cannot be read: reported elsewhere)."""
+    header = _safetensors_header(path)
+    keys = [k for k in header or {} if k != "__metadata__"]
+    if not keys or any(mark in k.lower() for k in keys for mark in _ADAPTER_KEY_MARKS):
+        return None
+    return sorted(keys)[0]
+
+
+def _safetensors_header(path: str) -> dict[str, Any] | None:
+    """The JSON header of a safetensors file, ``None`` when it cannot be read as one."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if length > min(_MAX_HEADER, os.fstat(f.fileno()).st_size - 8):
+                return None
+            header = json.loads(f.read(length))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return header if isinstance(header, dict) else None
 
 
 def _safetensors_header_problem(path: str) -> str | None:

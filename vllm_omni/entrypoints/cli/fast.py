@@ -111,12 +111,16 @@ def save(parser: argparse.ArgumentParser, serve: argparse.ArgumentParser) -> Non
         return  # recorded already: the file's name is the key of what it records
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_omni.config.fields import STAGE_META_KEYS, STAGE_TYPES, owned_keys
+
+    stage_keys = set(STAGE_META_KEYS).union(*(owned_keys(t) for t in STAGE_TYPES))
     data = {
         "options": _kinds(serve),
         "values": value_rules(serve),
         "serve_usage": serve.format_usage(),
         "engine_groups": flags.engine_groups(serve),
-        "defaults": {"max_lora_rank": EngineArgs.max_lora_rank},
+        "group_help": group_help(serve),
+        "defaults": {"max_lora_rank": EngineArgs.max_lora_rank, "stage_keys": sorted(stage_keys)},
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,6 +129,50 @@ def save(parser: argparse.ArgumentParser, serve: argparse.ArgumentParser) -> Non
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def group_help(serve: argparse.ArgumentParser) -> dict[str, str]:
+    """``--help=<group>`` texts: each flag group's section as argparse formats it, by title."""
+    out = {}
+    for group in serve._action_groups:
+        formatter = serve._get_formatter()
+        formatter.start_section(group.title)
+        formatter.add_text(group.description)
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+        out[group.title] = formatter.format_help()
+    return out
+
+
+def help_topic(topic: str, data: dict[str, Any] | None) -> str | None:
+    """The text of ``serve --help=<topic>`` from the cache: ``all`` (every group), a group's title
+    (any case), or the flags whose name contains ``topic``; ``None`` when the cache lacks it (the
+    full parser answers)."""
+    groups: dict[str, str] = (data or {}).get("group_help") or {}
+    if not groups:
+        return None
+    if topic == "all":
+        return "\n".join(groups.values())
+    for title, text in groups.items():
+        if title.lower() == topic.lower():
+            return text
+    word = topic.lower().lstrip("-").replace("_", "-")
+    lines = []
+    for text in groups.values():
+        block: list[str] = []
+        for line in text.splitlines():
+            if line.startswith("  -"):
+                if block and word in block[0].split()[0].lower():
+                    lines += block
+                block = [line]
+            elif block and line.startswith("   "):
+                block.append(line)
+        if block and word in block[0].split()[0].lower():
+            lines += block
+    if lines:
+        return "\n".join(lines) + "\n"
+    known = ", ".join(groups)
+    return f"no flag group or flag matches {topic!r}; groups: {known}\n"
 
 
 def _load() -> dict[str, Any] | None:
@@ -137,7 +185,9 @@ def _load() -> dict[str, Any] | None:
 
 def unknown_flags_message(names: list[str], known: Any) -> str:
     """``unknown option '--enable-loar' (did you mean '--enable-lora'?)`` for each flag."""
-    return "; ".join(f"unknown option {f!r}{did_you_mean(f, known)}" for f in names)
+    return "; ".join(
+        argv_checks.RENAMED_FLAGS.get(f) or f"unknown option {f!r}{did_you_mean(f, known)}" for f in names
+    )
 
 
 def unknown_flags(argv: list[str], options: dict[str, Any]) -> list[str]:
@@ -189,6 +239,13 @@ def try_fast(argv: list[str], full_parser: Callable[[], Any]) -> int | None:
         return None
     rest = argv[1:]
     data = _load()
+    topics = [a.partition("=")[2] for a in rest if a.startswith("--help=")]
+    if topics:
+        text = help_topic(topics[0], data)
+        if text is not None:
+            sys.stdout.write(text)
+            return 0
+        return None  # a cold cache: vLLM's parser answers
     if any(a in _HELP for a in rest):
         _serve_help(data, full_parser)
         return 0
