@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from vllm_omni.log_noise import install_if_asked
 from vllm_omni.version import __version__
 
-install_if_asked()  # a process the `serve` command started: its known log noise demoted (log_noise.py)
+install_if_asked()  # vLLM's known log noise demoted, one line per kind (log_noise.py)
 
 __all__ = ["AsyncOmni", "Omni", "__version__"]
 

@@ -13,10 +13,10 @@ as they are.
 
 It works through the log record factory (records are created demoted, so every handler, including
 ones vLLM configures later, skips them), and ignores the ``FutureWarning`` vLLM's own import
-raises about ``torch.distributed.reduce_op``. The ``serve`` command installs it in the server
-process before vLLM is imported and sets :data:`ENV` for the processes it starts: there the
-package's ``__init__`` installs it, before the stage worker's first import of vLLM. A library
-user's process is left alone.
+raises about ``torch.distributed.reduce_op``. ``import vllm_omni`` installs it (:func:`install_if_asked`),
+so a script that imports ``vllm_omni`` before vLLM (the examples: ``from vllm_omni import Omni``) and
+every stage worker get it too; the ``serve`` command installs it before vLLM is imported and sets
+:data:`ENV` for the processes it starts. :data:`KEEP_ENV` ``=1`` keeps every record as vLLM wrote it.
 
 Only the standard library is imported here.
 """
@@ -46,11 +46,13 @@ _OVERWRITING = "already registered. Overwriting"
 _DTYPE_LOAD = "Attempted to load weight"
 _DTYPE_SUMMARY = (
     "Loading the checkpoint's float32 weights into bfloat16 parameters (dtype 'auto' on this CPU); "
-    "pass --dtype float32 to keep float32"
+    "pass --dtype float32 (dtype='float32' in Python) to keep float32"
 )
 #: Set by the ``serve`` command for the processes it starts: ``vllm_omni/__init__`` installs then.
 #: (Not a ``VLLM_`` name: vLLM warns about those it does not know.)
 ENV = "OMNI_DEMOTE_KNOWN_LOG_NOISE"
+#: ``1``: leave vLLM's records as they are (no demotion) in processes that did not ask for it (``ENV``).
+KEEP_ENV = "OMNI_KEEP_LOG_NOISE"
 _REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
 
 _installed = False
@@ -99,6 +101,7 @@ def install(children: bool = False) -> None:
 
 
 def install_if_asked() -> None:
-    """:func:`install` in a process started by the ``serve`` command (:data:`ENV` set)."""
-    if os.environ.get(ENV) == "1":
+    """:func:`install` (``import vllm_omni`` calls this) unless :data:`KEEP_ENV` is ``1`` in a process
+    the ``serve`` command did not start (:data:`ENV` set)."""
+    if os.environ.get(ENV) == "1" or os.environ.get(KEEP_ENV) != "1":
         install()

@@ -65,6 +65,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+    import vllm_omni  # noqa: F401 - before vLLM: its known start-up noise is said once (vllm_omni/log_noise.py)
+
+    # isort: split
+
     from vllm import SamplingParams
 
     from vllm_omni import Omni
