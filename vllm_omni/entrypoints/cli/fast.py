@@ -140,7 +140,7 @@ def group_help(serve: argparse.ArgumentParser) -> dict[str, str]:
         formatter.add_text(group.description)
         formatter.add_arguments(group._group_actions)
         formatter.end_section()
-        out[group.title] = formatter.format_help()
+        out[str(group.title)] = formatter.format_help()
     return out
 
 
