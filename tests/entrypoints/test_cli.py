@@ -192,8 +192,11 @@ def python_error(*args, **kwargs) -> str:
         (["--pipeline", "no_such_pipeline"], {}),
     ],
 )
-def test_cli_errors_are_the_python_errors(tiny_llm_assets, monkeypatch, capsys, flags, kwargs):
-    """The same resolution fails the same way; only the inputs are named with their CLI spelling."""
+def test_cli_errors_are_the_python_errors(tiny_llm_assets, monkeypatch, capsys, tmp_path, flags, kwargs):
+    """The same resolution fails the same way; only the inputs are named with their CLI spelling.
+    (A cold command-line cache: with a warm one a misspelled override key is refused before vLLM is
+    imported, tests/entrypoints/test_startup_checks.py.)"""
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))
     model = str(tiny_llm_assets.model_dir)
     code, err = run_main([model, "--omni", *flags], monkeypatch, capsys)
     pipeline = flags[flags.index("--pipeline") + 1] if "--pipeline" in flags else None
@@ -224,7 +227,8 @@ def test_cli_errors_are_the_python_errors(tiny_llm_assets, monkeypatch, capsys, 
         ),
     ],
 )
-def test_cli_errors_name_the_flag_and_stage(tiny_llm_assets, monkeypatch, capsys, flags, message):
+def test_cli_errors_name_the_flag_and_stage(tiny_llm_assets, monkeypatch, capsys, tmp_path, flags, message):
+    monkeypatch.setenv("VLLM_OMNI_CACHE_ROOT", str(tmp_path))  # cold: the typed config's message
     code, err = run_main([str(tiny_llm_assets.model_dir), *flags], monkeypatch, capsys)
     assert code == 2 and f"vllm-omni serve: error: {message}" in err
 

@@ -215,7 +215,8 @@ def test_output_format_encodes_the_diffusers_image(client, tiny_z_image_dir, fmt
 
 def test_text_only_fields_on_an_image_pipeline_are_400_naming_them(server):
     """Issue 49: logprobs, response_format and tools are not silently ignored by an image pipeline;
-    /tokenize needs an LLM entry stage; an unknown output_format is refused."""
+    /tokenize needs an LLM entry stage; an unknown output_format and a side the model cannot reach
+    are refused naming the field."""
     chat = {"messages": [{"role": "user", "content": PROMPT}]}
     for field, value in (
         ("logprobs", True),
@@ -227,6 +228,11 @@ def test_text_only_fields_on_an_image_pipeline_are_400_naming_them(server):
     body = {"prompt": PROMPT, "output_format": "bmp"}
     r = HTTP.post(server.url("/v1/images/generations"), json=body)
     assert assert_openai_error(r, (400,))["param"] == "output_format"
+    # a side beyond the model's positional tables names the field the request set it with
+    for sides, param in (({"size": "4096x4096"}, "size"), ({"height": 4096, "width": 64}, "height")):
+        r = HTTP.post(server.url("/v1/images/generations"), json={"prompt": PROMPT, **sides})
+        err = assert_openai_error(r, (400,))
+        assert err["param"] == param and "exceeds this model's maximum" in err["message"], err
     assert_openai_error(HTTP.post(server.url("/tokenize"), json={"prompt": "x"}), (400,))
 
 

@@ -296,7 +296,7 @@ def test_warm_cache_answers_help_groups_and_override_keys_without_vllm(
         proc.stdout.replace(lora_help, "", 1)
     )
     assert (
-        "--stage-overrides: stage 0: unknown option 'enable_lroa' (did you mean 'enable_lora'?)"
+        "--stage-overrides, stage 0: unknown option 'enable_lroa' (did you mean 'enable_lora'?)"
         in proc.stderr
     )
     assert (report["vllm"], report["torch"]) == (False, False)

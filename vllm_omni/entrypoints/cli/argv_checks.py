@@ -201,7 +201,7 @@ def _check_override_keys(overrides: dict[str, Any], known: list[str] | None) -> 
         for key in options:
             if str(key) not in known:
                 raise ConfigError(
-                    f"--stage-overrides: stage {stage}: unknown option {key!r}{did_you_mean(str(key), known)}; "
+                    f"--stage-overrides, stage {stage}: unknown option {key!r}{did_you_mean(str(key), known)}; "
                     "options are vLLM engine arguments in snake_case (e.g. max_lora_rank) or stage keys"
                 )
 
