@@ -288,7 +288,7 @@ class LLMAdapterValidator:
     def _check_shapes(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str, helper) -> None:
         shapes, outside = self._model_modules()
         modules = {key: key.removeprefix(_PEFT_PREFIX) for key in sorted(pairs)}
-        scope = LORA_SCOPES.get(self.model_arch or _architecture(self.model_path))
+        scope = self._scope()[1]
         refused = sorted({f"{m}: {scope.refusal(m)}" for m in modules.values() if scope and scope.refusal(m)})
         if refused:
             raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {_summary(refused)}")
@@ -322,11 +322,16 @@ class LLMAdapterValidator:
         if problems:
             raise InvalidAdapterError(f"{name} does not fit {self.stage_label}: {_summary(problems)}")
 
+    def _scope(self) -> tuple[str | None, LoRAScope | None]:
+        """The model's architecture and its :data:`LORA_SCOPES` entry (``None``: vLLM adapts every
+        linear layer)."""
+        arch = self.model_arch or _architecture(self.model_path)
+        return arch, None if arch is None else LORA_SCOPES.get(arch)
+
     def _model_modules(self) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
         """The linear layers vLLM adapts (``{name: (in, out)}``, peft's names) and the other
         linear layers of the transformers model (``{name: why vLLM leaves it out}``)."""
-        arch = self.model_arch or _architecture(self.model_path)
-        scope = LORA_SCOPES.get(arch)
+        arch, scope = self._scope()
         if scope is None:
             return _linear_shapes(self.model_path), {}
         prefixes = scope.prefixes
@@ -347,7 +352,7 @@ class LLMAdapterValidator:
         shapes, _ = self._model_modules()
         hint = ""
         expected = next(iter(shapes), "")
-        scope = LORA_SCOPES.get(self.model_arch or _architecture(self.model_path))
+        scope = self._scope()[1]
         for prefix in scope.prefixes if scope else ():
             root = prefix.split(".", 1)[0] + "."
             if f"{root}{module}" in shapes:

@@ -156,11 +156,13 @@ def cpu_kv_cache_budget(stage: LLMStageConfig) -> int | None:
     model's config cannot be read.
     """
     opts = stage.options
-    hf_config = _text_config(stage.model, bool(opts.get("trust_remote_code", False)))
-    per_token = kv_bytes_per_token(
-        hf_config or {}, opts.get("kv_cache_dtype", "auto"), opts.get("dtype", "auto")
+    hf_config = _text_config(stage.model, bool(opts.get("trust_remote_code", False))) if stage.model else None
+    per_token = (
+        None
+        if hf_config is None
+        else kv_bytes_per_token(hf_config, opts.get("kv_cache_dtype", "auto"), opts.get("dtype", "auto"))
     )
-    if per_token is None:
+    if hf_config is None or per_token is None:
         logger.warning(
             "%s: cannot size the KV cache from the model config; vLLM's default applies", stage.label
         )

@@ -118,7 +118,7 @@ def forget(lora_int_id: int, owner: object) -> None:
 def _release(owner: int, lora_int_id: int) -> None:
     path = _owned.pop((owner, lora_int_id), None)
     entry = None if path is None else _held.get(path)
-    if entry is not None:
+    if path is not None and entry is not None:
         entry[1].discard(owner)
         if not entry[1]:
             del _held[path]

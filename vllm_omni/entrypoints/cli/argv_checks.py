@@ -81,8 +81,8 @@ class Scan:
 
     def last(self, flag: str) -> str | None:
         """The value given last to ``flag`` (``None`` when absent or without a value)."""
-        given = self.values.get(flag) or [None]
-        return given[-1]
+        given = self.values.get(flag)
+        return given[-1] if given else None
 
     @property
     def model(self) -> str | None:
@@ -112,7 +112,9 @@ def check(
             raise ConfigError(RENAMED_FLAGS[flag])
     for flag, values in scan.values.items():
         rule = rules.get(flag)
-        for value in values if rule is not None else ():
+        if rule is None:
+            continue
+        for value in values:
             _check_value(flag, value, rule)
         for value in values if flag in RANGES else ():
             _check_range(flag, value)

@@ -165,7 +165,7 @@ def engine_groups_help(groups: list[tuple[str, str]]) -> str:
 def engine_groups(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
     """``(title, description)`` of the full parser's vLLM groups (not ours, not argparse's own)."""
     skip = {*OWN_GROUPS, "positional arguments", "options", "optional arguments"}
-    return [(g.title, g.description or "") for g in parser._action_groups if g.title not in skip]
+    return [(g.title, g.description or "") for g in parser._action_groups if g.title and g.title not in skip]
 
 
 def vllm_version() -> str:

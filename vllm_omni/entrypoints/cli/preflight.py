@@ -235,7 +235,11 @@ def _values(argv: list[str]) -> dict[str, list[str]]:
             found.setdefault(name, []).append(inline)
             continue
         taken = 0
-        while i < len(argv) and _is_value(argv[i]) and (count == "+" or taken < count):
+        while (
+            i < len(argv)
+            and _is_value(argv[i])
+            and (count == "+" or (isinstance(count, int) and taken < count))
+        ):
             found.setdefault(name, []).append(argv[i])
             i += 1
             taken += 1
@@ -282,7 +286,8 @@ def bind_argv(argv: Iterable[str], *, hold: bool = False) -> None:
     values = _values(argv)
     port = _port(values)
     if port is not None:
-        check_bind((values.get("--host") or [None])[-1], port, hold=hold)
+        hosts = values.get("--host")
+        check_bind(hosts[-1] if hosts else None, port, hold=hold)
 
 
 def _port(values: dict[str, list[str]]) -> int | None:

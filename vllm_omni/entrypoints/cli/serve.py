@@ -209,8 +209,9 @@ def check_startup_adapters(config: Any, settings: ServerSettings) -> None:
             f"--lora-modules {name}={path}: no stage has LoRA enabled; add --enable-lora (or enable_lora "
             "in --stage-overrides / the deploy YAML)"
         )
-    limits = [getattr(s.lora_config, "max_lora_rank", None) for s in lora_stages]
-    if any(s.stage_type != "llm_ar" for s in lora_stages) or None in limits:
+    given = [getattr(s.lora_config, "max_lora_rank", None) for s in lora_stages]
+    limits = [int(limit) for limit in given if limit is not None]
+    if any(s.stage_type != "llm_ar" for s in lora_stages) or len(limits) < len(given):
         return  # a stage that takes adapters of any rank
     for name, path in settings.lora_modules:
         rank = argv_checks.adapter_rank(path)
