@@ -1,6 +1,6 @@
 """Write tiny, randomly initialised diffusers folders from the PUBLISHED configs of a DiT family.
 
-For a :class:`~vllm_omni.diffusion.models.published.PublishedCheckpoint` (a family spec's ``PUBLISHED``
+For a :class:`~vllm_omni.config.dit_family.PublishedCheckpoint` (a family spec's ``PUBLISHED``
 list) the folder keeps every behaviour-selecting value the published one has -- the pipeline class and
 ``model_index.json`` keys (``boundary_ratio``, ``expand_timesteps``...), the whole
 ``scheduler_config.json`` (class, shifts, flow sigmas, ``shift_terminal``...), the denoiser's structural
@@ -58,7 +58,7 @@ def _wan_denoiser(published: dict[str, Any], seed: int, out: Path) -> None:
         config["image_dim"] = 24  # the tiny CLIP's width
         config["added_kv_proj_dim"] = WAN_SIZES["num_attention_heads"] * WAN_SIZES["attention_head_dim"]
     torch.manual_seed(seed)
-    model = WanTransformer3DModel(**config)
+    model = WanTransformer3DModel.from_config(config)
     perturb_norms(model, seed + 100)
     model.save_pretrained(out, safe_serialization=True)
 
@@ -105,18 +105,92 @@ def _write_index(out: Path, checkpoint) -> None:
     (out / "model_index.json").write_text(json.dumps(checkpoint.model_index(), indent=2) + "\n")
 
 
-#: family name -> folder builder
-BUILDERS = {"wan": build_wan}
+def _published_denoiser(
+    cls, published: dict[str, Any], sizes: dict[str, Any], seed: int, out: Path, init=None
+):
+    """``cls`` from the published config with ``sizes`` replacing the size keys; norms perturbed; saved."""
+    config = {k: v for k, v in published.items() if not k.startswith("_")} | sizes
+    torch.manual_seed(seed)
+    model = cls.from_config(config)  # as loading the published file does: unknown keys are ignored
+    if init is not None:
+        init(model)
+    perturb_norms(model, seed + 100)
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _published_scheduler(checkpoint, out: Path) -> None:
+    import diffusers
+
+    config = checkpoint.scheduler
+    cls = getattr(diffusers, config["_class_name"])
+    if out.exists():
+        shutil.rmtree(out)
+    cls.from_config({k: v for k, v in config.items() if not k.startswith("_")}).save_pretrained(out)
+
+
+def build_z_image(checkpoint, out: Path) -> None:
+    """A tiny Z-Image folder: the tiny text encoder, tokenizer and VAE of ``make_tiny_diffusion``; the denoiser,
+    scheduler and ``model_index.json`` from the published config (sizes shrunk: width 64, 2 + 1 layers)."""
+    from diffusers import ZImageTransformer2DModel
+
+    from tools.make_tiny_diffusion import build_tiny_z_image
+
+    build_tiny_z_image(out)
+    sizes = {
+        "dim": 64,
+        "n_layers": 2,
+        "n_refiner_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "cap_feat_dim": 32,  # the tiny text encoder's width
+        "axes_dims": [8, 12, 12],
+        "axes_lens": [1024, 64, 64],
+    }
+
+    def pads(model):
+        with torch.no_grad():
+            model.x_pad_token.normal_(0, 0.5)
+            model.cap_pad_token.normal_(0, 0.5)
+
+    _published_denoiser(ZImageTransformer2DModel, checkpoint.denoiser, sizes, 1, out / "transformer", pads)
+    _published_scheduler(checkpoint, out / "scheduler")
+    _write_index(out, checkpoint)
+
+
+def build_qwen_image(checkpoint, out: Path) -> None:
+    """A tiny Qwen-Image folder (edit: with the Qwen2-VL processor): the tiny text encoder, tokenizer and VAE
+    of ``make_tiny_qwen_image``; the denoiser, scheduler and ``model_index.json`` from the published config
+    (sizes shrunk: 2 heads of 32, 2 layers)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from tools.make_tiny_qwen_image import TEXT_HIDDEN, build_tiny_qwen_image
+
+    build_tiny_qwen_image(out, edit="processor" in checkpoint.components)
+    sizes = {
+        "num_layers": 2,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": TEXT_HIDDEN,
+        "axes_dims_rope": [8, 12, 12],
+    }
+    _published_denoiser(QwenImageTransformer2DModel, checkpoint.denoiser, sizes, 1, out / "transformer")
+    _published_scheduler(checkpoint, out / "scheduler")
+    _write_index(out, checkpoint)
+
+
+#: family name -> folder builder (a family joins with its builder here and its spec's PUBLISHED list)
+BUILDERS = {"z_image": build_z_image, "qwen_image": build_qwen_image, "wan": build_wan}
 
 
 def family_of(checkpoint) -> str:
     """The family whose spec lists ``checkpoint``."""
-    from vllm_omni.diffusion.models.wan.spec import PUBLISHED as WAN
+    from vllm_omni.config.dit_families import family_specs
 
-    families = {"wan": WAN}
-    for family, listed in families.items():
-        if checkpoint in listed:
-            return family
+    for name, spec in family_specs().items():
+        if checkpoint in spec.published:
+            return name
     raise KeyError(f"{checkpoint.repo} is listed by no family spec")
 
 
@@ -150,13 +224,13 @@ def ensure_tiny_published(root: str | os.PathLike, checkpoint, family: str | Non
 
 
 def main() -> None:
-    from vllm_omni.diffusion.models.wan.spec import PUBLISHED
+    from vllm_omni.config.dit_families import family_specs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory to write tiny-published/<name>/ into")
     parser.add_argument("name", help="a published checkpoint name, e.g. Wan2.2-T2V-A14B-Diffusers")
     args = parser.parse_args()
-    by_name = {c.name: c for c in PUBLISHED}
+    by_name = {c.name: c for spec in family_specs().values() for c in spec.published}
     print(ensure_tiny_published(args.out, by_name[args.name]))
 
 

@@ -29,7 +29,9 @@ def defaults(path, **options) -> CallDefaults:
 def test_the_in_tree_pipelines_fall_back_to_their_classes_call_defaults(tmp_path):
     """What an in-tree pipeline does with ``guidance_scale=None`` and what ``OmniDiffusionSamplingParams``
     runs by default are the class's ``__call__`` defaults: one source for the server and the engine."""
-    from vllm_omni.diffusion.pipelines import qwen_image, wan, z_image
+    from vllm_omni.diffusion.models.qwen_image import pipeline as qwen_image
+    from vllm_omni.diffusion.models.wan import pipeline as wan
+    from vllm_omni.diffusion.models.z_image import pipeline as z_image
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     steps = OmniDiffusionSamplingParams().num_inference_steps

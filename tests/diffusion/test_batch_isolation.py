@@ -106,7 +106,7 @@ def test_too_large_size_is_refused_before_batching(omni, stage, alone):
 
 def test_long_prompt_is_truncated_with_a_warning(omni, stage, alone, caplog):
     items = [(p, params()) for p in GOOD] + [(LONG, params())]
-    with caplog.at_level(logging.WARNING, logger="vllm_omni.diffusion.pipelines.z_image"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni.diffusion.models.z_image.pipeline"):
         futures, errors = _submit_together(omni, stage, items)
         outputs = [f.result(timeout=300) for f in futures]
     assert not errors

@@ -113,7 +113,7 @@ def test_in_tree_pipeline_refuses_extra_args_it_would_ignore(z_image_engine):
         height=32, width=32, num_inference_steps=1, extra_args={"cfg_truncation": 0.5}
     )
     with pytest.raises(
-        ValueError, match=r"extra_args \['cfg_truncation'\] are not used by the in-tree Z-Image"
+        ValueError, match=r"extra_args \['cfg_truncation'\] are not used by the in-tree ZImagePipeline"
     ):
         z_image_engine.generate(["x"], sp)
     sp = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=1, guidance_scale=1.0)

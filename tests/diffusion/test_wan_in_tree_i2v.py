@@ -80,7 +80,7 @@ def moe_dir() -> Path:
 
 def test_two_experts_first_and_last_frame_and_the_pair_match_diffusers(moe_dir, tmp_path):
     from vllm_omni import Omni
-    from vllm_omni.diffusion.pipelines.wan_i2v import WanImageToVideoPipeline
+    from vllm_omni.diffusion.models.wan.pipeline_i2v import WanImageToVideoPipeline
 
     high = os.fspath(_write_adapter(moe_dir, "transformer", 10, tmp_path / "high"))
     low = os.fspath(_write_adapter(moe_dir, "transformer_2", 11, tmp_path / "low"))
@@ -111,7 +111,7 @@ def test_clip_image_encoder_and_image_cross_attention_match_diffusers():
     from tools.make_tiny_wan import ensure_tiny_wan
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.distributed.parallel_state import init_diffusion_parallel_state
-    from vllm_omni.diffusion.pipelines.wan_i2v import WanImageToVideoPipeline
+    from vllm_omni.diffusion.models.wan.pipeline_i2v import WanImageToVideoPipeline
 
     model_dir = ensure_tiny_wan(test_assets_root(), i2v=True)
     init_diffusion_parallel_state(1, 0)

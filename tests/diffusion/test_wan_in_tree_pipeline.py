@@ -124,7 +124,7 @@ def _err(a, b) -> float:
 
 
 def test_runs_in_tree_and_equals_diffusers_without_adapters(omni, wan_moe_dir):
-    from vllm_omni.diffusion.pipelines.wan import WanPipeline
+    from vllm_omni.diffusion.models.wan.pipeline import WanPipeline
 
     pipeline = omni._orchestrator.runtimes[0]._engine.pipeline
     assert isinstance(pipeline, WanPipeline) and pipeline.transformer_2 is not None
@@ -211,7 +211,7 @@ def test_single_expert_distill_file_equals_diffusers(tmp_path):
     from tests.conftest import test_assets_root
     from tools.make_tiny_wan import ensure_tiny_wan
     from vllm_omni import Omni
-    from vllm_omni.diffusion.pipelines.wan import WanPipeline
+    from vllm_omni.diffusion.models.wan.pipeline import WanPipeline
 
     model_dir = ensure_tiny_wan(test_assets_root())
     path = os.fspath(_write_adapter(model_dir, "transformer", 30, tmp_path / "distill"))

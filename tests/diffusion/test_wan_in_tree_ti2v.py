@@ -85,7 +85,7 @@ def _sp(output_type: str = "latent", **extra):
 
 def test_ti2v_folder_makes_video_from_an_image_and_from_text_as_diffusers(ti2v_dir, adapter, reference):
     from vllm_omni import Omni
-    from vllm_omni.diffusion.pipelines.wan import WanPipeline
+    from vllm_omni.diffusion.models.wan.pipeline import WanPipeline
 
     with Omni(str(ti2v_dir), dtype="float32", enable_progress_bar=False) as omni:
         runtime = omni._orchestrator.runtimes[0]
@@ -169,7 +169,7 @@ def test_a_ti2v_folder_naming_the_image_to_video_class_needs_the_image(ti2v_dir,
     ``extra_args['image']``, and one with it equals diffusers' image-to-video latents."""
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.engine import DiffusionEngine
-    from vllm_omni.diffusion.pipelines.wan_i2v import WanImageToVideoPipeline
+    from vllm_omni.diffusion.models.wan.pipeline_i2v import WanImageToVideoPipeline
 
     folder = tmp_path / "ti2v-i2v-class"
     folder.mkdir()

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from vllm_omni.config.call_defaults import check_guidance, check_steps, model_index_defaults
+from vllm_omni.config.dit_families import IN_TREE_PIPELINES, family_for_class
+from vllm_omni.config.dit_family import check_variants
 from vllm_omni.errors import ConfigError
 from vllm_omni.lora.request import MAX_ADAPTER_SCALE
 
@@ -41,16 +43,6 @@ DTYPES = {
     "fp16": torch.float16,
 }
 
-#: ``model_index.json`` ``_class_name`` -> ``"module:Class"`` of the in-tree pipeline.
-IN_TREE_PIPELINES: dict[str, str] = {
-    "ZImagePipeline": "vllm_omni.diffusion.pipelines.z_image:ZImagePipeline",
-    "QwenImagePipeline": "vllm_omni.diffusion.pipelines.qwen_image:QwenImagePipeline",
-    "QwenImageEditPipeline": "vllm_omni.diffusion.pipelines.qwen_image_edit:QwenImageEditPipeline",
-    "WanPipeline": "vllm_omni.diffusion.pipelines.wan:WanPipeline",
-    "WanImageToVideoPipeline": "vllm_omni.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline",
-    "FluxPipeline": "vllm_omni.diffusion.pipelines.flux:FluxPipeline",
-    "FluxKontextPipeline": "vllm_omni.diffusion.pipelines.flux_kontext:FluxKontextPipeline",
-}
 
 # Field metadata: ``concern`` groups the LoRA options; ``option=False`` marks runtime-internal
 # fields that are not stage options (set only by code that builds the config directly).
@@ -338,6 +330,8 @@ class OmniDiffusionConfig:
                 f"unknown pipeline class {self.class_name!r}: neither an in-tree pipeline {in_tree} "
                 f"nor a diffusers pipeline class"
             )
+        if self.use_in_tree:  # a variant the family does not serve fails here, naming folder, key, value
+            check_variants(family_for_class(self.class_name), root)
         if self.tensor_parallel_size > 1 and not self.use_in_tree:
             raise ConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs an in-tree pipeline "

@@ -44,7 +44,7 @@ class _ZImageState:
 
 
 class ZImageSteps:
-    """The step unit of a loaded :class:`~vllm_omni.diffusion.pipelines.z_image.ZImagePipeline`."""
+    """The step unit of a loaded :class:`~vllm_omni.diffusion.models.z_image.pipeline.ZImagePipeline`."""
 
     def __init__(self, pipeline: Any) -> None:
         self.pipe = pipeline
@@ -68,7 +68,7 @@ class ZImageSteps:
         cfg = guidance > 0
         n = sp.num_images_per_prompt
         encoded = encode_texts(
-            lambda texts: pipe.encode_prompts(texts, sp.max_sequence_length),
+            lambda texts: pipe.encode_captions(texts, sp.max_sequence_length),
             [prompt],
             sp.negative_prompt,
             cfg,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_omni.diffusion.models.published import PublishedCheckpoint
+from vllm_omni.config.dit_family import DiTFamilySpec, PublishedCheckpoint, VariantKey
 
 
 def wan_unipc(flow_shift: float) -> dict[str, Any]:
@@ -134,4 +134,43 @@ PUBLISHED: tuple[PublishedCheckpoint, ...] = (
     ),
 )
 
-__all__ = ["PUBLISHED", "wan_unipc"]
+
+SPEC = DiTFamilySpec(
+    name="wan",
+    pipelines={
+        "WanPipeline": "vllm_omni.diffusion.models.wan.pipeline:WanPipeline",
+        "WanImageToVideoPipeline": "vllm_omni.diffusion.models.wan.pipeline_i2v:WanImageToVideoPipeline",
+    },
+    published=PUBLISHED,
+    variants=(
+        VariantKey("transformer/config.json", "qk_norm", ("rms_norm_across_heads",), "the q/k norm kind"),
+        VariantKey("transformer/config.json", "patch_size", ([1, 2, 2],), "the patch layout"),
+        VariantKey(
+            "scheduler/scheduler_config.json",
+            "_class_name",
+            ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler"),
+            "the scheduler",
+        ),
+    ),
+    denoisers=("transformer", "transformer_2"),
+    lora_targets=(
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "attn2.*",
+        "ffn.net.0.proj",
+        "ffn.net.2",
+    ),
+    lora_formats=("ComfyUI / musubi-tuner / lightx2v (diffusers' Wan converter; diff_b bias deltas)",),
+    cfg="[B positive; B negative] rows, pred = neg + g * (pos - neg); g = guidance_scale_2 on the low-noise expert",
+    inputs=("image", "last_image"),
+    vae_normalisation="latents * std + mean (per-channel latents_mean / latents_std)",
+    image_inputs={"WanImageToVideoPipeline": "required", "WanPipeline": "optional (expand_timesteps)"},
+    output_kind="video",
+    # diffusers' WanImageToVideoPipeline repeats CLIP features per prompt, not per output: n = 1 there
+    contract={"reference_n1_components": ("image_encoder",)},
+    defaults={"guidance_scale": 5.0, "size": (480, 832), "num_frames": 81},
+)
+
+__all__ = ["PUBLISHED", "SPEC", "wan_unipc"]

@@ -1,5 +1,20 @@
-"""In-tree Z-Image denoiser."""
+"""The Z-Image family: the in-tree Z-Image denoiser and pipeline (one folder: ``spec.py`` with ``SPEC``, the denoiser, the pipeline).
 
-from vllm_omni.diffusion.models.z_image.z_image_transformer import ZImageTransformer2DModel
+Names resolve on first use, so reading the spec (the config layer does, before any model loads) imports
+no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"ZImageTransformer2DModel": "vllm_omni.diffusion.models.z_image.z_image_transformer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ZImageTransformer2DModel"]

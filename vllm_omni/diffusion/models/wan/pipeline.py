@@ -38,18 +38,8 @@ from diffusers.video_processor import VideoProcessor
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.wan import WanTransformer3DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
-from vllm_omni.diffusion.pipelines.denoise import (
-    InTreePipelineBase,
-    denoiser_rows,
-    encode_texts,
-    lora_scope,
-    prepare_scheduler,
-    run_denoising_loop,
-    seeded_noise,
-    split_by_prompt,
-)
-from vllm_omni.diffusion.pipelines.diffusers_fallback import pop_lora_scale
+from vllm_omni.diffusion.pipelines.base import resolve_image_size
+from vllm_omni.diffusion.pipelines.template import DenoiseState, DiTPipeline, RequestOptions
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -57,8 +47,9 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 DEFAULT_SIZE = (480, 832)
 DEFAULT_FRAMES = 81
 DEFAULT_GUIDANCE = 5.0
-#: ``extra_args`` this pipeline takes (diffusers' call arguments of the same names)
-EXTRA_ARGS = ("num_frames", "guidance_scale_2", "attention_kwargs")
+#: ``extra_args`` of the Wan family (diffusers' call argument of the same name; ``guidance_scale_2`` and
+#: ``attention_kwargs`` are every family's, :mod:`~vllm_omni.diffusion.pipelines.template`)
+EXTRA_ARGS = ("num_frames",)
 #: the input image(s) of a request, diffusers' call arguments of the same names
 IMAGE_ARGS = ("image", "last_image")
 
@@ -101,7 +92,7 @@ def first_frame_timesteps(
 
 
 # ---------------------------------------------------------------------- the pipeline
-class WanPipeline(InTreePipelineBase):
+class WanPipeline(DiTPipeline):
     """Wan text-to-video on the in-tree denoiser(s) (one instance per TP rank).
 
     Attributes:
@@ -117,8 +108,9 @@ class WanPipeline(InTreePipelineBase):
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
+    family = "wan"
     output_kind = "video"
-    #: ``extra_args`` keys the pipeline takes
+    #: the family's own ``extra_args`` keys
     extra_args_taken: tuple[str, ...] = EXTRA_ARGS
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
@@ -141,6 +133,7 @@ class WanPipeline(InTreePipelineBase):
         self.transformer = loaded["transformer"]
         self.transformer_2 = loaded.get("transformer_2")
         self.boundary_ratio = od_config.model_index.get("boundary_ratio")
+        self.two_experts = self.transformer_2 is not None
         if self.transformer_2 is not None and self.boundary_ratio is None:
             raise InvalidRequestError(
                 f"{root}: transformer_2 is present but model_index.json sets no boundary_ratio"
@@ -161,7 +154,7 @@ class WanPipeline(InTreePipelineBase):
         reach = self.transformer.rope.max_seq_len * self.vae_scale_factor
         return reach * p_h, reach * p_w
 
-    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
+    def resolve_size(self, sp: OmniDiffusionSamplingParams, condition=None) -> tuple[int, int]:
         """``(height, width)``: the request's, else diffusers' 480x832 bounded by :attr:`max_image_size`.
 
         Raises:
@@ -191,42 +184,9 @@ class WanPipeline(InTreePipelineBase):
             raise InvalidRequestError(f"num_frames {frames} exceeds this model's maximum of {reach}")
         return frames
 
-    def _call_options(self, sp: OmniDiffusionSamplingParams) -> tuple[int, float, float, float]:
-        """``(num_frames, guidance, guidance_2, lora_scale)`` from ``sp`` and its ``extra_args``.
-
-        Raises:
-            InvalidRequestError: an ``extra_args`` key this pipeline does not take (named), a bad value.
-        """
-        extra = dict(sp.extra_args)
-        lora_scale = pop_lora_scale(extra)
-        if extra.get("attention_kwargs"):
-            raise InvalidRequestError(
-                f"extra_args['attention_kwargs'] keys {sorted(extra['attention_kwargs'])} are not used by the "
-                "in-tree Wan pipeline (only 'scale', the LoRA scale of the call)"
-            )
-        unknown = sorted(set(extra) - set(self.extra_args_taken))
-        if unknown:
-            raise InvalidRequestError(
-                f"extra_args {unknown} are not used by the in-tree {type(self).__name__} (it takes "
-                f"{list(self.extra_args_taken)}); "
-                "run the stage with pipeline_backend='diffusers' to pass other diffusers arguments"
-            )
-        guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
-        guidance_2 = extra.get("guidance_scale_2")
-        if guidance_2 is not None and self.boundary_ratio is None:
-            raise InvalidRequestError(
-                "extra_args['guidance_scale_2'] needs a two-expert model (boundary_ratio)"
-            )
-        if guidance_2 is not None and (
-            isinstance(guidance_2, bool) or not isinstance(guidance_2, int | float)
-        ):
-            raise InvalidRequestError(f"extra_args['guidance_scale_2'] must be a number, got {guidance_2!r}")
-        guidance_2 = guidance if guidance_2 is None else float(guidance_2)
-        return self.resolve_frames(extra.get("num_frames")), guidance, guidance_2, lora_scale
-
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+    def encode_t5(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
         """UMT5 features ``(len(prompts), max_sequence_length, d)`` in the denoiser dtype, zero past each
         prompt's tokens (diffusers' ``_get_t5_prompt_embeds``)."""
         enc = self.tokenizer(
@@ -246,66 +206,92 @@ class WanPipeline(InTreePipelineBase):
         )
         return hidden.to(self.transformer.dtype)
 
-    # ------------------------------------------------------------------ sampling
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str],
-        sp: OmniDiffusionSamplingParams,
-        *,
-        seeds: list[int | None] | None = None,
-        lora_context: LoRAContextFactory | None = None,
-    ) -> list[DiffusionOutput]:
-        """``sp.num_images_per_prompt`` videos per prompt, all prompts in one denoiser batch.
+    # ------------------------------------------------------------------ template hooks
+    def default_guidance(self) -> float:
+        """diffusers' ``WanPipeline`` default: 5.0."""
+        return DEFAULT_GUIDANCE
 
-        Args:
-            prompts: the texts. sp: shared settings; ``extra_args`` may hold ``num_frames``,
-                ``guidance_scale_2`` and ``attention_kwargs={"scale": s}`` (the LoRA scale of the call).
-            seeds: per-prompt seeds overriding ``sp.seed`` (ignored with ``sp.generator``).
-            lora_context: entered once around the loop with each denoiser sample's prompt index (CFG
-                copies included); the adapters it activates act on both experts' layers.
+    def family_options(self, extra: dict, options: RequestOptions) -> None:
+        """``num_frames`` (default 81; :meth:`resolve_frames`)."""
+        options.extra["frames"] = self.resolve_frames(extra.get("num_frames"))
 
-        Returns one :class:`DiffusionOutput` per prompt: float32 CPU ``latents`` ``(n, C, f, h, w)``; with
-        ``output_type="pil"`` ``videos`` (``n`` lists of frames), ``"np"`` / ``"pt"`` ``array``.
+    def prepare_condition(self, sp: OmniDiffusionSamplingParams, options: RequestOptions) -> list:
+        """The request's input images, checked (:meth:`_input_images`); encoded once the size is known."""
+        return self._input_images(sp)
 
-        Raises:
-            InvalidRequestError: bad sizes, frame count, negative prompts or ``extra_args``.
-        """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not prompts:
-            return []
-        height, width = self.resolve_size(sp)
-        frames, guidance, guidance_2, lora_scale = self._call_options(sp)
-        n = sp.num_images_per_prompt
-        cfg = guidance > 1.0
-        embeds = encode_texts(
-            lambda texts: self.encode_prompts(texts, sp.max_sequence_length),
-            prompts,
-            sp.negative_prompt,
-            cfg,
-            lora_context,
-        )
-        embeds = embeds.repeat_interleave(n, dim=0)  # [pos (n per prompt); neg (n per prompt)]
-        shape = (
+    def noise_shape(self, options: RequestOptions, condition) -> tuple[int, int, int, int]:
+        """``(C, (num_frames - 1) / t + 1, H / s, W / s)``."""
+        return (
             self.transformer.out_channels,
-            (frames - 1) // self.vae_scale_factor_temporal + 1,
-            height // self.vae_scale_factor,
-            width // self.vae_scale_factor,
+            (options.extra["frames"] - 1) // self.vae_scale_factor_temporal + 1,
+            options.height // self.vae_scale_factor,
+            options.width // self.vae_scale_factor,
         )
-        latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)
-        conditioning = self._conditioning(sp, latents.shape, frames, height, width)
-        adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
-        scheduler = prepare_scheduler(self.scheduler, self.device, steps=sp.num_inference_steps)
-        predict = self._predictor(embeds, (guidance, guidance_2), cfg, conditioning)
-        latents = run_denoising_loop(
-            scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
-        )
-        latents = with_first_frame(latents, conditioning.first_frame)
-        results = split_by_prompt(prompts, latents, n)
-        if sp.output_type != "latent":
-            self._decode_into(results, latents, sp.output_type, n)
-        return results
+
+    def encode_prompts(self, texts: list[str], options: RequestOptions, sp, condition) -> torch.Tensor:
+        """UMT5 features of ``texts`` (:meth:`encode_t5`)."""
+        return self.encode_t5(texts, sp.max_sequence_length)
+
+    def build_state(self, state: DenoiseState, sp) -> None:
+        """The request's :class:`Conditioning` (input images VAE-encoded at the request size)."""
+        o = state.options
+        state.condition = self._conditioning(sp, (state.batch,), o.extra["frames"], o.height, o.width)
+
+    def model_input(
+        self, state: DenoiseState, latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """The rows' latents (first latent frame replaced by a given image's), conditioning channels appended,
+        in the denoiser dtype."""
+        cond = state.condition
+        x = with_first_frame(latents, cond.first_frame)
+        x = x if cond.channels is None else torch.cat([x, cond.channels], dim=1)
+        return x.to(self.transformer.dtype)
+
+    def predict(self, state: DenoiseState, x: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """Each row on the expert of its timestep (rows on one expert share a call); per-token timesteps
+        with ``expand_timesteps`` (0 on a given first frame's tokens). Float32."""
+        experts = [self.expert_for(float(t))[1] for t in timesteps]
+        if len(set(experts)) == 1:
+            return self._run_expert(state, experts[0], x, timesteps, state.text)
+        out = torch.empty(0)
+        for expert in sorted(set(experts)):
+            rows = torch.tensor([i for i, e in enumerate(experts) if e == expert], device=x.device)
+            part = self._run_expert(state, expert, x[rows], timesteps[rows], state.text[rows])
+            if out.numel() == 0:
+                out = part.new_empty((x.shape[0], *part.shape[1:]))
+            out[rows] = part
+        return out
+
+    def _run_expert(self, state: DenoiseState, expert: int, x: torch.Tensor, timesteps: torch.Tensor, text):
+        model = self.transformer if expert == 0 else self.transformer_2
+        cond = state.condition
+        if self.expand_timesteps:  # per token, 0 on a given first frame's (diffusers' mask)
+            ones = torch.ones((), dtype=torch.float32, device=x.device)
+            mask = first_frame_timesteps(ones, x.shape, model.patch_size, cond.first_frame is not None)
+            timestep = mask[None, :] * timesteps[:, None]
+        else:
+            timestep = timesteps
+        image = None if cond.image_embeds is None else cond.image_embeds.repeat(x.shape[0], 1, 1)
+        return model(x, timestep, text, image).float()
+
+    def combine_cfg(self, state: DenoiseState, out: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """``neg + g * (pos - neg)`` with each row's expert's scale (``guidance_scale`` / ``guidance_scale_2``)."""
+        batch = out.shape[0] // 2
+        pos, neg = out[:batch], out[batch:]
+        scales = (state.options.guidance, state.options.guidance_2)
+        experts = [self.expert_for(float(t))[1] for t in timesteps]
+        if len(set(experts)) == 1:
+            return neg + scales[experts[0]] * (pos - neg)
+        g = torch.tensor([scales[e] for e in experts], dtype=out.dtype, device=out.device)
+        return neg + g.view(-1, *([1] * (out.dim() - 1))) * (pos - neg)
+
+    def finish_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        """The result's first latent frame is the given image's (TI2V image-to-video)."""
+        return with_first_frame(latents, state.condition.first_frame)
+
+    def decode_into(self, results, latents: torch.Tensor, state: DenoiseState, sp) -> None:
+        """VAE-decode and attach the videos."""
+        self._decode_into(results, latents, sp.output_type, state.options.n)
 
     def expert_for(self, timestep: float) -> tuple[WanTransformer3DModel, int]:
         """The denoiser of a step and its index into the guidance pair (0: high noise, 1: low noise)."""
@@ -352,7 +338,7 @@ class WanPipeline(InTreePipelineBase):
     def _conditioning(self, sp, shape, frames: int, height: int, width: int) -> Conditioning:
         """What the denoiser sees beside the latents of the batch of ``shape``: nothing (text-to-video), or
         with ``expand_timesteps`` and an image ``first_frame`` ``(B, z_dim, 1, h, w)`` (other image-to-video
-        layouts: :class:`~vllm_omni.diffusion.pipelines.wan_i2v.WanImageToVideoPipeline`)."""
+        layouts: :class:`~vllm_omni.diffusion.models.wan.pipeline_i2v.WanImageToVideoPipeline`)."""
         images = self._input_images(sp)
         if not images:
             return Conditioning()
@@ -365,30 +351,6 @@ class WanPipeline(InTreePipelineBase):
         latent = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().to(torch.float32)
         mean, inv_std = self.latent_stats(latent)
         return (latent - mean) * inv_std
-
-    def _predictor(self, embeds: torch.Tensor, guidances: tuple[float, float], cfg: bool, cond: Conditioning):
-        """The step function of the loop: the step's expert on ``[latents; latents]`` (with CFG) against
-        ``embeds`` (``B`` positive then ``B`` negative rows) with ``cond`` (:class:`Conditioning`: channels
-        after the latent channels, image features, or the clean first frame; per-token timesteps with
-        ``expand_timesteps``), ``neg + g * (pos - neg)``, float32."""
-
-        def predict(_step: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            batch = latents.shape[0]
-            model, expert = self.expert_for(float(t))
-            x = with_first_frame(latents, cond.first_frame)
-            x = x if cond.channels is None else torch.cat([x, cond.channels], dim=1)
-            x = x.to(model.dtype)
-            x = torch.cat([x, x]) if cfg else x
-            if self.expand_timesteps:  # per token, 0 on a given first frame's (diffusers' mask)
-                timestep = first_frame_timesteps(t, x.shape, model.patch_size, cond.first_frame is not None)
-                timestep = timestep.expand(x.shape[0], -1)
-            else:
-                timestep = t.expand(x.shape[0])
-            image = None if cond.image_embeds is None else cond.image_embeds.repeat(x.shape[0], 1, 1)
-            out = model(x, timestep, embeds, image).float()
-            return out[batch:] + guidances[expert] * (out[:batch] - out[batch:]) if cfg else out
-
-        return predict
 
     def latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's per-channel latent ``mean`` and ``1 / std``, ``(1, z_dim, 1, 1, 1)`` on ``like``'s device

@@ -24,12 +24,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.diffusion.pipelines.qwen_image import (
-    EXTRA_ARGS,
-    ImageCondition,
-    QwenImagePipeline,
-    pack_latents,
-)
+from vllm_omni.diffusion.models.qwen_image.pipeline import ImageCondition, QwenImagePipeline, pack_latents
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.models.torchvision_free import load_qwen2_vl_processor
@@ -56,7 +51,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     accepts_image = True
     prompt_template = EDIT_PROMPT_TEMPLATE
     template_drop = EDIT_TEMPLATE_DROP
-    extra_args_taken = (*EXTRA_ARGS, "image")
+    extra_args_taken = ("image",)
     condition_area = 1024 * 1024
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):

@@ -20,29 +20,17 @@ procedure reproduces diffusers' ``ZImagePipeline``:
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager
 
 import torch
 from diffusers import AutoencoderKL
 from diffusers.image_processor import VaeImageProcessor
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.models.z_image import ZImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
-from vllm_omni.diffusion.pipelines.denoise import (
-    InTreePipelineBase,
-    attach_decoded,
-    denoiser_rows,
-    encode_texts,
-    lora_scope,
-    prepare_scheduler,
-    resolution_shift_mu,
-    run_denoising_loop,
-    seeded_noise,
-    split_by_prompt,
-)
-from vllm_omni.errors import InvalidRequestError
+from vllm_omni.diffusion.pipelines.base import resolve_image_size
+from vllm_omni.diffusion.pipelines.denoise import attach_decoded, resolution_shift_mu
+from vllm_omni.diffusion.pipelines.template import DenoiseState, DiTPipeline, RequestOptions
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 DEFAULT_SIZE = 1024
@@ -55,7 +43,7 @@ logger = logging.getLogger(__name__)
 image_shift_mu = resolution_shift_mu
 
 
-class ZImagePipeline(InTreePipelineBase):
+class ZImagePipeline(DiTPipeline):
     """Z-Image text-to-image on the in-tree denoiser (one instance per TP rank).
 
     Attributes:
@@ -64,8 +52,11 @@ class ZImagePipeline(InTreePipelineBase):
         vae_scale_factor: spatial down-sampling of the VAE (8 for 4 blocks); image sizes
             must be multiples of ``2 * vae_scale_factor``.
 
-    Must be constructed after ``init_diffusion_parallel_state`` in the same process.
+    Must be constructed after ``init_diffusion_parallel_state`` in the same process. ``generate`` is the
+    template's (:class:`~vllm_omni.diffusion.pipelines.template.DiTPipeline`); this class fills its hooks.
     """
+
+    family = "z_image"
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = self._load_text_and_scheduler(od_config, device)
@@ -82,7 +73,7 @@ class ZImagePipeline(InTreePipelineBase):
 
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
+    def encode_captions(self, prompts: list[str], max_sequence_length: int = 512) -> list[torch.Tensor]:
         """Caption features per prompt: ``(L_i, hidden)`` in the text encoder dtype, padding removed.
 
         Like diffusers, a prompt is truncated to ``max_sequence_length`` tokens; it is also cut
@@ -141,7 +132,7 @@ class ZImagePipeline(InTreePipelineBase):
         size = sample if isinstance(sample, int) and sample > 0 and not sample % factor else DEFAULT_SIZE
         return tuple(min(size, limit) // factor * factor for limit in self.max_image_size)
 
-    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
+    def resolve_size(self, sp: OmniDiffusionSamplingParams, condition=None) -> tuple[int, int]:
         """``(height, width)`` after defaults (:attr:`default_size`).
 
         Raises:
@@ -150,96 +141,48 @@ class ZImagePipeline(InTreePipelineBase):
         """
         return resolve_image_size(sp, self.default_size, self.vae_scale_factor * 2, self.max_image_size)
 
-    # ------------------------------------------------------------------ sampling
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str],
-        sp: OmniDiffusionSamplingParams,
-        *,
-        seeds: list[int | None] | None = None,
-        lora_context: LoRAContextFactory | None = None,
-    ) -> list[DiffusionOutput]:
-        """Generate ``sp.num_images_per_prompt`` images for each prompt (one denoiser batch).
+    # ------------------------------------------------------------------ template hooks
+    def default_guidance(self) -> float:
+        """diffusers' ``ZImagePipeline`` default: 5.0."""
+        return DEFAULT_GUIDANCE
 
-        Args:
-            prompts: the texts.
-            sp: shared settings (``negative_prompt`` may hold one text per prompt).
-            seeds: one seed per prompt (``None`` entries: ``sp.seed`` / random) overriding
-                ``sp.seed``; ignored when ``sp.generator`` is set.
-            lora_context: called once, before the first step, with the prompt index of every
-                denoiser sample (CFG copies included, in batch order); the returned context is
-                held over all denoising steps (the LoRA worker activates adapters there). Also
-                called around prompt encoding with ``component="text_encoder"`` and the prompt index
-                of every encoded text (negative texts included): adapters' text-encoder parts.
+    def cfg_enabled(self, guidance: float, sp: OmniDiffusionSamplingParams) -> bool:
+        """CFG runs when ``guidance > 0`` (diffusers' rule for Z-Image)."""
+        return guidance > 0
 
-        Returns one :class:`DiffusionOutput` per prompt, in order, with float32 CPU
-        ``latents`` ``(n, 16, H/8, W/8)`` and, unless ``output_type="latent"``, decoded images.
-
-        Raises:
-            InvalidRequestError: bad sizes (see :meth:`resolve_size`) or negative prompt count.
-        """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not prompts:
-            return []
-        if sp.extra_args:  # never ignore an argument silently
-            raise InvalidRequestError(
-                f"extra_args {sorted(sp.extra_args)} are not used by the in-tree Z-Image pipeline; "
-                "run the stage with pipeline_backend='diffusers' to pass pipeline-specific arguments"
-            )
-        height, width = self.resolve_size(sp)
-        guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
-        cfg = guidance > 0
-        n = sp.num_images_per_prompt
-        encoded = encode_texts(
-            lambda texts: self.encode_prompts(texts, sp.max_sequence_length),
-            prompts,
-            sp.negative_prompt,
-            cfg,
-            lora_context,
-        )
-        captions = [c for c in encoded for _ in range(n)]
+    def noise_shape(self, options: RequestOptions, condition) -> tuple[int, int, int]:
+        """``(16, H/8, W/8)`` (latent channels, latent rows, latent columns)."""
         factor = self.vae_scale_factor * 2
-        shape = (self.transformer.in_channels, 2 * (height // factor), 2 * (width // factor))
-        latents = seeded_noise(shape, n, sp, len(prompts), seeds, self.device)
-        adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg))
-        latents = self._denoise(latents, captions, guidance, sp.num_inference_steps, adapters)
-        results = split_by_prompt(prompts, latents, n)
-        if sp.output_type != "latent":
-            attach_decoded(results, self.decode(latents, sp.output_type), sp.output_type, n)
-        return results
+        return (self.transformer.in_channels, 2 * (options.height // factor), 2 * (options.width // factor))
 
-    def _denoise(
-        self,
-        latents: torch.Tensor,
-        captions: list[torch.Tensor],
-        guidance: float,
-        steps: int,
-        adapters: AbstractContextManager,
-    ) -> torch.Tensor:
-        """Run the flow-matching loop on ``latents`` ``(B, 16, H/8, W/8)`` float32; ``captions`` holds
-        ``B`` positive then (with CFG, ``guidance > 0``) ``B`` negative caption features. Returns
-        the final latents, float32."""
-        batch = latents.shape[0]
-        cfg = guidance > 0
-        mu = resolution_shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), self.scheduler.config)
-        sigmas = torch.linspace(1.0, 1.0 / steps, steps).tolist()
-        scheduler = prepare_scheduler(self.scheduler, self.device, sigmas=sigmas, mu=mu)
+    def schedule_kwargs(self, options: RequestOptions, noise_shape) -> dict:
+        """Sigmas ``linspace(1, 1/steps, steps)`` shifted with ``mu`` from the image token count."""
+        steps = options.steps
+        mu = resolution_shift_mu((noise_shape[1] // 2) * (noise_shape[2] // 2), self.scheduler.config)
+        return {"sigmas": torch.linspace(1.0, 1.0 / steps, steps).tolist(), "mu": mu}
 
-        def predict(_step: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            t_model = (1000 - t.expand(batch)) / 1000
-            x = x.to(self.transformer.dtype)
-            if cfg:
-                x, t_model = x.repeat(2, 1, 1, 1), t_model.repeat(2)
-            out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, captions)
-            out = torch.stack([o.float() for o in out]).squeeze(2)
-            pred = out[:batch] + guidance * (out[:batch] - out[batch:]) if cfg else out
-            return -pred
+    def encode_prompts(self, texts: list[str], options: RequestOptions, sp, condition) -> list[torch.Tensor]:
+        """Caption features per text (see :meth:`encode_captions`)."""
+        return self.encode_captions(texts, sp.max_sequence_length)
 
-        return run_denoising_loop(
-            scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
-        )
+    def predict(self, state: DenoiseState, x: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The denoiser on the rows (one image per row, its caption) at ``(1000 - t) / 1000``, float32."""
+        t_model = (1000 - timesteps) / 1000
+        out = self.transformer(list(x.unsqueeze(2).unbind(0)), t_model, state.text)
+        return torch.stack([o.float() for o in out]).squeeze(2)
+
+    def combine_cfg(self, state: DenoiseState, out: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """Z-Image's CFG: ``pos + g * (pos - neg)``."""
+        batch = out.shape[0] // 2
+        return out[:batch] + state.options.guidance * (out[:batch] - out[batch:])
+
+    def to_velocity(self, pred: torch.Tensor) -> torch.Tensor:
+        """The scheduler steps on the negated prediction (diffusers' ``-noise_pred``)."""
+        return -pred
+
+    def decode_into(self, results, latents: torch.Tensor, state: DenoiseState, sp) -> None:
+        """VAE-decode and attach the images."""
+        attach_decoded(results, self.decode(latents, sp.output_type), sp.output_type, state.options.n)
 
     def decode(self, latents: torch.Tensor, output_type: str):
         """VAE-decode ``latents`` (``latents / scaling_factor + shift_factor``) and post-process them

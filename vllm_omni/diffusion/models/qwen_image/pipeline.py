@@ -26,7 +26,6 @@ The CFG scale is ``extra_args["true_cfg_scale"]`` (diffusers' argument) when giv
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,23 +33,12 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.models.qwen_image import QwenImageTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
-from vllm_omni.diffusion.pipelines.denoise import (
-    InTreePipelineBase,
-    attach_decoded,
-    denoiser_rows,
-    encode_texts,
-    lora_scope,
-    prepare_scheduler,
-    resolution_shift_mu,
-    run_denoising_loop,
-    seeded_noise,
-    split_by_prompt,
-)
-from vllm_omni.diffusion.pipelines.diffusers_fallback import pop_lora_scale
+from vllm_omni.diffusion.pipelines.base import resolve_image_size
+from vllm_omni.diffusion.pipelines.denoise import attach_decoded, resolution_shift_mu
+from vllm_omni.diffusion.pipelines.template import DenoiseState, DiTPipeline, RequestOptions
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -65,7 +53,6 @@ TOKENIZER_MAX_LENGTH = 1024
 DEFAULT_TRUE_CFG = 4.0
 #: ``default_sample_size`` of diffusers' pipeline, in latent pixels (times the VAE factor: 1024 px)
 DEFAULT_SAMPLE_SIZE = 128
-EXTRA_ARGS = ("true_cfg_scale", "attention_kwargs")
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -107,7 +94,7 @@ class ImageCondition:
     size: tuple[int, int]
 
 
-class QwenImagePipeline(InTreePipelineBase):
+class QwenImagePipeline(DiTPipeline):
     """Qwen-Image text-to-image on the in-tree denoiser (one instance per TP rank).
 
     Attributes:
@@ -118,10 +105,11 @@ class QwenImagePipeline(InTreePipelineBase):
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
-    #: the prompt template, the tokens dropped from its start and the ``extra_args`` taken
+    family = "qwen_image"
+    #: the prompt template, the tokens dropped from its start and the family's own ``extra_args``
     prompt_template = PROMPT_TEMPLATE
     template_drop = TEMPLATE_DROP
-    extra_args_taken = EXTRA_ARGS
+    extra_args_taken: tuple[str, ...] = ()
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         root = self._load_text_and_scheduler(od_config, device)
@@ -145,14 +133,15 @@ class QwenImagePipeline(InTreePipelineBase):
         return side, side
 
     def resolve_size(
-        self, sp: OmniDiffusionSamplingParams, default: tuple[int, int] | None = None
+        self, sp: OmniDiffusionSamplingParams, condition: ImageCondition | None = None
     ) -> tuple[int, int]:
-        """``(height, width)``: the request's, else ``default`` (else :attr:`default_size`).
+        """``(height, width)``: the request's, else the input image's size (edit), else :attr:`default_size`.
 
         Raises:
             InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor``.
         """
-        return resolve_image_size(sp, default or self.default_size, self.vae_scale_factor * 2)
+        default = condition.size if condition is not None else self.default_size
+        return resolve_image_size(sp, default, self.vae_scale_factor * 2)
 
     def _condition(self, sp: OmniDiffusionSamplingParams) -> ImageCondition | None:
         """The request's input image (text to image: none)."""
@@ -160,7 +149,7 @@ class QwenImagePipeline(InTreePipelineBase):
 
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
-    def encode_prompts(
+    def encode_text_features(
         self, prompts: list[str], max_sequence_length: int, condition: ImageCondition | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features (P, L, hidden), mask (P, L) int64)``: the text encoder's last hidden state at each
@@ -203,126 +192,80 @@ class QwenImagePipeline(InTreePipelineBase):
         )
         return out.hidden_states[-1], enc.attention_mask
 
-    def _call_options(self, sp: OmniDiffusionSamplingParams) -> tuple[float, float]:
-        """``(true CFG scale, LoRA scale of the call)`` from ``sp`` (module docstring).
+    # ------------------------------------------------------------------ template hooks
+    def default_guidance(self) -> float:
+        """diffusers' ``true_cfg_scale`` default: 4.0."""
+        return DEFAULT_TRUE_CFG
 
-        Raises:
-            InvalidRequestError: an ``extra_args`` key this pipeline does not take, or a bad value.
-        """
-        extra = dict(sp.extra_args)
-        lora_scale = pop_lora_scale(extra)
-        unknown = sorted(set(extra) - set(self.extra_args_taken) | ({"attention_kwargs"} & set(extra)))
-        if unknown:
-            raise InvalidRequestError(
-                f"extra_args {unknown} are not used by the in-tree {type(self).__name__} "
-                f"(it takes {list(self.extra_args_taken)}, attention_kwargs only with 'scale'); run the stage with "
-                "pipeline_backend='diffusers' to pass other diffusers arguments"
-            )
-        scale = extra.get("true_cfg_scale", sp.guidance_scale)
-        if scale is None:
-            return DEFAULT_TRUE_CFG, lora_scale
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not np.isfinite(scale):
-            raise InvalidRequestError(f"extra_args['true_cfg_scale'] must be a finite number, got {scale!r}")
-        return float(scale), lora_scale
+    def cfg_enabled(self, guidance: float, sp: OmniDiffusionSamplingParams) -> bool:
+        """True CFG runs when the scale is ``> 1`` and a negative prompt is given (diffusers' rule)."""
+        return guidance > 1 and sp.negative_prompt is not None
 
-    # ------------------------------------------------------------------ sampling
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str],
-        sp: OmniDiffusionSamplingParams,
-        *,
-        seeds: list[int | None] | None = None,
-        lora_context: LoRAContextFactory | None = None,
-    ) -> list[DiffusionOutput]:
-        """``sp.num_images_per_prompt`` images per prompt, all prompts (and CFG branches) in one denoiser batch.
+    def prepare_condition(
+        self, sp: OmniDiffusionSamplingParams, options: RequestOptions
+    ) -> ImageCondition | None:
+        """The request's input image (text to image: none)."""
+        return self._condition(sp)
 
-        Args:
-            prompts: the texts. sp: shared settings (``negative_prompt`` may hold one text per prompt).
-            seeds: per-prompt seeds overriding ``sp.seed`` (ignored with ``sp.generator``).
-            lora_context: entered once around the loop with each denoiser sample's prompt index
-                (CFG copies included).
+    def latent_size(self, options: RequestOptions) -> tuple[int, int]:
+        """``(lat_h, lat_w)``: the VAE latent rows and columns of the output (even)."""
+        factor = self.vae_scale_factor * 2
+        return 2 * (options.height // factor), 2 * (options.width // factor)
 
-        Returns one :class:`DiffusionOutput` per prompt: float32 CPU ``latents`` packed as diffusers'
-        ``output_type="latent"`` gives them, ``(n, H/16 * W/16, 64)``; unless ``output_type="latent"``
-        also the decoded ``images`` (``"pil"``) or ``array``.
+    def noise_shape(self, options: RequestOptions, condition) -> tuple[int, ...]:
+        """``(1, z_dim, lat_h, lat_w)``: diffusers draws the noise frame-first, then packs it."""
+        return (1, self.vae.config.z_dim, *self.latent_size(options))
 
-        Raises:
-            InvalidRequestError: bad sizes, negative prompt count, ``extra_args`` or sequence length.
-        """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not prompts:
-            return []
-        scale, lora_scale = self._call_options(sp)
-        cond = self._condition(sp)
-        height, width = self.resolve_size(sp, cond.size if cond else None)
-        cfg = scale > 1 and sp.negative_prompt is not None
-        n = sp.num_images_per_prompt
-        embeds, mask = encode_texts(
-            lambda texts: self.encode_prompts(texts, sp.max_sequence_length, cond),
-            prompts,
-            sp.negative_prompt,
-            cfg,
-            lora_context,
-        )
-        embeds, mask = embeds.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
-        lat_h, lat_w = (2 * (side // (self.vae_scale_factor * 2)) for side in (height, width))
-        shape = (1, self.vae.config.z_dim, lat_h, lat_w)
-        latents = pack_latents(seeded_noise(shape, n, sp, len(prompts), seeds, self.device))
-        adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
-        grids = [(lat_h // 2, lat_w // 2)] + ([cond.grid] if cond else [])
-        latents = self._denoise(
-            latents,
-            (embeds, mask),
-            grids,
-            scale if cfg else None,
-            sp,
-            adapters,
-            cond.latents if cond else None,
-        )
-        results = split_by_prompt(prompts, latents, n)
-        if sp.output_type != "latent":
-            attach_decoded(results, self.decode(latents, lat_h, lat_w, sp.output_type), sp.output_type, n)
-        return results
+    def schedule_kwargs(self, options: RequestOptions, noise_shape) -> dict:
+        """Sigmas ``linspace(1, 1/steps, steps)`` shifted with ``mu`` from the packed token count."""
+        steps = options.steps
+        tokens = (noise_shape[-2] // 2) * (noise_shape[-1] // 2)
+        mu = resolution_shift_mu(tokens, self.scheduler.config)
+        return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
 
-    def _denoise(
-        self,
-        latents: torch.Tensor,
-        text: tuple[torch.Tensor, torch.Tensor],
-        grids: list[tuple[int, int]],
-        cfg_scale: float | None,
-        sp: OmniDiffusionSamplingParams,
-        adapters: AbstractContextManager,
-        condition: torch.Tensor | None = None,
+    def encode_prompts(self, texts: list[str], options: RequestOptions, sp, condition):
+        """``(features, mask)`` of ``texts`` (see :meth:`encode_text_features`)."""
+        return self.encode_text_features(texts, sp.max_sequence_length, condition)
+
+    def build_state(self, state: DenoiseState, sp) -> None:
+        """The RoPE image shapes of every denoiser row and the output's token count."""
+        lat_h, lat_w = self.latent_size(state.options)
+        grids = [(lat_h // 2, lat_w // 2)] + ([state.condition.grid] if state.condition else [])
+        rows = state.batch * (2 if state.options.cfg else 1)
+        state.extra["shapes"] = [[(1, *grid) for grid in grids]] * rows
+        state.extra["tokens"] = (lat_h // 2) * (lat_w // 2)
+
+    def init_latents(self, noise: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        """The noise packed into 2x2 patches ``(B, N, 64)``."""
+        return pack_latents(noise)
+
+    def model_input(
+        self, state: DenoiseState, latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
-        """The flow-matching loop on packed ``latents`` ``(B, N, 64)`` float32; ``text`` holds ``B``
-        positive then (with CFG, ``cfg_scale`` set) ``B`` negative features and their mask; ``grids``
-        are the patch grids ``(h, w)`` of the output and, with ``condition`` (packed input-image
-        latents ``(1, N_c, 64)``, appended to every sample's tokens), of the input image.
-        Returns the final packed latents, float32."""
-        batch = latents.shape[0]
-        embeds, mask = text
-        steps = sp.num_inference_steps
-        mu = resolution_shift_mu(latents.shape[1], self.scheduler.config)
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        scheduler = prepare_scheduler(self.scheduler, self.device, sigmas=sigmas, mu=mu)
-        shapes = [[(1, *grid) for grid in grids]] * embeds.shape[0]
-        tokens = latents.shape[1]
+        """The rows' tokens in the denoiser dtype, the input image's tokens appended (edit)."""
+        x = latents.to(self.transformer.dtype)
+        if state.condition is not None:
+            cond = state.condition.latents.to(x.dtype).expand(x.shape[0], -1, -1)
+            x = torch.cat([x, cond], dim=1)
+        return x
 
-        def predict(_step: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            # diffusers casts the timestep to the latents' (= the denoiser's) dtype before dividing
-            timestep = t.expand(batch).to(self.transformer.dtype) / 1000
-            x = x.to(self.transformer.dtype)
-            if condition is not None:
-                x = torch.cat([x, condition.to(x.dtype).expand(batch, -1, -1)], dim=1)
-            if cfg_scale is not None:
-                x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-            out = self.transformer(x, embeds, mask, timestep, shapes)[:, :tokens].float()
-            return true_cfg(out, batch, cfg_scale) if cfg_scale is not None else out
+    def predict(self, state: DenoiseState, x: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The denoiser at ``t / 1000`` (the timestep cast to the denoiser dtype first, as diffusers);
+        the output image's tokens only, float32."""
+        timestep = timesteps.to(self.transformer.dtype) / 1000
+        embeds, mask = state.text
+        out = self.transformer(x, embeds, mask, timestep, state.extra["shapes"])
+        return out[:, : state.extra["tokens"]].float()
 
-        return run_denoising_loop(
-            scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
+    def combine_cfg(self, state: DenoiseState, out: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """Qwen-Image's true CFG (:func:`true_cfg`)."""
+        return true_cfg(out, out.shape[0] // 2, state.options.guidance)
+
+    def decode_into(self, results, latents: torch.Tensor, state: DenoiseState, sp) -> None:
+        """Unpack, VAE-decode and attach the images."""
+        lat_h, lat_w = self.latent_size(state.options)
+        attach_decoded(
+            results, self.decode(latents, lat_h, lat_w, sp.output_type), sp.output_type, state.options.n
         )
 
     def decode(self, latents: torch.Tensor, lat_h: int, lat_w: int, output_type: str):

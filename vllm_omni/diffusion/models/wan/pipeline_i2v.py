@@ -1,7 +1,7 @@
 """Wan image-to-video (Wan2.1 I2V with a CLIP image encoder, Wan2.2 A14B I2V with two experts, Wan2.2 TI2V-5B)
 on the in-tree denoiser.
 
-Everything of :class:`~vllm_omni.diffusion.pipelines.wan.WanPipeline` (prompts, CFG, experts, LoRA rows,
+Everything of :class:`~vllm_omni.diffusion.models.wan.pipeline.WanPipeline` (prompts, CFG, experts, LoRA rows,
 decoding) plus diffusers' ``WanImageToVideoPipeline`` conditioning, step for step:
 
 1. the request's ``extra_args["image"]`` (and optional ``"last_image"``, first/last-frame models) is resized
@@ -16,7 +16,7 @@ decoding) plus diffusers' ``WanImageToVideoPipeline`` conditioning, step for ste
 Wan2.2 TI2V-5B (``expand_timesteps`` in ``model_index.json``) instead: only the image is VAE-encoded (one
 latent frame, normalised); the denoiser sees no extra channels, but its input's first latent frame is that
 clean image latent every step, the tokens of that frame get timestep 0 (the others the step's), and the
-result's first latent frame is the image latent again (:class:`~vllm_omni.diffusion.pipelines.wan.Conditioning`).
+result's first latent frame is the image latent again (:class:`~vllm_omni.diffusion.models.wan.pipeline.Conditioning`).
 That layout takes no ``last_image`` (diffusers ignores one; here it is refused, named). The published
 TI2V-5B folder names ``WanPipeline``, which serves it with an optional image (:mod:`~.wan`); a folder naming
 ``WanImageToVideoPipeline`` runs here and needs the image, as diffusers' class does.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.models.wan.pipeline import EXTRA_ARGS, IMAGE_ARGS, Conditioning, WanPipeline
 from vllm_omni.diffusion.pipelines.denoise import load_component
-from vllm_omni.diffusion.pipelines.wan import EXTRA_ARGS, IMAGE_ARGS, Conditioning, WanPipeline
 from vllm_omni.errors import ConfigError
 
 __all__ = ["IMAGE_ARGS", "WanImageToVideoPipeline"]
