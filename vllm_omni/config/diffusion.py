@@ -330,8 +330,9 @@ class OmniDiffusionConfig:
                 f"unknown pipeline class {self.class_name!r}: neither an in-tree pipeline {in_tree} "
                 f"nor a diffusers pipeline class"
             )
-        if self.use_in_tree:  # a variant the family does not serve fails here, naming folder, key, value
-            check_variants(family_for_class(self.class_name), root)
+        family = family_for_class(self.class_name) if self.use_in_tree else None
+        if family is not None:  # a variant the family does not serve fails here, naming folder, key, value
+            check_variants(family, root)
         if self.tensor_parallel_size > 1 and not self.use_in_tree:
             raise ConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs an in-tree pipeline "

@@ -21,9 +21,6 @@ from typing import Any
 
 from vllm_omni.errors import ConfigError
 
-#: a variant key served with any value
-ANY = object()
-
 
 @dataclass(frozen=True)
 class PublishedCheckpoint:
@@ -70,14 +67,14 @@ class VariantKey:
         file: the file inside the model folder (``"model_index.json"``, ``"transformer/config.json"``,
             ``"scheduler/scheduler_config.json"``).
         key: the key in that file.
-        served: the values served (:data:`ANY`: every value). A file or key the folder lacks is not
+        served: the values served (``None``: every value). A file or key the folder lacks is not
             checked (the class default applies; the loader names a missing file).
         why: what an unserved value means (named in the refusal).
     """
 
     file: str
     key: str
-    served: tuple[Any, ...] | object = ANY
+    served: tuple[Any, ...] | None = None
     why: str = ""
 
 
@@ -143,7 +140,7 @@ def check_variants(spec: DiTFamilySpec, root: str | Path) -> None:
     root = Path(root)
     cache: dict[str, dict] = {}
     for variant in spec.variants:
-        if variant.served is ANY:
+        if variant.served is None:
             continue
         document = _read(root, variant.file, cache)
         if variant.key not in document:  # the class default, which every family serves
@@ -160,4 +157,4 @@ def check_variants(spec: DiTFamilySpec, root: str | Path) -> None:
         )
 
 
-__all__ = ["ANY", "DiTFamilySpec", "PublishedCheckpoint", "VariantKey", "check_variants"]
+__all__ = ["DiTFamilySpec", "PublishedCheckpoint", "VariantKey", "check_variants"]

@@ -144,6 +144,9 @@ class DiTPipeline(InTreePipelineBase):
     family: ClassVar[str] = ""
     extra_args_taken: tuple[str, ...] = ()
     two_experts: bool = False
+    #: set by the family's ``__init__``: the (first) denoiser, its scheduler and VAE
+    transformer: Any
+    scheduler: Any
 
     # ------------------------------------------------------------------ request options
     def default_guidance(self) -> float:
