@@ -278,3 +278,51 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(omni, tmp_path, loras)
             PROMPT, params(), lora_request=LoRARequest("l1", 41, str(tmp_path / "linear1.safetensors"))
         )
     assert omni.list_loras() == cached
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_lycoris_adapters_match_peft_merged_into_diffusers(omni, flux_dirs, base_pipe, tmp_path, kind):
+    import copy
+
+    from peft import PeftModel
+
+    from tools.make_tiny_diffusion_lora import build_lycoris_adapter
+
+    targets = [
+        "to_q",
+        "add_k_proj",
+        "to_out.0",
+        "ff.net.2",
+        "proj_mlp",
+        "single_transformer_blocks.1.proj_out",
+    ]
+    folder = build_lycoris_adapter(
+        flux_dirs["dev"] / "transformer", tmp_path / kind, kind, 21, targets, std=0.2,
+        model_class="FluxTransformer2DModel", r=4, alpha=6.0,
+    )  # fmt: skip
+    got = _latents(
+        omni, lora_requests=[LoRARequest(kind, 60 if kind == "loha" else 61, str(folder))], lora_scales=[0.8]
+    )
+    pipe = diffusers_pipe(flux_dirs["dev"])
+    model = PeftModel.from_pretrained(copy.deepcopy(pipe.transformer), str(folder)).eval()
+    for module in model.modules():
+        if hasattr(module, "set_scale") and "default" in getattr(module, "scaling", {}):
+            module.set_scale("default", 0.8)
+    pipe.transformer.load_state_dict(model.merge_and_unload().state_dict())
+    expected = diffusers_latents(pipe)
+    assert _max(got, expected) <= TOL and _max(expected, diffusers_latents(base_pipe)) > 50 * TOL
+
+
+def test_distill_fuses_a_kohya_file_as_diffusers_fuse_lora(flux_dirs, loras, base_pipe):
+    from vllm_omni import Omni
+
+    pipe = diffusers_pipe(flux_dirs["dev"])
+    pipe.load_lora_weights(str(loras["kohya"]), adapter_name="fused")
+    pipe.fuse_lora(lora_scale=0.7)
+    pipe.unload_lora_weights()  # fused weights stay; the adapter layers go
+    expected = diffusers_latents(pipe)
+    kwargs = dict(lora_backend="distill", lora_path=str(loras["kohya"]), lora_scale=0.7)
+    with Omni(model=str(flux_dirs["dev"]), dtype="float32", enable_progress_bar=False, **kwargs) as engine:
+        assert engine.list_loras() == set()  # fused at start-up, not cached
+        got = _latents(engine)
+    assert _max(got, expected) <= TOL and _max(expected, diffusers_latents(base_pipe)) > 50 * TOL
