@@ -15,6 +15,7 @@ backends differ only in that call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -107,6 +108,9 @@ class ReplicatedStageRuntime:
         with self._lock:
             self._in_flight[index] -= 1
 
+    def _on_done(self, index: int, _future: Future) -> None:
+        self._finished(index)
+
     def submit(self, request: StageRequest) -> Future:
         """Queue one request on the least-loaded replica (see :meth:`StageRuntime.submit`).
 
@@ -136,7 +140,7 @@ class ReplicatedStageRuntime:
             except BaseException:
                 self._finished(index)
                 raise
-            future.add_done_callback(lambda _, i=index: self._finished(i))
+            future.add_done_callback(functools.partial(self._on_done, index))
             return future
 
     def validate_request(self, request: StageRequest) -> None:
@@ -180,9 +184,12 @@ class ReplicatedStageRuntime:
             this runtime; the message says which replicas could not be restored.
         """
         with self._lora_lock:
-            results = self._on_all(
-                "remove_lora", (lora_int_id,), lambda i, had: had and self._restore(i, lora_int_id)
-            )
+
+            def restore_if_removed(i: int, had: Any) -> None:
+                if had:
+                    self._restore(i, lora_int_id)
+
+            results = self._on_all("remove_lora", (lora_int_id,), restore_if_removed)
             self._requests.pop(lora_int_id, None)
             self._pinned.discard(lora_int_id)
             return any(results)

@@ -24,7 +24,7 @@ from vllm_omni.engine.vllm_adapter_names import public_adapter_name
 from vllm_omni.stats import MetricFamily
 
 
-def _bound(metric_cls: type, registry: CollectorRegistry) -> type:
+def _bound(metric_cls: type[Any], registry: CollectorRegistry) -> type:
     """``metric_cls`` registering into ``registry`` whatever registry its caller names."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -85,8 +85,8 @@ def public_lora_families(families: list[MetricFamily]) -> list[MetricFamily]:
                 if labels.get(key):
                     names = (public_adapter_name(n) for n in labels[key].split(","))
                     labels[key] = ",".join(dict.fromkeys(names))
-            key = (sample, tuple(sorted(labels.items())))
-            if key not in merged or merged[key][2] < value:
-                merged[key] = (sample, labels, value)
+            merged_key = (sample, tuple(sorted(labels.items())))
+            if merged_key not in merged or merged[merged_key][2] < value:
+                merged[merged_key] = (sample, labels, value)
         out.append(MetricFamily(fam.name, fam.kind, fam.help, list(merged.values())))
     return out

@@ -144,12 +144,13 @@ class WorkerStageRuntime(SupervisedStageRuntime):
         on_partial = request.on_partial
         rid = next(self._ids)
         worker = self._serving()
-        req = Pending(on_partial, ack=Future(), handle=worker)
+        ack: Future = Future()
+        req = Pending(on_partial, ack=ack, handle=worker)
         self._track(rid, req)
         try:
             wire = dataclasses.replace(request, on_partial=None)
             self._send(worker, P.Submit(rid, P.dump(wire), on_partial is not None))
-            req.ack.result()
+            ack.result()
         except BaseException:
             self._untrack(rid)
             raise
@@ -232,10 +233,11 @@ class WorkerStageRuntime(SupervisedStageRuntime):
                 del self._in_flight[msg.rid]
         if req is None:
             return
-        if isinstance(msg, P.Accepted):
-            req.ack.set_result(None)
-        elif isinstance(msg, P.Failed) and not req.ack.done():
-            req.ack.set_exception(P.load_error(msg.error))
+        ack = req.ack  # set for requests (the messages below are answers to a Submit)
+        if isinstance(msg, P.Accepted) and ack is not None:
+            ack.set_result(None)
+        elif isinstance(msg, P.Failed) and ack is not None and not ack.done():
+            ack.set_exception(P.load_error(msg.error))
         elif isinstance(msg, P.Failed):
             self._dispatch.submit(_resolve, req.future, None, P.load_error(msg.error))
         elif isinstance(msg, P.Output):
@@ -377,9 +379,10 @@ def _reap(worker: _Worker, wait_s: float, label: str = "") -> None:
 
 
 def _resolve(fut: Future, payload: bytes | None, error: BaseException | None) -> None:
-    """Resolve a request's future on the dispatch thread (a cancelled one stays cancelled)."""
+    """Resolve a request's future on the dispatch thread (a cancelled one stays cancelled): with
+    ``error``, or else with the object pickled in ``payload``."""
     with contextlib.suppress(InvalidStateError):
         if error is not None:
             fut.set_exception(error)
-        else:
+        elif payload is not None:
             fut.set_result(P.load(payload))

@@ -171,7 +171,7 @@ def worker_main(
     # multiprocessing's exit finalizers still run: they unlink this process's named semaphores
     # (tqdm's write lock, vLLM's), which the resource tracker would otherwise report as leaked
     with contextlib.suppress(Exception):
-        multiprocessing.util._run_finalizers()
+        multiprocessing.util._run_finalizers()  # type: ignore[attr-defined]  # private: no public API runs them
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
