@@ -57,6 +57,7 @@ class StepScheduling(StageDriver):
         #: request id -> (pending item, monotonic time it joined)
         self._running: dict[int, tuple[Any, float]] = {}
         self._next_rid = 0
+        self._steps_since_stats = 0
 
     def _drive_steps(self) -> None:
         while True:
@@ -136,7 +137,12 @@ class StepScheduling(StageDriver):
         self.batch_sizes.append(result["rows"])
         self.recorder.step_batch(result["rows"])
         self.recorder.running(len(self._running))
-        self._take_worker_stats()
+        self._steps_since_stats += 1
+        # the worker's events (step seconds, adapter loads) every few steps and when requests leave: with
+        # several ranks a collection is one more round trip
+        if result["finished"] or self._steps_since_stats >= 8:
+            self._take_worker_stats()
+            self._steps_since_stats = 0
 
     def _resolve(self, item: Any, joined: float, result: Any) -> None:
         self._record(item, joined, result)
