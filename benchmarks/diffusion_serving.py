@@ -14,7 +14,8 @@ round), so a change in the machine's load hits both alike:
 
 Latency is from a request's arrival to its result. Reported per pattern and mode: mean / p50 / p90
 latency of all requests and of the short ones, and throughput (medians over rounds); then the ratios
-step / request (per round, the two modes back to back, and their median). Before
+step / request (per round, the two modes back to back, and their median), and the ratio of the process's
+CPU seconds for the same requests (the work each mode does, which a shared machine's load hardly moves). Before
 timing, the first request of each kind is checked: the step stage's latents equal the request stage's
 (within 1e-5). The 1-minute load average is printed with the figures (a shared machine slows both).
 
@@ -71,7 +72,7 @@ def _serve(stage, requests, gaps: list[float]) -> dict:
     results: list[tuple[str, float]] = [None] * len(requests)  # type: ignore[list-item]
     left = [len(requests)]
     lock = threading.Lock()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     arrival = 0.0
     # all at once: queued together (a submitting thread competes with the driver for the GIL)
     held = stage.hold() if not any(gaps) else contextlib.nullcontext()
@@ -95,7 +96,11 @@ def _serve(stage, requests, gaps: list[float]) -> dict:
         fut.add_done_callback(finished)
     held.__exit__(None, None, None)
     done.wait()
-    return {"latencies": results, "makespan": time.perf_counter() - start}
+    return {
+        "latencies": results,
+        "makespan": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu_start,
+    }
 
 
 def _summary(run: dict) -> dict:
@@ -113,6 +118,7 @@ def _summary(run: dict) -> dict:
         "short": stats([t for k, t in lat if k == "short"]),
         "long": stats([t for k, t in lat if k == "long"]),
         "throughput": len(lat) / run["makespan"],
+        "cpu_s": run["cpu_s"],
     }
 
 
@@ -208,6 +214,7 @@ def run(args) -> dict:
                 "short": {k: med(r, "short", k) for k in ("mean", "p50", "p90")},
                 "long": {k: med(r, "long", k) for k in ("mean", "p50", "p90")},
                 "throughput": med(r, "throughput"),
+                "cpu_s": med(r, "cpu_s"),
                 "rounds": r,
             }
             a = out[mode]
@@ -221,11 +228,12 @@ def run(args) -> dict:
             "short_mean": statistics.median(s["short"]["mean"] / q["short"]["mean"] for s, q in pairs),
             "all_mean": statistics.median(s["all"]["mean"] / q["all"]["mean"] for s, q in pairs),
             "throughput": statistics.median(s["throughput"] / q["throughput"] for s, q in pairs),
+            "cpu": statistics.median(s["cpu_s"] / q["cpu_s"] for s, q in pairs),
         }
         r = out["ratios"]
         print(
             f"{pattern:9s} step/request: short mean {r['short_mean']:.2f}x, all mean {r['all_mean']:.2f}x, "
-            f"throughput {r['throughput']:.2f}x"
+            f"throughput {r['throughput']:.2f}x, process CPU seconds {r['cpu']:.2f}x"
         )
         report["patterns"][pattern] = out
     return report
