@@ -208,7 +208,14 @@ def test_admission_bounds_the_running_set_and_keeps_order():
     stage._init_steps()
     stage.max_batch_size, stage.max_loras = 4, 2
     stage._running = {0: (item(WARM), 0.0)}
-    blocked, plain, same, behind, gone, late = item(STRIPES, other), item(), item(WARM), item(other), item(), item()
+    blocked, plain, same, behind, gone, late = (
+        item(STRIPES, other),
+        item(),
+        item(WARM),
+        item(other),
+        item(),
+        item(),
+    )
     gone.future.cancel()
     stage._queue = deque([blocked, plain, same, behind, gone, late])
     assert stage._take_joining() == [plain, same, late]
