@@ -118,7 +118,9 @@ TARGET_OPTIONS = [["qkv_proj"], ["q_proj"], ["o_proj"]]
 @pytest.fixture(scope="module")
 def raw_vllm_verdicts(tiny_llm_assets):
     """What raw vLLM answers for adapter_a under each of TARGET_OPTIONS (one fresh process for all)."""
-    proc = run_probe("raw-targets", tiny_llm_assets.model_dir.parent, PROBE_TARGETS=json.dumps(TARGET_OPTIONS))
+    proc = run_probe(
+        "raw-targets", tiny_llm_assets.model_dir.parent, PROBE_TARGETS=json.dumps(TARGET_OPTIONS)
+    )
     return probe_result(proc)["by_targets"]
 
 
@@ -146,3 +148,18 @@ def test_target_modules_verdict_equals_raw_vllm(tiny_llm_assets, raw_vllm_verdic
             with pytest.raises(InvalidAdapterError, match="not covered by the stage's lora_target_modules"):
                 omni.generate(PROMPT, greedy(), lora_request=a)
         assert omni.generate(PROMPT, greedy())[0].token_ids == base
+
+
+def test_a_truncated_weights_file_is_refused_naming_the_file_and_the_stage(tiny_llm_assets, tmp_path):
+    """Issue 46: a truncated ``adapter_model.safetensors`` (a trainer's save cut short) is refused naming
+    the adapter, the file itself (not only its folder) and the stage."""
+    path = _variant(tmp_path, tiny_llm_assets, "cut")
+    weights = tmp_path / "cut" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    lora_config = LoRAConfig(max_lora_rank=16)
+    validator = LLMAdapterValidator("Stage 0 (llm_ar)", str(tiny_llm_assets.model_dir), lora_config)
+    with pytest.raises(InvalidAdapterError) as info:
+        validator.validate(LoRARequest("cut", 5, path))
+    message = str(info.value)
+    assert "Stage 0 (llm_ar)" in message and f"file {str(weights)!r}" in message and "'cut'" in message
+    assert "not a readable safetensors file" in message

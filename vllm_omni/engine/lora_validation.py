@@ -53,7 +53,7 @@ from vllm.config import LoRAConfig
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.utils import is_in_target_modules
 
-from vllm_omni.errors import InvalidAdapterError
+from vllm_omni.errors import InvalidAdapterError, restate
 from vllm_omni.lora.adapter_files import (
     adapter_config_from_bytes,
     fingerprint_bytes,
@@ -249,8 +249,10 @@ class LLMAdapterValidator:
                 self._check_content(request.peft_config, request.lora_tensors, name)
             else:
                 content = self._check(path, name)
-        except InvalidAdapterError:
-            raise
+        except InvalidAdapterError as exc:
+            if self.stage_label in str(exc):
+                raise
+            raise restate(exc, f"{self.stage_label} refused it") from exc  # the file's checks name no stage
         except Exception as exc:  # unreadable file, bad JSON, bad safetensors header ...
             raise InvalidAdapterError(
                 f"{name} is not a readable PEFT LoRA adapter for {self.stage_label}: {exc}"

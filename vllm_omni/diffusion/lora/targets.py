@@ -267,9 +267,13 @@ def _resolve_modules(
         what = (
             "none of its modules" if not resolved else f"{len(unmatched)} of {len(adapter.modules)} modules"
         )
+        matched = ""
+        if resolved:  # what the others bound to, as written -> the layer (so a near miss is plain)
+            shown = ", ".join(f"{k!r} -> {t!r}" for k, (t, _, _) in sorted(resolved.items())[:3])
+            matched = f"; matched: {shown}" + (f" (+{len(resolved) - 3} more)" if len(resolved) > 3 else "")
         raise LoRAFormatError(
-            f"{source}: {what} match a LoRA-capable layer of the model; unmatched: {key_listing(unmatched)}; "
-            + explain_unmatched(unmatched, index.names(), index.leaf_matches)
+            f"{source}: {what} match a LoRA-capable layer of the model; unmatched: {key_listing(unmatched)}"
+            f"{matched}; " + explain_unmatched(unmatched, index.names(), index.leaf_matches)
         )
     if not resolved:
         raise LoRAFormatError(
