@@ -877,3 +877,37 @@ def test_hostile_strings_in_every_string_field_are_4xx_naming_the_field(server, 
             assert (status, param) == (400, "body"), (route, place, r.text[:300])
     assert HTTP.get(server.url("/health")).status_code == 200
     assert completion_tokens(server, lora={"name": "b", "path": str(paths["b"])}) == ref(paths, PROMPT, "b")
+
+
+def test_logit_bias_and_vllm_sampling_fields_act_as_transformers_says(server, paths):
+    """Issue 49: ``logit_bias`` (OpenAI) and vLLM's ``allowed_token_ids`` / ``stop_token_ids`` reach the
+    engine (greedy choices == transformers' argmax under the same rule); OpenAI fields that would change
+    the answer and are not served are 400s naming them, never ignored."""
+    from tests.llm_reference import encode, hf_logits
+
+    def completion(**extra):
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        r = HTTP.post(server.url("/v1/completions"), json=body | {"return_token_ids": True} | extra)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    logits = hf_logits(paths["model"], encode(paths["model"], PROMPT))
+    allowed = [5, 7, 11, 300]
+    first = completion(max_tokens=1, allowed_token_ids=allowed)["token_ids"]
+    assert first == [allowed[int(torch.argmax(logits[allowed]))]]
+    assert completion(logit_bias={"42": 100})["token_ids"] == [42, 42, 42]
+    greedy = ref(paths, PROMPT, None)
+    i = next(i for i in range(1, N) if greedy[i] not in greedy[:i])
+    stopped = completion(max_tokens=N, stop_token_ids=[greedy[i]])
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"][:i] == greedy[:i], (stopped, greedy)
+    for field, value in (
+        ("suffix", "end"),
+        ("best_of", 2),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("reasoning_effort", "low"),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"42": 500}),
+    ):
+        body = {"prompt": PROMPT, "max_tokens": 1, field: value}
+        err = assert_openai_error(HTTP.post(server.url("/v1/completions"), json=body), (400,))
+        assert err["param"] == field, (field, err)

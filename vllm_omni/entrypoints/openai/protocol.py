@@ -130,6 +130,22 @@ class ResponseFormat(_Body):
         return StructuredOutputsParams(json=schema)
 
 
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id strings -> -100..100) as vLLM takes it (int keys).
+
+    Raises:
+        OpenAIError: (400, ``logit_bias``) a key that is not a token id, a value out of range.
+    """
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.strip().isdecimal():
+            raise bad_request(f"logit_bias: key {key!r} is not a token id", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias[{key}]: {value} is outside -100..100", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 #: OpenAI tool-calling fields: refused (400 naming the field) while no tool parser is served
 _TOOL_FIELDS = ("tools", "functions", "function_call")
 
@@ -158,6 +174,22 @@ class SamplingFields(_Body):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    #: OpenAI's token bias: token id (as a string) -> -100..100, added to the logits (vLLM's ``logit_bias``)
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields (its OpenAI server takes them too): passed to ``SamplingParams``
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=1024)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)
+    # OpenAI fields that change the answer and are not served: a 400 naming them (never ignored)
+    suffix: Any = None
+    best_of: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -168,13 +200,21 @@ class SamplingFields(_Body):
         return None
 
     def refuse_tools(self) -> None:
-        """Tool calling is not served (no tool-call parser runs on the output): a 400 naming the field.
-
-        ``tool_choice: "none"`` with no tools, and empty tool lists, ask for nothing and pass.
+        """Fields that would change the answer in a way this server does not serve: a 400 naming the
+        field. Tool calling (no tool-call parser runs on the output: ``tools``, ``functions``,
+        ``function_call``, a ``tool_choice`` other than ``none`` / ``auto``), ``suffix`` (insertion),
+        ``best_of`` above 1, ``prediction``, ``reasoning_effort``, ``web_search_options``. Empty lists
+        and ``null`` ask for nothing and pass; OpenAI's bookkeeping fields (``user``, ``store``,
+        ``metadata``, ``service_tier``, ``parallel_tool_calls``) are ignored, as they change no answer.
 
         Raises:
-            OpenAIError: (400) ``tools``, ``functions``, ``function_call`` or ``tool_choice`` set.
+            OpenAIError: (400) one of those fields set.
         """
+        for name in ("suffix", "prediction", "reasoning_effort", "web_search_options"):
+            if getattr(self, name) not in (None, ""):
+                raise bad_request(f"{name}: not supported by this server; send the request without it", name)
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of: only 1 is supported (use n for several completions)", "best_of")
         for name in _TOOL_FIELDS:
             if getattr(self, name):
                 raise bad_request(
@@ -205,6 +245,20 @@ class SamplingFields(_Body):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
+        for name in (
+            "min_p",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "bad_words",
+            "allowed_token_ids",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.logit_bias:
+            kwargs["logit_bias"] = _logit_bias(self.logit_bias)
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         kwargs["ignore_eos"] = self.ignore_eos
@@ -423,6 +477,9 @@ FREE_TEXT_FIELDS = frozenset(
         "messages",
         "negative_prompt",
         "stop",
+        "bad_words",
+        "suffix",
+        "prediction",
         "response_format",
         "tools",
         "functions",
