@@ -437,6 +437,15 @@ def test_bad_adapters_fail_alone_and_server_keeps_serving(server, paths):
     assert "pickle" in err["message"]
     err = assert_openai_error(_post_lora(server, {"name": "big", "path": str(paths["rank64"])}))
     assert "rank" in err["message"].lower()
+    cut = copy_adapter(paths["b"], paths["root"] / "cut")  # issue 46: a truncated weights file
+    weights = cut / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    for response in (
+        _post_lora(server, {"name": "cut", "path": str(cut)}),
+        HTTP.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "cut", "lora_path": str(cut)}),
+    ):
+        message = assert_openai_error(response)["message"]
+        assert str(weights) in message and "Stage 0" in message and "not a readable safetensors" in message
     assert completion_tokens(server, lora={"name": "b", "path": str(paths["b"])}) == ref(paths, PROMPT, "b")
     assert completion_tokens(server) == ref(paths, PROMPT, None)
 
