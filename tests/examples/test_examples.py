@@ -219,6 +219,9 @@ def test_qwen2_5_omni_example(tiny_omni_assets, tmp_path):
 
     out = _run(OMNI, "--max-tokens", "6", "--talker-max-tokens", "16", "--out", str(tmp_path / "reply.wav"))
     assert "text: " in out and "audio: " in out
+    # issue 49: vLLM's per-weight dtype warnings are one line per stage process, its Triton notes gone
+    assert "Attempted to load weight" not in out and out.count("Loading the checkpoint's float32") <= 3, out
+    assert "Triton" not in out, out
     with wave.open(str(tmp_path / "reply.wav")) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000) and w.getnframes() > 0
 
