@@ -199,7 +199,12 @@ class DiffusionEngine:
         frame = encode(Call(next(self._cids), "", dump((method, args, kwargs))))
         for conn in self._conns:
             conn.send_bytes(frame)
-        replies = [self._recv(rank, conn) for rank, conn in enumerate(self._conns)]
+        replies: list[CallResult] = []
+        for rank, conn in enumerate(self._conns):
+            reply = self._recv(rank, conn)
+            if not isinstance(reply, CallResult):
+                raise StageEngineError(f"diffusion worker {rank} answered a call with {type(reply).__name__}")
+            replies.append(reply)
         for reply in replies:
             if not reply.ok:
                 raise load_error(reply.payload)

@@ -119,10 +119,12 @@ class DiffusionWorker:
         results = self.generate_batch(prompts, sampling_params, [adapters] * len(prompts))
         if results is None:
             return None
+        outputs: list[DiffusionOutput] = []
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return results
+            outputs.append(res)
+        return outputs
 
     def generate_batch(
         self,
@@ -150,7 +152,7 @@ class DiffusionWorker:
         if len(lora_sets) != len(prompts) or (seeds is not None and len(seeds) != len(prompts)):
             raise ValueError("generate_batch needs one lora set (and seed) per prompt")
         results: list[Any] = [None] * len(prompts)
-        held: list[list[int]] = []
+        held: list[list[tuple[str, list[int]]]] = []  # per kept prompt: (denoiser, slot ids) held
         keep: list[int] = []
         try:
             for i, adapters in enumerate(lora_sets):

@@ -8,8 +8,10 @@ the start path, not a stage.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -70,6 +72,7 @@ def test_workers_fork_from_one_preloaded_server_with_their_env(stage, server_env
         second = _worker(stage, {"OMP_NUM_THREADS": "2"})
         try:
             a, b = first._call("probe"), second._call("probe")
+            assert {id(first), id(second)} <= start._holders  # each pipeline holds the fork server
             # both forked from the same fork server, which had imported vLLM before either began
             assert (first.start_method, second.start_method) == ("forkserver", "forkserver")
             assert first.preloaded and second.preloaded
@@ -90,6 +93,7 @@ def test_workers_fork_from_one_preloaded_server_with_their_env(stage, server_env
             second.shutdown(30)
     finally:
         first.shutdown(30)
+    assert not {id(first), id(second)} & start._holders  # released at shutdown
     assert not psutil.pid_exists(a["pid"]) or psutil.Process(a["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
@@ -126,50 +130,73 @@ def test_the_command_line_starts_the_server_unless_no_mp_worker_will_start(monke
     assert prestart.start_worker_server(["serve", "m"]) and calls == [1]
 
 
-def _children(pid: int) -> set[int]:
-    """The live (not zombie) children of ``pid``, from ``/proc/*/stat`` (PPid: the 4th field, after the
-    command in parentheses)."""
+_LIFETIME_SCRIPT = r"""
+import json, os, sys, time
+from vllm_omni import worker_start as start
+
+def children():
     found = set()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            if fields[0] != "Z" and int(fields[1]) == pid:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[1]) == os.getpid():
                 found.add(int(entry))
     return found
 
+start.PRELOAD = ("vllm_omni.worker_start",)  # a light fork server: its lifetime is the subject
+before = children()  # the resource tracker starts with the first fork server; it is not ours to end
+first, second = object(), object()  # two pipelines
+start.hold(first)
+start.hold(second)
+for _ in range(2):
+    proc, how = start.process_for("probe", time.sleep, (0,), {}, "probe")
+    start.start_process(proc, how, {})
+    proc.join()
+server = start.server_pid()
+with_server = children()
+start.release(first)
+after_first = children()
+start.release(second)
+after_last = children()
+start.hold(first)  # the next pipeline starts a new fork server
+proc, how = start.process_for("probe", time.sleep, (0,), {}, "probe")
+start.start_process(proc, how, {})
+proc.join()
+again = start.server_pid()
+start.release(first)
+print(json.dumps({
+    "how": how, "server": server, "again": again, "before": sorted(before), "with_server": sorted(with_server),
+    "after_first": sorted(after_first), "after_last": sorted(after_last), "end": sorted(children()),
+    "server_gone": not os.path.exists(f"/proc/{server}"), "pid_after": start.server_pid(),
+}))
+"""
 
-def _gone(pid: int) -> bool:
-    return not os.path.exists(f"/proc/{pid}")
+
+def test_the_fork_server_ends_with_the_last_pipeline_of_its_process():
+    """In a process that goes on after its pipelines shut down (``worker_start.release`` by the last
+    one), nothing of them stays: the fork server ends and is reaped; the next pipeline starts a new
+    one. Run in a fresh interpreter with a fork server that preloads nothing heavy (the rule, not
+    the imports, is the subject; this process's own fork server stays for the suite)."""
+    env = {**os.environ, start.IDLE_ENV: "0"}  # the default; the suite keeps the fork server longer
+    env.pop(start.START_ENV, None)
+    out = subprocess.run(
+        [sys.executable, "-c", _LIFETIME_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    server, tracker = seen["server"], set(seen["with_server"]) - {seen["server"]}
+    assert seen["how"] == "forkserver" and server in seen["with_server"]
+    assert server in seen["after_first"]  # the second pipeline still holds it
+    assert set(seen["after_last"]) == tracker and seen["server_gone"]  # ended, reaped: no zombie
+    assert seen["again"] not in (None, server) and set(seen["end"]) == tracker and seen["pid_after"] is None
+    assert len(tracker) <= 1  # multiprocessing's resource tracker (no torch), which stays
 
 
-def test_the_fork_server_ends_with_the_last_pipeline_of_its_process(stage, server_env):
-    """In a process that goes on after its pipelines shut down, nothing of them stays: the fork
-    server (torch and vLLM imported) ends with the last one and is reaped; the next pipeline starts
-    a new one. (Last in this module: the tests above use the running fork server.)"""
-    server_env.setenv(start.IDLE_ENV, "0")  # the default; the suite keeps the fork server longer
-    server = start.server_pid()
-    others = _children(os.getpid()) - {server}  # the suite's zygotes, the resource tracker
-    first, second = _worker(stage), _worker(stage)
-    workers = {first.pid, second.pid}
-    assert first.start_method == second.start_method == "forkserver" and server in _children(os.getpid())
-    first.shutdown(30)
-    assert start.server_pid() == server and not _gone(server)  # the second pipeline still holds it
-    second.shutdown(30)
-    assert start.server_pid() is None and _gone(server)  # ended and reaped (no zombie)
-    assert _children(os.getpid()) <= others
-    wait_until(lambda: all(_gone(pid) for pid in workers), "the workers are reaped")
-    # the next pipeline starts a new fork server; kept afterwards for the suite's later tests
-    server_env.setenv(start.IDLE_ENV, "3600")
-    third = _worker(stage)
-    try:
-        assert third.start_method == "forkserver" and start.server_pid() not in (None, server)
-        assert third._call("probe")["pid"] == third.pid
-    finally:
-        third.shutdown(30)
-    assert start.server_pid() is not None  # within the idle time
+def test_a_bad_idle_time_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(start.IDLE_ENV, "soon")
     with pytest.raises(ValueError, match="VLLM_OMNI_WORKER_SERVER_IDLE_S='soon'"):
-        server_env.setenv(start.IDLE_ENV, "soon")
         start.idle_seconds()
