@@ -1,4 +1,5 @@
-"""The compiled-stage warm-up (``DiffusionWorker.warm_up_compiled``) on Z-Image and Qwen-Image.
+"""The compiled-stage warm-up (``DiffusionWorker.warm_up_compiled``) on Z-Image and Qwen-Image, run by default
+when a compiled stage starts (``compile_warm_up=True``).
 
 After the warm-up, no request creates a dynamo graph: adapter switches, scales, per-step and per-block
 schedules, mixed adapter sets (CFG companions included), batch sizes 1-4 with and without CFG (one
@@ -64,8 +65,9 @@ def _check_warm_stage(model, loras, block_list, cache_dir):
     compiled, eager = _engines(model, cache_dir)
     try:
         a, b = (LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(loras.items()))
-        warm = compiled.worker.warm_up_compiled(height=32, width=32)
-        assert warm >= 3  # one row / rows / padded rows, LoRA off and on
+        warm, seconds = compiled.worker.warm_up  # by default, at start (compile_warm_up=True)
+        assert warm >= 3 and seconds > 0  # one row / rows / padded rows, LoRA off and on
+        assert compiled.worker.describe()["warm_up"] == (warm, seconds)
         start = _graphs()
         per_block = LoRAScaleSchedule(1.0, {f"{block_list}.0": 0.5})
         requests = [

@@ -37,6 +37,9 @@ def params(**overrides) -> OmniDiffusionSamplingParams:
 
 
 def _config(model, **kw) -> OmniDiffusionConfig:
+    # graphs compile in the requests here (inductor: each costs up to a minute on this CPU); the default
+    # start-up warm-up is test_compile_warmup.py's
+    kw.setdefault("compile_warm_up", False)
     return OmniDiffusionConfig(
         model=str(model),
         dtype="float32",

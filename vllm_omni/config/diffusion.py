@@ -110,9 +110,11 @@ class OmniDiffusionConfig:
             eager on CPU (there the first compile costs minutes for a ~10-20 % faster step).
         compile_cache_dir: inductor cache directory of a compiled stage (reused across restarts);
             ``None``: ``~/.cache/vllm_omni/torch_compile/<stage key>``.
-        compile_warm_up: a compiled stage compiles every graph variant a request can need when it
-            starts (:mod:`vllm_omni.diffusion.compile_warmup`: six short generations), instead of
-            in the first requests that need them; ignored by an eager stage.
+        compile_warm_up: ``True`` (default): a compiled stage compiles every graph variant a request
+            can need when it starts (:mod:`vllm_omni.diffusion.compile_warmup`: six short generations,
+            adapters on and off; the stage's ready line says how long it took), so nothing compiles
+            while serving; ``False`` opts out (graphs compile in the first requests that need them);
+            ignored by an eager stage.
         compile_backend: the ``torch.compile`` backend of a compiled stage (vLLM's
             ``compilation_config.backend``): ``"inductor"`` (default: generated kernels, cached in
             ``compile_cache_dir``), or any registered dynamo backend such as ``"aot_eager"`` (traced
@@ -157,7 +159,7 @@ class OmniDiffusionConfig:
     batching: str = "request"
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None
-    compile_warm_up: bool = False
+    compile_warm_up: bool = True
     compile_backend: str = "inductor"
     keep_base_weights: bool = field(default=True, metadata=_INTERNAL)
     distributed_init_method: str | None = field(default=None, metadata=_INTERNAL)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,8 +99,12 @@ class DiffusionWorker:
         self.compilers = [
             c for m in self.lora.managers.values() for c in compile_denoisers(m, od_config, rank, world_size)
         ]
+        #: ``(graphs, seconds)`` of the start-up warm-up of a compiled stage (``None``: none ran)
+        self.warm_up: tuple[int, float] | None = None
         if self.compilers and od_config.compile_warm_up:
-            self.warm_up_compiled()
+            started = time.monotonic()
+            graphs = self.warm_up_compiled()
+            self.warm_up = (graphs, time.monotonic() - started)
 
     def warm_up_compiled(self, height: int = 64, width: int = 64, steps: int = 1) -> int:
         """Compile every graph variant of the compiled denoisers now; returns how many were created
@@ -209,12 +214,13 @@ class DiffusionWorker:
     def describe(self) -> dict[str, Any]:
         """``{"rank", "world_size", "device", "pipeline", "denoiser", "size_factor", "max_size",
         "mixed_lora_batch", "lora_layers", "startup_loras", "output_kind", "accepts_image",
-        "image_optional", "denoisers"}`` (class names, device as str; sizes must be multiples of
+        "image_optional", "denoisers", "warm_up"}`` (class names, device as str; sizes must be multiples of
         ``size_factor``; ``max_size``: the pipeline's largest ``(height, width)``, ``None`` when it does
         not declare one; ``output_kind``: ``"image"`` or ``"video"``; ``accepts_image``: whether a request may
         carry an input image; ``image_optional``: whether such a pipeline also runs without one (its
         ``requires_image`` is false: Wan2.2 TI2V-5B text- and image-to-video); ``denoisers``: the
-        pipeline attributes adapters bind to)."""
+        pipeline attributes adapters bind to; ``warm_up``: ``(graphs, seconds)`` of a compiled stage's
+        start-up warm-up, ``None`` when none ran)."""
         denoiser = self.pipeline.transformer
         max_size = getattr(self.pipeline, "max_image_size", None)
         return {
@@ -232,6 +238,7 @@ class DiffusionWorker:
             "accepts_image": bool(getattr(self.pipeline, "accepts_image", False)),
             "image_optional": not getattr(self.pipeline, "requires_image", True),
             "denoisers": list(self.lora.denoisers),
+            "warm_up": self.warm_up,
         }
 
     def execute_method(self, method: str | Callable, *args, **kwargs) -> Any:

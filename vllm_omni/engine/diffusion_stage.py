@@ -166,6 +166,14 @@ class DiffusionStageEngine(StepScheduling, StageDriver):
         #: a per-step unit, e.g. the diffusers fallback, batches whole requests)
         self.batching = self._batching_mode(info)
         self._take_worker_stats()  # the start-up adapters, loaded and pinned
+        warm = info.get("warm_up")
+        logger.info(
+            "%s: diffusion stage ready (%s, %s)%s",
+            stage.label,
+            info["pipeline"],
+            "compiled" if self.od_config.compiles else "eager",
+            f"; compiled graphs warmed up at start: {warm[0]} in {warm[1]:.1f} s" if warm else "",
+        )
         loop = self._drive_steps if self.batching == "step" else self._drive
         self._thread = threading.Thread(target=loop, name=f"omni-stage-{stage.stage_id}", daemon=True)
         self._thread.start()
