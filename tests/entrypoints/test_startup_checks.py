@@ -152,6 +152,12 @@ def test_flag_scanning():
     check_argv(["m", "--max-lora-rank", "8", "--dry-run"])  # nothing to check: passes
     with pytest.raises(ConfigError, match="--lora-dirs /no/such: no such"):
         check_argv(["m", "--lora_dirs=/no/such", "--dry-run"])  # snake case and '=' as argparse takes them
+    from vllm_omni.entrypoints.cli import argv_checks
+
+    with pytest.raises(
+        ConfigError, match=r"model '/m\\x07': holds the control character U\+0007 at position 2"
+    ):
+        argv_checks.check(["/m\x07"], {}, {}, {})  # the model path too
 
 
 def test_the_checked_address_is_held_for_the_server():

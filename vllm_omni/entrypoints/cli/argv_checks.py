@@ -112,14 +112,14 @@ def check(
             raise ConfigError(RENAMED_FLAGS[flag])
     for flag, values in scan.values.items():
         rule = rules.get(flag)
-        if rule is None:
-            continue
         for value in values:
-            _check_value(flag, value, rule)
-        for value in values if flag in RANGES else ():
-            _check_range(flag, value)
-        for value in values:
+            if rule is not None:
+                _check_value(flag, value, rule)
+            if flag in RANGES:
+                _check_range(flag, value)
             _check_text(flag, value)
+    for value in scan.positionals:
+        _check_text("model", value)
     overrides = _stage_overrides(scan.last("--stage-overrides"))
     _check_override_keys(overrides, defaults.get("stage_keys"))
     kind = _model_kind(scan.model) if scan.model is not None else None
