@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -32,7 +33,13 @@ LAYER_HOME = PACKAGE / "diffusion" / "lora" / "layers"
 
 
 def _modules() -> list[tuple[Path, ast.Module]]:
-    return [(p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(PACKAGE.rglob("*.py"))]
+    return _parsed(PACKAGE)
+
+
+@functools.cache
+def _parsed(package: Path) -> list[tuple[Path, ast.Module]]:
+    """Every module of ``package`` parsed once per test process (the rules only read the trees)."""
+    return [(p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(package.rglob("*.py"))]
 
 
 def _names(node: ast.expr) -> set[str]:
