@@ -56,6 +56,7 @@ from vllm_omni.errors import (
 )
 from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.tensor_request import TensorLoRARequest
 from vllm_omni.models import register_omni_models
 from vllm_omni.platform import prepare_engine_process
 from vllm_omni.process_guard import mark_owner
@@ -69,6 +70,9 @@ _DRIVER_JOIN_S = 30.0
 
 
 _ALL_PINNED = "All items are pinned"  # vLLM's LRU adapter caches (utils/cache.py), a bare RuntimeError
+#: Adapter folders vLLM evicted whose bytes an LLM stage keeps (it loads them again from these bytes, whatever
+#: happened to the files); beyond that it keeps their fingerprint only and reads the files again.
+_HELD_EVICTED = 8
 
 
 def check_model_class(stage: LLMStageConfig) -> None:
@@ -161,6 +165,10 @@ class LLMStageEngine(StageDriver):
         #: adapter folders read by the validator, in their in-memory form ({lora_int_id: form}): vLLM
         #: loads these bytes, never the files (see :func:`~vllm_omni.engine.tensor_lora.held_form`)
         self._held_files: dict[int, LoRARequest] = {}
+        #: folders whose bytes were let go after vLLM evicted them (``_held_files`` keeps at most
+        #: ``_HELD_EVICTED`` evicted ones): {lora_int_id: fingerprint}; loaded again only from files that
+        #: still have it
+        self._let_go: dict[int, str] = {}
         #: the request each adapter in the engine was loaded from (driver thread): a swap puts it back
         self._engine_requests: dict[int, LoRARequest] = {}
         #: pending in-place updates of a pinned adapter (driver thread): {old id: (new version, future)}
@@ -403,6 +411,39 @@ class LLMStageEngine(StageDriver):
         tensor_lora.remember(lora_request, self, self.stage.label)  # in-memory adapters' tensors
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
 
+    def _hold_again(self, lora: LoRARequest) -> None:
+        """Before vLLM loads a folder whose bytes this stage let go: read it again, and refuse it unless
+        it is still the version the id was validated with (driver thread).
+
+        Raises:
+            InvalidAdapterError: the files changed (or are unreadable) since; the new version gets a new
+                id from the adapter registry on the next request.
+        """
+        expected = self._let_go.get(lora.lora_int_id)
+        if expected is None or isinstance(lora, TensorLoRARequest):
+            return
+        content = self.validator.read_again(lora)
+        if content.sha256 != expected:
+            raise InvalidAdapterError(
+                f"{self.stage.label}: adapter {lora.lora_name!r} (id {lora.lora_int_id}, path {lora.lora_path!r}) "
+                f"was evicted and its files changed since this version was loaded (content {expected[:12]} -> "
+                f"{content.sha256[:12]}); send the request again to get the new version"
+            )
+        held = tensor_lora.held_form(lora, content)
+        tensor_lora.remember(held, self, self.stage.label)
+        self._held_files[lora.lora_int_id] = held
+        del self._let_go[lora.lora_int_id]
+
+    def _let_go_of_evicted(self, in_engine: set[int]) -> None:
+        """Keep the bytes of at most ``_HELD_EVICTED`` folders vLLM evicted (the oldest go first; their
+        fingerprints stay, see ``_hold_again``), so that request-time adapters do not accumulate."""
+        in_use = self._ids_in_use()  # vLLM loads a running request's evicted adapter again by itself
+        evicted = [i for i in self._held_files if i not in in_engine and i not in in_use]
+        for lora_int_id in evicted[: max(0, len(evicted) - _HELD_EVICTED)]:
+            held = self._held_files.pop(lora_int_id)
+            tensor_lora.forget(lora_int_id, self)
+            self._let_go[lora_int_id] = held.content_sha256
+
     def _vllm_form(self, lora: LoRARequest) -> LoRARequest:
         """What vLLM is handed for ``lora``: its held bytes for a folder (``_held_files``), named per version."""
         return vllm_lora_request(self._held_files.get(lora.lora_int_id, lora))
@@ -438,6 +479,7 @@ class LLMStageEngine(StageDriver):
         """Drop what this stage holds for ``lora_int_id`` outside the engine (driver thread)."""
         tensor_lora.forget(lora_int_id, self)
         self._held_files.pop(lora_int_id, None)
+        self._let_go.pop(lora_int_id, None)
         self._engine_requests.pop(lora_int_id, None)
 
     def _remove_deferred(self) -> None:
@@ -511,6 +553,7 @@ class LLMStageEngine(StageDriver):
                 pinned ...``, restated naming the adapters and limits); nothing changed.
         """
         self._removal_deferred.discard(lora.lora_int_id)  # wanted again: the engine keeps it
+        self._hold_again(lora)
         start = time.perf_counter()
         try:
             added = self._engine.add_lora(self._vllm_form(lora))
@@ -534,6 +577,8 @@ class LLMStageEngine(StageDriver):
         for lora_int_id in loaded - now:
             name = self._lora_names.get(lora_int_id, str(lora_int_id))
             self.recorder.unloaded(name, evicted=True, version=lora_int_id)
+        if loaded - now:
+            self._let_go_of_evicted(now)
         loaded.clear()
         loaded.update(now)
         return added

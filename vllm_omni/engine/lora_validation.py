@@ -243,12 +243,33 @@ class LLMAdapterValidator:
             )
         if bound is not None:
             return None
+        content = self._checked(request, name)
+        with self._lock:
+            bound = self._passed.setdefault(lora_id, key)
+        if bound != key:  # another thread bound the id meanwhile
+            raise InvalidAdapterError(f"{name}: lora_int_id {lora_id} already names adapter {bound!r}")
+        return content
+
+    def read_again(self, request: LoRARequest) -> AdapterContent:
+        """Read and check ``request``'s folder again, whatever passed before (a stage that let go of
+        the bytes it held compares their fingerprint with these).
+
+        Raises:
+            InvalidAdapterError: as :meth:`validate`.
+        """
+        name = f"adapter {request.lora_name!r} (id {request.lora_int_id}, path {request.lora_path!r})"
+        content = self._checked(request, name)
+        assert content is not None, "read_again takes adapter folders"
+        return content
+
+    def _checked(self, request: LoRARequest, name: str) -> AdapterContent | None:
+        """Checks 1-5 on ``request``; what was read for a folder (``None`` in memory)."""
         content = None
         try:
             if isinstance(request, TensorLoRARequest):  # in memory: the same checks, no file
                 self._check_content(request.peft_config, request.lora_tensors, name)
             else:
-                content = self._check(path, name)
+                content = self._check(request.lora_path, name)
         except InvalidAdapterError as exc:
             if self.stage_label in str(exc):
                 raise
@@ -257,10 +278,6 @@ class LLMAdapterValidator:
             raise InvalidAdapterError(
                 f"{name} is not a readable PEFT LoRA adapter for {self.stage_label}: {exc}"
             ) from exc
-        with self._lock:
-            bound = self._passed.setdefault(lora_id, key)
-        if bound != key:  # another thread bound the id meanwhile
-            raise InvalidAdapterError(f"{name}: lora_int_id {lora_id} already names adapter {bound!r}")
         return content
 
     def forget(self, lora_int_id: int) -> None:
