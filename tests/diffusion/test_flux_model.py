@@ -81,3 +81,20 @@ def test_unknown_config_key_is_refused_by_name(folders, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "use_layer_norm_bias": True}))
     with pytest.raises(ConfigError, match=r"\['use_layer_norm_bias'\]"):
         FluxTransformer2DModel.from_pretrained(folder)
+
+
+def test_a_variant_flux_does_not_serve_is_refused_at_start(folders, tmp_path):
+    """The family spec's variant check: a folder whose transformer sets another patch_size is refused when
+    the stage's config is built, naming the folder, the file, the key and the value."""
+    from vllm_omni.config.diffusion import OmniDiffusionConfig
+
+    source = folders["dev"].parent
+    shutil.copy(source / "model_index.json", tmp_path / "model_index.json")
+    for component in ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"):
+        (tmp_path / component).symlink_to(source / component)
+    shutil.copytree(source / "transformer", tmp_path / "transformer")
+    config = json.loads((tmp_path / "transformer" / "config.json").read_text())
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": 2}))
+    with pytest.raises(ConfigError, match=r"transformer/config.json sets patch_size=2") as err:
+        OmniDiffusionConfig(model=str(tmp_path))
+    assert str(tmp_path) in str(err.value)

@@ -16,12 +16,15 @@ What diffusers' ``FluxPipeline.__call__`` does, which the parity tests compare a
 5. decoding: unpack, ``latents / scaling_factor + shift_factor``, ``vae.decode``.
 
 ``extra_args`` may carry ``true_cfg_scale`` and ``joint_attention_kwargs={"scale": s}`` (a LoRA scale
-for the call, as diffusers' argument); anything else is refused naming the key.
+for the call, as diffusers' argument); anything else is refused naming the key. The sampling loop is the
+family template's (:class:`~vllm_omni.diffusion.pipelines.template.DiTPipeline`); the hooks below are
+Flux's: the template's CFG scale is ``true_cfg_scale`` (default 1, off), the request's ``guidance_scale``
+is the distilled guidance.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,32 +32,19 @@ import torch
 from diffusers import AutoencoderKL
 from diffusers.image_processor import VaeImageProcessor
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.models.flux import FluxTransformer2DModel
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.models.flux.flux_transformer import FluxTransformer2DModel
 from vllm_omni.diffusion.pipelines import diffusers_dtype_kwargs
-from vllm_omni.diffusion.pipelines.base import LoRAContextFactory, resolve_image_size
-from vllm_omni.diffusion.pipelines.denoise import (
-    InTreePipelineBase,
-    attach_decoded,
-    denoiser_rows,
-    encode_texts,
-    load_component,
-    lora_scope,
-    prepare_scheduler,
-    resolution_shift_mu,
-    run_denoising_loop,
-    seeded_noise,
-    split_by_prompt,
-)
-from vllm_omni.diffusion.pipelines.diffusers_fallback import pop_lora_scale
-from vllm_omni.errors import InvalidRequestError
+from vllm_omni.diffusion.pipelines.base import resolve_image_size
+from vllm_omni.diffusion.pipelines.denoise import attach_decoded, load_component, resolution_shift_mu
+from vllm_omni.diffusion.pipelines.template import DenoiseState, DiTPipeline, RequestOptions
+from vllm_omni.errors import ConfigError, InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 #: diffusers' defaults: distilled guidance, T5 token limit, sample size in latent pixels (x8: 1024 px)
 DEFAULT_GUIDANCE = 3.5
 T5_MAX_LENGTH = 512
 DEFAULT_SAMPLE_SIZE = 128
-EXTRA_ARGS = ("true_cfg_scale", "joint_attention_kwargs")
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -88,13 +78,15 @@ class ImageCondition:
     Attributes:
         latents: its packed, normalised VAE latents ``(1, N_c, 64)`` float32.
         ids: their position ids ``(N_c, 3)`` (frame index 1).
+        size: the output ``(height, width)`` in pixels (Kontext's sizing).
     """
 
     latents: torch.Tensor
     ids: torch.Tensor
+    size: tuple[int, int]
 
 
-class FluxPipeline(InTreePipelineBase):
+class FluxPipeline(DiTPipeline):
     """Flux text-to-image on the in-tree denoiser (one instance per TP rank); see the module docstring.
 
     Attributes:
@@ -105,14 +97,17 @@ class FluxPipeline(InTreePipelineBase):
     Must be constructed after ``init_diffusion_parallel_state`` in the same process.
     """
 
-    extra_args_taken: tuple[str, ...] = EXTRA_ARGS
+    family = "flux"
+    extra_args_taken: tuple[str, ...] = ()
 
     def __init__(self, od_config: OmniDiffusionConfig, device: str | torch.device | None = None):
         from transformers import AutoTokenizer
 
         root = self._load_text_and_scheduler(od_config, device)
         self.tokenizer_2 = AutoTokenizer.from_pretrained(str(root / "tokenizer_2"))
-        spec = od_config.components["text_encoder_2"]
+        spec = od_config.components.get("text_encoder_2")
+        if spec is None:
+            raise ConfigError(f"{root}: Flux needs its T5 text encoder (model_index.json text_encoder_2)")
         self.text_encoder_2 = load_component(root, "text_encoder_2", spec, dtype=self.dtype)
         self.text_encoder_2.to(self.device).eval().requires_grad_(False)
         self.vae = AutoencoderKL.from_pretrained(str(root / "vae"), **diffusers_dtype_kwargs(self.dtype))
@@ -133,17 +128,9 @@ class FluxPipeline(InTreePipelineBase):
         side = DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
         return side, side
 
-    def resolve_size(self, sp: OmniDiffusionSamplingParams) -> tuple[int, int]:
-        """``(height, width)`` in pixels: the request's, else :attr:`default_size`.
-
-        Raises:
-            InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor`` (named).
-        """
-        return resolve_image_size(sp, self.default_size, self.vae_scale_factor * 2)
-
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
-    def encode_prompts(
+    def encode_text_features(
         self, prompts: list[str], max_sequence_length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(T5 features (P, max_sequence_length, joint_dim), pooled CLIP output (P, pooled_dim))``.
@@ -173,139 +160,101 @@ class FluxPipeline(InTreePipelineBase):
         embeds = self.text_encoder_2(t5_ids.to(self.device), output_hidden_states=False)[0]
         return embeds.to(self.text_encoder_2.dtype), pooled.to(self.text_encoder.dtype)
 
-    def _call_options(self, sp: OmniDiffusionSamplingParams) -> tuple[float, float, dict]:
-        """``(true CFG scale, LoRA scale of the call, the other extra_args)`` of ``sp``.
+    # ------------------------------------------------------------------ template hooks
+    def parse_options(self, sp: OmniDiffusionSamplingParams) -> RequestOptions:
+        """The template's options with Flux's meaning of the two scales: the CFG scale is
+        ``extra_args["true_cfg_scale"]`` (default 1: off); ``guidance_scale`` (default 3.5) is the
+        distilled guidance, kept in ``options.extra["guidance"]``."""
+        extra = {**sp.extra_args, "true_cfg_scale": sp.extra_args.get("true_cfg_scale", 1.0)}
+        options = super().parse_options(dataclasses.replace(sp, guidance_scale=None, extra_args=extra))
+        options.extra["guidance"] = (
+            DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
+        )
+        return options
+
+    def default_guidance(self) -> float:
+        """diffusers' ``true_cfg_scale`` default: 1.0 (no CFG)."""
+        return 1.0
+
+    def cfg_enabled(self, guidance: float, sp: OmniDiffusionSamplingParams) -> bool:
+        """True CFG runs when ``true_cfg_scale > 1`` and a negative prompt is given (diffusers' rule)."""
+        return guidance > 1 and sp.negative_prompt is not None
+
+    def resolve_size(
+        self, sp: OmniDiffusionSamplingParams, condition: ImageCondition | None
+    ) -> tuple[int, int]:
+        """``(height, width)``: Kontext's (``condition.size``), else the request's, else :attr:`default_size`.
 
         Raises:
-            InvalidRequestError: an ``extra_args`` key this pipeline does not take, or a bad value.
+            InvalidRequestError: a side that is not a multiple of ``2 * vae_scale_factor`` (named).
         """
-        extra = dict(sp.extra_args)
-        lora_scale = pop_lora_scale(extra)
-        unknown = sorted(set(extra) - set(self.extra_args_taken) | ({"joint_attention_kwargs"} & set(extra)))
-        if unknown:
-            raise InvalidRequestError(
-                f"extra_args {unknown} are not used by the in-tree {type(self).__name__} (it takes "
-                f"{list(self.extra_args_taken)}, joint_attention_kwargs only with 'scale'); run the stage with "
-                "pipeline_backend='diffusers' to pass other diffusers arguments"
-            )
-        scale = extra.pop("true_cfg_scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not np.isfinite(scale):
-            raise InvalidRequestError(f"extra_args['true_cfg_scale'] must be a finite number, got {scale!r}")
-        return float(scale), lora_scale, extra
-
-    def _condition(
-        self, sp: OmniDiffusionSamplingParams, extra: dict, size: tuple[int, int]
-    ) -> ImageCondition | None:
-        """The request's input image (text to image: none)."""
-        return None
-
-    def _output_size(self, sp: OmniDiffusionSamplingParams, extra: dict) -> tuple[int, int]:
-        return self.resolve_size(sp)
-
-    # ------------------------------------------------------------------ sampling
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str],
-        sp: OmniDiffusionSamplingParams,
-        *,
-        seeds: list[int | None] | None = None,
-        lora_context: LoRAContextFactory | None = None,
-    ) -> list[DiffusionOutput]:
-        """``sp.num_images_per_prompt`` images per prompt, all prompts (and CFG branches) in one denoiser batch.
-
-        Args:
-            prompts: the texts. sp: shared settings (``negative_prompt`` may hold one text per prompt).
-            seeds: per-prompt seeds overriding ``sp.seed`` (ignored with ``sp.generator``).
-            lora_context: entered around the text encoders and the loop with each row's prompt index.
-
-        Returns one :class:`DiffusionOutput` per prompt: float32 CPU ``latents`` packed as diffusers'
-        ``output_type="latent"`` gives them, ``(n, H/16 * W/16, 64)``; unless ``output_type="latent"``
-        also the decoded ``images`` (``"pil"``) or ``array``.
-
-        Raises:
-            InvalidRequestError: bad sizes, negative prompt count, ``extra_args`` or sequence length.
-        """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not prompts:
-            return []
-        true_cfg, lora_scale, extra = self._call_options(sp)
-        height, width = self._output_size(sp, extra)
-        cond = self._condition(sp, extra, (height, width))
-        cfg = true_cfg > 1 and sp.negative_prompt is not None
-        n = sp.num_images_per_prompt
-        embeds, pooled = encode_texts(
-            lambda texts: self.encode_prompts(texts, sp.max_sequence_length),
-            prompts,
-            sp.negative_prompt,
-            cfg,
-            lora_context,
-            lora_scale,
-        )
-        # [pos (P); neg (P)] -> [pos (P*n); neg (P*n)], the layout denoiser_rows reports
-        embeds, pooled = embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0)
-        lat_h, lat_w = (2 * (side // (self.vae_scale_factor * 2)) for side in (height, width))
-        channels = self.transformer.in_channels // 4
-        latents = pack_latents(
-            seeded_noise((channels, lat_h, lat_w), n, sp, len(prompts), seeds, self.device)
-        )
-        adapters = lora_scope(lora_context, denoiser_rows(len(prompts), n, cfg), lora_scale)
-        guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else float(sp.guidance_scale)
-        ids = image_ids(lat_h // 2, lat_w // 2, device=self.device)
-        latents = self._denoise(
-            latents, ids, (embeds, pooled), guidance, true_cfg if cfg else None, sp, adapters, cond
-        )
-        results = split_by_prompt(prompts, latents, n)
-        if sp.output_type != "latent":
-            attach_decoded(results, self.decode(latents, lat_h, lat_w, sp.output_type), sp.output_type, n)
-        return results
-
-    def _denoise(
-        self,
-        latents: torch.Tensor,
-        ids: torch.Tensor,
-        text: tuple[torch.Tensor, torch.Tensor],
-        guidance: float,
-        cfg_scale: float | None,
-        sp: OmniDiffusionSamplingParams,
-        adapters: AbstractContextManager,
-        condition: ImageCondition | None,
-    ) -> torch.Tensor:
-        """The flow-matching loop on packed ``latents`` ``(B, N, 64)`` float32 with position ids ``ids``
-        ``(N, 3)``; ``text`` holds ``B`` positive then (with CFG, ``cfg_scale`` set) ``B`` negative T5
-        features and pooled CLIP outputs; ``condition`` (Kontext) appends the input image's tokens to
-        every sample. Returns the final packed latents, float32."""
-        batch, tokens = latents.shape[:2]
-        embeds, pooled = text
-        steps = sp.num_inference_steps
-        mu = resolution_shift_mu(tokens, self.scheduler.config)
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if self.scheduler.config.get("use_flow_sigmas"):
-            sigmas = None
-        scheduler = prepare_scheduler(self.scheduler, self.device, steps=steps, sigmas=sigmas, mu=mu)
-        rows = embeds.shape[0]
-        guide = torch.full((rows,), guidance, dtype=torch.float32, device=self.device)
-        guide = guide if self.transformer.guidance_embeds else None
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device)
         if condition is not None:
-            ids = torch.cat([ids, condition.ids.to(ids)], dim=0)
+            return condition.size
+        return resolve_image_size(sp, self.default_size, self.vae_scale_factor * 2)
 
-        def predict(_step: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            timestep = t.expand(batch).to(x.dtype) / 1000
-            x = x.to(self.transformer.dtype)
-            if condition is not None:
-                x = torch.cat([x, condition.latents.to(x.dtype).expand(batch, -1, -1)], dim=1)
-            if cfg_scale is not None:
-                x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-            out = self.transformer(x, embeds, pooled, timestep, ids, txt_ids, guide)[:, :tokens].float()
-            if cfg_scale is None:
-                return out
-            pos, neg = out[:batch], out[batch:]
-            return neg + cfg_scale * (pos - neg)
+    def latent_size(self, options: RequestOptions) -> tuple[int, int]:
+        """``(lat_h, lat_w)``: the VAE latent rows and columns of the output (even)."""
+        factor = self.vae_scale_factor * 2
+        return 2 * (options.height // factor), 2 * (options.width // factor)
 
-        return run_denoising_loop(
-            scheduler, latents, predict, adapters, progress_bar=self.od_config.enable_progress_bar
+    def noise_shape(self, options: RequestOptions, condition) -> tuple[int, ...]:
+        """``(in_channels / 4, lat_h, lat_w)``: diffusers draws the noise unpacked, then packs it."""
+        return (self.transformer.in_channels // 4, *self.latent_size(options))
+
+    def schedule_kwargs(self, options: RequestOptions, noise_shape) -> dict:
+        """Sigmas ``linspace(1, 1/steps, steps)`` (none with ``use_flow_sigmas``), ``mu`` from the output's
+        packed token count (ignored by schedulers without dynamic shifting, as schnell's)."""
+        steps = options.steps
+        mu = resolution_shift_mu((noise_shape[-2] // 2) * (noise_shape[-1] // 2), self.scheduler.config)
+        if self.scheduler.config.get("use_flow_sigmas"):
+            return {"steps": steps, "mu": mu}
+        return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
+
+    def encode_prompts(self, texts: list[str], options: RequestOptions, sp, condition):
+        """``(T5 features, pooled CLIP output)`` of ``texts`` (see :meth:`encode_text_features`)."""
+        return self.encode_text_features(texts, sp.max_sequence_length)
+
+    def build_state(self, state: DenoiseState, sp) -> None:
+        """Position ids of the output (and Kontext's input image) tokens, the text's, the output's token count."""
+        lat_h, lat_w = self.latent_size(state.options)
+        ids = image_ids(lat_h // 2, lat_w // 2, device=self.device)
+        if state.condition is not None:
+            ids = torch.cat([ids, state.condition.ids.to(ids)], dim=0)
+        state.extra["img_ids"] = ids
+        state.extra["txt_ids"] = torch.zeros(state.text[0].shape[1], 3, device=self.device)
+        state.extra["tokens"] = (lat_h // 2) * (lat_w // 2)
+
+    def init_latents(self, noise: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        """The noise packed into 2x2 patches ``(B, N, 64)``."""
+        return pack_latents(noise)
+
+    def model_input(
+        self, state: DenoiseState, latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """The rows' tokens in the denoiser dtype, Kontext's input-image tokens appended."""
+        x = latents.to(self.transformer.dtype)
+        if state.condition is not None:
+            x = torch.cat([x, state.condition.latents.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
+        return x
+
+    def predict(self, state: DenoiseState, x: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The denoiser at ``t / 1000`` with the distilled guidance (guidance-embedding checkpoints);
+        the output image's tokens only, float32."""
+        embeds, pooled = state.text
+        timestep = timesteps.to(torch.float32) / 1000
+        guidance = None
+        if self.transformer.guidance_embeds:
+            guidance = torch.full((x.shape[0],), state.options.extra["guidance"], device=x.device)
+        out = self.transformer(
+            x, embeds, pooled, timestep, state.extra["img_ids"], state.extra["txt_ids"], guidance
+        )
+        return out[:, : state.extra["tokens"]].float()
+
+    def decode_into(self, results, latents: torch.Tensor, state: DenoiseState, sp) -> None:
+        """Unpack, VAE-decode and attach the images."""
+        lat_h, lat_w = self.latent_size(state.options)
+        attach_decoded(
+            results, self.decode(latents, lat_h, lat_w, sp.output_type), sp.output_type, state.options.n
         )
 
     def decode(self, latents: torch.Tensor, lat_h: int, lat_w: int, output_type: str):

@@ -21,13 +21,8 @@ from __future__ import annotations
 import torch
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-from vllm_omni.diffusion.pipelines.flux import (
-    EXTRA_ARGS,
-    FluxPipeline,
-    ImageCondition,
-    image_ids,
-    pack_latents,
-)
+from vllm_omni.diffusion.models.flux.pipeline import FluxPipeline, ImageCondition, image_ids, pack_latents
+from vllm_omni.diffusion.pipelines.template import RequestOptions
 from vllm_omni.errors import InvalidRequestError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -38,21 +33,30 @@ class FluxKontextPipeline(FluxPipeline):
     """FLUX.1-Kontext edits on the in-tree denoiser (one instance per TP rank); see the module docstring."""
 
     accepts_image = True
-    extra_args_taken = (*EXTRA_ARGS, "image", "max_area", "_auto_resize")
+    extra_args_taken = ("image", "max_area", "_auto_resize")
 
-    def _output_size(self, sp: OmniDiffusionSamplingParams, extra: dict) -> tuple[int, int]:
-        """The request's size (checked, default 1024 x 1024) rescaled to ``max_area`` as diffusers does.
+    def family_options(self, extra: dict, options: RequestOptions) -> None:
+        """``image``, ``max_area`` and ``_auto_resize`` (diffusers' arguments) into ``options.extra``.
 
         Raises:
-            InvalidRequestError: a side that is not a multiple of 16, or a ``max_area`` that is not a
-                positive number.
+            InvalidRequestError: a ``max_area`` that is not a positive number.
         """
-        height, width = self.resolve_size(sp)
         area = extra.get("max_area", DEFAULT_MAX_AREA)
         if isinstance(area, bool) or not isinstance(area, int | float) or not area > 0:
             raise InvalidRequestError(
                 f"extra_args['max_area'] must be a positive number of pixels, got {area!r}"
             )
+        options.extra.update(
+            image=extra.get("image"), max_area=area, auto_resize=extra.get("_auto_resize", True)
+        )
+
+    def _output_size(self, sp: OmniDiffusionSamplingParams, area: float) -> tuple[int, int]:
+        """The request's size (checked, default 1024 x 1024) rescaled to ``area`` pixels as diffusers does.
+
+        Raises:
+            InvalidRequestError: a side that is not a multiple of 16, or an area too small for one patch.
+        """
+        height, width = super().resolve_size(sp, None)
         aspect = width / height
         multiple = self.vae_scale_factor * 2
         width, height = round((area * aspect) ** 0.5), round((area / aspect) ** 0.5)
@@ -63,17 +67,15 @@ class FluxKontextPipeline(FluxPipeline):
             )
         return height, width
 
-    def _condition(
-        self, sp: OmniDiffusionSamplingParams, extra: dict, size: tuple[int, int]
-    ) -> ImageCondition:
-        """Resize, VAE-encode and pack ``extra_args["image"]`` (module docstring, step 2).
+    def prepare_condition(self, sp: OmniDiffusionSamplingParams, options: RequestOptions) -> ImageCondition:
+        """Resize, VAE-encode and pack ``extra_args["image"]`` (module docstring, step 2); the output size.
 
         Raises:
             InvalidRequestError: no input image, or not a PIL image.
         """
         from PIL import Image
 
-        image = extra.get("image")
+        image = options.extra["image"]
         if image is None:
             raise InvalidRequestError(
                 "FluxKontextPipeline edits an input image: pass extra_args={'image': <PIL image>} "
@@ -81,8 +83,9 @@ class FluxKontextPipeline(FluxPipeline):
             )
         if not isinstance(image, Image.Image):
             raise InvalidRequestError(f"extra_args['image'] must be a PIL image, got {type(image).__name__}")
+        size = self._output_size(sp, options.extra["max_area"])
         height, width = image.height, image.width
-        if extra.get("_auto_resize", True):
+        if options.extra["auto_resize"]:
             aspect = width / height
             _, width, height = min((abs(aspect - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
         multiple = self.vae_scale_factor * 2
@@ -99,4 +102,4 @@ class FluxKontextPipeline(FluxPipeline):
         config = self.vae.config
         latents = pack_latents((z - config.shift_factor) * config.scaling_factor).float()
         ids = image_ids(z.shape[2] // 2, z.shape[3] // 2, frame=1, device=self.device)
-        return ImageCondition(latents, ids)
+        return ImageCondition(latents, ids, size)

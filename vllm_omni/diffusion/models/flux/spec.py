@@ -1,25 +1,67 @@
-"""The Flux family (FLUX.1-dev / schnell / Kontext): the pipeline classes it serves in-tree.
+"""The Flux family (FLUX.1-dev / schnell / Kontext-dev, diffusers format): the classes served and what they read.
 
-Its published checkpoints (``PUBLISHED``, the contract test's folders) and the move of its pipelines onto
-:class:`~vllm_omni.diffusion.pipelines.template.DiTPipeline` come with the Flux port (``tools/make_tiny_flux.py``
-holds its published scheduler and transformer keys today).
+The published values (``black-forest-labs/FLUX.1-dev``, ``FLUX.1-schnell``, ``FLUX.1-Kontext-dev``:
+``transformer/config.json`` with 19 double and 38 single blocks, ``guidance_embeds`` true for dev and Kontext,
+false for schnell; ``scheduler/scheduler_config.json``: flow-match Euler, shift 3.0 with dynamic shifting over
+256..4096 tokens (0.5 -> 1.15) for dev / Kontext, shift 1.0 without for schnell) are what
+``tools/make_tiny_flux.py`` builds its tiny folders from; ``tests/diffusion/test_flux_pipeline.py`` compares
+them with diffusers. ``PUBLISHED`` stays empty until a ``tools/make_tiny_dit.py`` builder joins the family to
+the contract test (Kontext's sizing, diffusers' ``max_area`` / preferred resolutions, needs a tiny override
+there first).
 """
 
 from __future__ import annotations
 
-from vllm_omni.config.dit_family import DiTFamilySpec, PublishedCheckpoint
+from vllm_omni.config.dit_family import DiTFamilySpec, PublishedCheckpoint, VariantKey
 
 PUBLISHED: tuple[PublishedCheckpoint, ...] = ()
 
 SPEC = DiTFamilySpec(
     name="flux",
     pipelines={
-        "FluxPipeline": "vllm_omni.diffusion.pipelines.flux:FluxPipeline",
-        "FluxKontextPipeline": "vllm_omni.diffusion.pipelines.flux_kontext:FluxKontextPipeline",
+        "FluxPipeline": "vllm_omni.diffusion.models.flux.pipeline:FluxPipeline",
+        "FluxKontextPipeline": "vllm_omni.diffusion.models.flux.pipeline_kontext:FluxKontextPipeline",
     },
     published=PUBLISHED,
+    variants=(
+        VariantKey("transformer/config.json", "patch_size", (1,), "Flux checkpoints use patch_size 1"),
+        VariantKey(
+            "scheduler/scheduler_config.json",
+            "_class_name",
+            ("FlowMatchEulerDiscreteScheduler",),
+            "the scheduler",
+        ),
+    ),
+    lora_targets=(
+        "to_q",
+        "to_k",
+        "to_v",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_out.0",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "norm1.linear",
+        "norm1_context.linear",
+        "proj_mlp",
+        "proj_out",
+        "norm.linear",
+    ),
+    lora_formats=(
+        "diffusers / PEFT",
+        "kohya sd-scripts and ComfyUI / BFL names (diffusers' kohya Flux converter; linear1 split into q/k/v/mlp)",
+        "XLabs (diffusers' XLabs converter)",
+    ),
+    cfg="[B positive; B negative] rows when extra_args true_cfg_scale > 1 and a negative prompt is given; "
+    "neg + s (pos - neg); guidance_scale is the distilled guidance (guidance_embeds)",
     inputs=("image",),
-    image_inputs={"FluxKontextPipeline": "optional"},
+    image_inputs={"FluxKontextPipeline": "required"},
+    vae_normalisation="latents / scaling_factor + shift_factor",
+    defaults={"guidance_scale": 3.5, "size": (1024, 1024)},
 )
 
 __all__ = ["PUBLISHED", "SPEC"]
