@@ -223,17 +223,20 @@ def test_evicted_folders_beyond_the_held_ones_are_read_again_and_checked(omni, t
     """A stage keeps the bytes of a few evicted folders only (request-time adapters must not accumulate);
     one whose bytes it let go is read again when used again: the same content serves (== peft), other
     content under the old id is refused naming it (the registry gives new files a new id)."""
-    from vllm_omni.engine import llm_stage
+    from vllm_omni.engine import llm_held_adapters
 
     model, a, b = tiny_llm_assets.model_dir, tiny_llm_assets.adapter_a, tiny_llm_assets.adapter_b
     runtime = omni._orchestrator.runtimes[0]
-    folders = [shutil.copytree(a, tmp_path / f"f{i}") for i in range(llm_stage._HELD_EVICTED + 2)]
+    folders = [shutil.copytree(a, tmp_path / f"f{i}") for i in range(llm_held_adapters.HELD_EVICTED + 2)]
     bound = []
     short = PROMPT_IDS[:8]
     for i, folder in enumerate(folders):  # each evicts the one before (one cache entry)
         omni.generate(short, greedy(), lora_request=LoRARequest(f"f{i}", 60 + i, str(folder)))
         bound.append(omni.adapter_registry.by_id(60 + i).engine)
-    assert len(runtime._held_files) <= llm_stage._HELD_EVICTED + 1 and bound[0].lora_int_id in runtime._let_go
+    assert (
+        len(runtime._held_files) <= llm_held_adapters.HELD_EVICTED + 1
+        and bound[0].lora_int_id in runtime._let_go
+    )
     first = runtime.submit(StageRequest(short, greedy(), RequestAdapters.of(bound[0])))
     assert first.result(timeout=600).outputs[0].token_ids == hf_greedy(model, short, N, a)  # read again: same
     _copy_over(b, folders[1])

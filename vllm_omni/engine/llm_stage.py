@@ -33,12 +33,12 @@ from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_omni.config.stage_config import LLMStageConfig
 from vllm_omni.engine import tensor_lora
+from vllm_omni.engine.llm_held_adapters import HeldAdapters
 from vllm_omni.engine.lora_validation import LLMAdapterValidator, lora_compute_dtype
 from vllm_omni.engine.media_inputs import media_inputs
 from vllm_omni.engine.protocols import AdapterCapabilities, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.engine.stage_engine_args import project_stage_engine_args
-from vllm_omni.engine.vllm_adapter_names import vllm_lora_request
 from vllm_omni.engine.vllm_process import (
     compile_cache_that_loads,
     engine_core_in_stage_process,
@@ -56,7 +56,6 @@ from vllm_omni.errors import (
 )
 from vllm_omni.inputs.stage_request import StageRequest
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.lora.tensor_request import TensorLoRARequest
 from vllm_omni.models import register_omni_models
 from vllm_omni.platform import prepare_engine_process
 from vllm_omni.process_guard import mark_owner
@@ -70,9 +69,6 @@ _DRIVER_JOIN_S = 30.0
 
 
 _ALL_PINNED = "All items are pinned"  # vLLM's LRU adapter caches (utils/cache.py), a bare RuntimeError
-#: Adapter folders vLLM evicted whose bytes an LLM stage keeps (it loads them again from these bytes, whatever
-#: happened to the files); beyond that it keeps their fingerprint only and reads the files again.
-_HELD_EVICTED = 8
 
 
 def check_model_class(stage: LLMStageConfig) -> None:
@@ -124,7 +120,7 @@ def _merge_delta(item: _Pending, delta: RequestOutput) -> RequestOutput:
     return item.merged
 
 
-class LLMStageEngine(StageDriver):
+class LLMStageEngine(HeldAdapters, StageDriver):
     """Runs one LLM stage on a vLLM engine in this process.
 
     Args:
@@ -162,17 +158,7 @@ class LLMStageEngine(StageDriver):
         # adapters that passed validation, {lora_int_id: lora_path}: a request repeating one
         # skips the validator (realpath, lock); cleared per id by remove_lora
         self._valid_adapters: dict[int, str] = {}
-        #: adapter folders read by the validator, in their in-memory form ({lora_int_id: form}): vLLM
-        #: loads these bytes, never the files (see :func:`~vllm_omni.engine.tensor_lora.held_form`)
-        self._held_files: dict[int, LoRARequest] = {}
-        #: folders whose bytes were let go after vLLM evicted them (``_held_files`` keeps at most
-        #: ``_HELD_EVICTED`` evicted ones): {lora_int_id: fingerprint}; loaded again only from files that
-        #: still have it
-        self._let_go: dict[int, str] = {}
-        #: the request each adapter in the engine was loaded from (driver thread): a swap puts it back
-        self._engine_requests: dict[int, LoRARequest] = {}
-        #: pending in-place updates of a pinned adapter (driver thread): {old id: (new version, future)}
-        self._swaps: dict[int, tuple[LoRARequest, Future]] = {}
+        self._init_held()
         #: adapter names by id, for the statistics (``stats()``)
         self._lora_names: dict[int, str] = {}
         #: adapters removed while requests using them still ran (driver thread only): vLLM's worker
@@ -411,43 +397,6 @@ class LLMStageEngine(StageDriver):
         tensor_lora.remember(lora_request, self, self.stage.label)  # in-memory adapters' tensors
         self._valid_adapters[lora_request.lora_int_id] = lora_request.lora_path
 
-    def _hold_again(self, lora: LoRARequest) -> None:
-        """Before vLLM loads a folder whose bytes this stage let go: read it again, and refuse it unless
-        it is still the version the id was validated with (driver thread).
-
-        Raises:
-            InvalidAdapterError: the files changed (or are unreadable) since; the new version gets a new
-                id from the adapter registry on the next request.
-        """
-        expected = self._let_go.get(lora.lora_int_id)
-        if expected is None or isinstance(lora, TensorLoRARequest):
-            return
-        content = self.validator.read_again(lora)
-        if content.sha256 != expected:
-            raise InvalidAdapterError(
-                f"{self.stage.label}: adapter {lora.lora_name!r} (id {lora.lora_int_id}, path {lora.lora_path!r}) "
-                f"was evicted and its files changed since this version was loaded (content {expected[:12]} -> "
-                f"{content.sha256[:12]}); send the request again to get the new version"
-            )
-        held = tensor_lora.held_form(lora, content)
-        tensor_lora.remember(held, self, self.stage.label)
-        self._held_files[lora.lora_int_id] = held
-        del self._let_go[lora.lora_int_id]
-
-    def _let_go_of_evicted(self, in_engine: set[int]) -> None:
-        """Keep the bytes of at most ``_HELD_EVICTED`` folders vLLM evicted (the oldest go first; their
-        fingerprints stay, see ``_hold_again``), so that request-time adapters do not accumulate."""
-        in_use = self._ids_in_use()  # vLLM loads a running request's evicted adapter again by itself
-        evicted = [i for i in self._held_files if i not in in_engine and i not in in_use]
-        for lora_int_id in evicted[: max(0, len(evicted) - _HELD_EVICTED)]:
-            held = self._held_files.pop(lora_int_id)
-            tensor_lora.forget(lora_int_id, self)
-            self._let_go[lora_int_id] = held.content_sha256
-
-    def _vllm_form(self, lora: LoRARequest) -> LoRARequest:
-        """What vLLM is handed for ``lora``: its held bytes for a folder (``_held_files``), named per version."""
-        return vllm_lora_request(self._held_files.get(lora.lora_int_id, lora))
-
     def _lora_name(self, lora: LoRARequest) -> str:
         name = self._lora_names[lora.lora_int_id] = lora.lora_name or str(lora.lora_int_id)
         return name
@@ -475,13 +424,6 @@ class LLMStageEngine(StageDriver):
             self._removal_deferred.add(lora_int_id)
         return held
 
-    def _forget(self, lora_int_id: int) -> None:
-        """Drop what this stage holds for ``lora_int_id`` outside the engine (driver thread)."""
-        tensor_lora.forget(lora_int_id, self)
-        self._held_files.pop(lora_int_id, None)
-        self._let_go.pop(lora_int_id, None)
-        self._engine_requests.pop(lora_int_id, None)
-
     def _remove_deferred(self) -> None:
         """Remove the deferred adapters no running request uses any more (driver thread)."""
         done = self._removal_deferred - self._ids_in_use()
@@ -489,60 +431,6 @@ class LLMStageEngine(StageDriver):
             self._forget(lora_int_id)
             self._engine.remove_lora(lora_int_id)
         self._removal_deferred -= done
-
-    def _load_or_swap(self, lora: LoRARequest) -> bool | Future:
-        """``_load_adapter``, or, with no room, the pending swap of another version of a pinned adapter
-        of the same name (driver thread): a future of its result."""
-        loaded = self._loaded_ids()
-        try:
-            return self._load_adapter(lora, loaded)
-        except LoRACacheError:
-            old = next(
-                (
-                    i
-                    for i in sorted(loaded)
-                    if i != lora.lora_int_id and self._lora_names.get(i) == lora.lora_name
-                ),
-                None,
-            )
-            if old is None or old in self._swaps or old not in self._engine_requests:
-                raise
-        done: Future = Future()
-        self._swaps[old] = (lora, done)
-        self._try_swaps()
-        return done
-
-    def _try_swaps(self) -> None:
-        """Run the pending swaps whose old version no running request uses any more (driver thread)."""
-        for old in [i for i in self._swaps if i not in self._ids_in_use()]:
-            new, done = self._swaps.pop(old)
-            try:
-                done.set_result(self._swap_in(old, new))
-            except Exception as exc:
-                done.set_exception(exc)
-
-    def _swap_in(self, old: int, new: LoRARequest) -> bool:
-        """Replace adapter ``old`` (pinned, unused) by ``new`` in the engine, pinned; queued requests of
-        ``old`` are bound to ``new``. If ``new`` fails to load, ``old`` is loaded and pinned again."""
-        previous = self._engine_requests[old]
-        self._engine.remove_lora(old)
-        try:
-            added = self._load_adapter(new, self._loaded_ids())
-            self._engine.pin_lora(new.lora_int_id)
-        except Exception:
-            self._engine.remove_lora(new.lora_int_id)
-            self._engine.add_lora(self._vllm_form(previous))
-            self._engine.pin_lora(old)
-            raise
-        self._engine_requests.pop(old, None)
-        name = self._lora_names.get(old, str(old))
-        self.recorder.unloaded(name, version=old)
-        self.recorder.pinned(name, new.lora_int_id)
-        with self._cv:
-            for item in self._queue:
-                if item.lora_request is not None and item.lora_request.lora_int_id == old:
-                    item.lora_request = new
-        return added
 
     def _load_adapter(self, lora: LoRARequest, loaded: set[int]) -> bool:
         """``engine.add_lora`` on the driver thread, noting its seconds and the adapters the
