@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vllm_omni.engine.connectors import StagePayload
-from vllm_omni.engine.protocols import StageDescription
+from vllm_omni.engine.protocols import OutputKind, StageDescription
 from vllm_omni.engine.stage_driver import StageDriver
 from vllm_omni.errors import InvalidRequestError, LoRANotEnabledError, StageEngineError
 from vllm_omni.inputs.stage_request import StageRequest
@@ -73,7 +73,7 @@ class ModelStageDriver(StageDriver):
 
     kind = "stage"
     #: what :meth:`describe` reports: the output, the per-request params, the voices a request may choose
-    output_kind = "audio"
+    output_kind: OutputKind = "audio"
     params_type: type = object
     voices: tuple[str, ...] | list[str] = ()
 
@@ -157,10 +157,8 @@ class ModelStageDriver(StageDriver):
             LoRANotEnabledError / InvalidAdapterError / InvalidRequestError: naming the stage.
         """
         prompt, params = request.prompt, request.params
-        if request.adapters and self.lora is None:
-            raise LoRANotEnabledError(self._no_lora_message())
         if request.adapters:
-            self.lora.check(request.adapters.lora_request)
+            self._require_lora().check(request.adapters.lora_request)
         if params is not None and not isinstance(params, params_type):
             raise InvalidRequestError(
                 f"{self.stage.label} takes {params_type.__name__}, got {type(params).__name__}"
@@ -233,9 +231,10 @@ class ModelStageDriver(StageDriver):
         return self._require_lora().ids()
 
     def pin_lora(self, lora_int_id: int) -> bool:
-        pinned = self._require_lora().pin(lora_int_id)
-        entry = self.lora.manager.cache_entry(lora_int_id)
-        self.recorder.pinned(entry.name or str(lora_int_id), lora_int_id)
+        lora = self._require_lora()
+        pinned = lora.pin(lora_int_id)
+        entry = lora.manager.cache_entry(lora_int_id)
+        self.recorder.pinned((entry.name if entry is not None else None) or str(lora_int_id), lora_int_id)
         return pinned
 
     def shutdown(self, timeout: float | None = None) -> None:
