@@ -9,7 +9,8 @@ own calls into vLLM, and the model registry's "already registered. Overwriting" 
 engine in one process. :func:`install` demotes those records to DEBUG (``VLLM_LOGGING_LEVEL=DEBUG``
 shows them again) and turns the per-weight dtype warnings into one INFO line that says how to
 keep float32. Warnings the user can act on (vLLM's ``LD_PRELOAD`` advice, for example) are left
-as they are.
+as they are, but each kind (a logger's message template) is said once per process: its repeats with other
+arguments (one per weight, per layer, per call) are DEBUG records.
 
 It works through the log record factory (records are created demoted, so every handler, including
 ones vLLM configures later, skips them), and ignores the ``FutureWarning`` vLLM's own import
@@ -57,6 +58,9 @@ _REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
 
 _installed = False
 _said: set[str] = set()
+#: ``(logger, message template)`` of the vLLM warnings said so far in this process (bounded)
+_seen_kinds: set[tuple[str, str]] = set()
+_MAX_KINDS = 4096
 
 
 def _quieted(record: logging.LogRecord) -> logging.LogRecord:
@@ -74,6 +78,13 @@ def _quieted(record: logging.LogRecord) -> logging.LogRecord:
         return _demote(record, logging.DEBUG)
     if text.startswith(tuple(DEMOTED)) or _OVERWRITING in text:
         return _demote(record, logging.DEBUG)
+    if record.levelno != logging.WARNING:  # errors are never folded
+        return record
+    kind = (record.name, str(record.msg))  # one line per kind: a warning repeated per weight / per
+    if kind in _seen_kinds:  # layer / per call with other arguments is said once, the rest is DEBUG
+        return _demote(record, logging.DEBUG)
+    if len(_seen_kinds) < _MAX_KINDS:
+        _seen_kinds.add(kind)
     return record
 
 

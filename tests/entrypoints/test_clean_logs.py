@@ -121,5 +121,12 @@ def test_known_noise_is_demoted_and_the_dtype_note_said_once():
     first, second = (record("vllm.utils", weight, n, "torch.float32", "torch.bfloat16") for n in ("a", "b"))
     assert (first.levelno, second.levelno) == (logging.INFO, logging.DEBUG)
     assert "pass --dtype float32" in first.getMessage()
+    log_noise._seen_kinds.clear()
     assert record("vllm.x", "libtcmalloc is not found in LD_PRELOAD").levelno == logging.WARNING
     assert record("other", "Triton is not installed. triton-cpu is expected").levelno == logging.WARNING
+    # one line per kind: a vLLM warning repeated with other arguments (per weight, per layer) is said once
+    per_layer = [
+        record("vllm.model_executor", "Layer %s falls back to %s", f"l{i}", "torch") for i in range(3)
+    ]
+    assert [r.levelno for r in per_layer] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert record("vllm.model_executor", "Another warning %s", "x").levelno == logging.WARNING
