@@ -41,7 +41,8 @@ from vllm_omni.lora.schedule import LoRAScaleSchedule
 
 #: pipeline class name -> ``"module:Class"`` of its step unit (constructed with the pipeline).
 STEP_UNITS: dict[str, str] = {
-    "ZImagePipeline": "vllm_omni.diffusion.pipelines.z_image_steps:ZImageSteps",
+    name: "vllm_omni.diffusion.pipelines.template_steps:TemplateSteps"
+    for name in ("ZImagePipeline", "QwenImagePipeline", "WanPipeline")
 }
 
 
@@ -121,11 +122,28 @@ class StepBatcher:
             self.lora.note_batch([adapters])
             context = self.lora.context_factory([adapters])
             rows = self.unit.prepare(prompt, sp, seed, context)
+            scale_of = getattr(self.unit, "lora_scale", None)
+            adapters = self._times(adapters, 1.0 if scale_of is None else scale_of(rows))
         except BaseException:
             self.lora.release(held)
             raise
         self.running[rid] = _Running(rid, prompt, sp.output_type, adapters, held, rows, self._admitted)
         self._admitted += 1
+
+    def _times(self, adapters: RequestAdapters, factor: float) -> RequestAdapters:
+        """``adapters`` at their scales (stage defaults resolved) times a request's call-wide LoRA scale
+        (``factor``; schedules: every step scale), as the whole-request path multiplies them."""
+        if factor == 1.0 or not adapters:
+            return adapters
+        scales = self.lora.resolve_scales(adapters)
+        return RequestAdapters(
+            tuple(
+                dataclasses.replace(
+                    a, scale=s.times(factor) if isinstance(s, LoRAScaleSchedule) else s * factor
+                )
+                for a, s in zip(adapters, scales, strict=True)
+            )
+        )
 
     def drop(self, rids: Sequence[int]) -> None:
         """Remove requests (cancelled) and release their adapters; unknown ids are ignored."""
