@@ -180,8 +180,31 @@ def build_qwen_image(checkpoint, out: Path) -> None:
     _write_index(out, checkpoint)
 
 
+def build_flux(checkpoint, out: Path) -> None:
+    """A tiny Flux folder: the tiny CLIP-L / T5 encoders, tokenizers and VAE of ``make_tiny_flux``; the denoiser,
+    scheduler and ``model_index.json`` from the published config (sizes shrunk: 2 heads of 16, 2 double and 3
+    single blocks)."""
+    from diffusers import FluxTransformer2DModel
+
+    from tools.make_tiny_flux import CLIP_HIDDEN, T5_HIDDEN, build_tiny_flux
+
+    build_tiny_flux(out, "kontext" if checkpoint.pipeline == "FluxKontextPipeline" else "dev")
+    sizes = {
+        "num_layers": 2,
+        "num_single_layers": 3,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": T5_HIDDEN,
+        "pooled_projection_dim": CLIP_HIDDEN,
+        "axes_dims_rope": [4, 6, 6],
+    }
+    _published_denoiser(FluxTransformer2DModel, checkpoint.denoiser, sizes, 1, out / "transformer")
+    _published_scheduler(checkpoint, out / "scheduler")
+    _write_index(out, checkpoint)
+
+
 #: family name -> folder builder (a family joins with its builder here and its spec's PUBLISHED list)
-BUILDERS = {"z_image": build_z_image, "qwen_image": build_qwen_image, "wan": build_wan}
+BUILDERS = {"z_image": build_z_image, "qwen_image": build_qwen_image, "wan": build_wan, "flux": build_flux}
 
 
 def family_of(checkpoint) -> str:

@@ -240,19 +240,6 @@ def test_text_encoder_part_matches_diffusers(omni, flux_dirs, clip_lora_file):
     assert _max(no_te[0].latents, got) > 50 * TOL  # the encoder part matters
 
 
-def test_per_step_schedule_matches_diffusers_step_callback(omni, flux_dirs, loras):
-    steps = [1.5, 0.25]
-    got = _latents(omni, lora_requests=[LoRARequest("attn", 1, str(loras["attn"]))], lora_scales=[steps])
-    pipe = diffusers_pipe(flux_dirs["dev"], [(loras["attn"], steps[0])])
-
-    def callback(_pipe, i, _t, _kwargs):
-        if i + 1 < len(steps):
-            pipe.set_adapters(["a0"], [steps[i + 1]])
-        return {}
-
-    assert _max(got, diffusers_latents(pipe, callback_on_step_end=callback)) <= TOL
-
-
 def test_bad_input_is_refused_by_name_and_changes_nothing(omni, tmp_path, loras):
     from safetensors.torch import load_file, save_file
 

@@ -103,7 +103,8 @@ class DiTFamilySpec:
             the diffusers reference, e.g. a processor without torchvision) and ``condition_area``
             (``(pixels, "module:function")``: the in-tree ``condition_area`` and diffusers' sizing function
             patched to use it), ``reference_n1_components`` (with one of these components diffusers'
-            reference makes one output per prompt only; the contract then asks for one).
+            reference makes one output per prompt only; the contract then asks for one),
+            ``max_sequence_length`` (both sides' prompt length, for families that pad prompts to it).
     """
 
     name: str

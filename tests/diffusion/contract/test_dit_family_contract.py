@@ -84,6 +84,11 @@ class Case:
         single = self.spec.contract.get("reference_n1_components", ())
         return 1 if any(c in self.checkpoint.components for c in single) else 2
 
+    def call_kwargs(self) -> dict[str, Any]:
+        """Call settings both sides take (``contract["max_sequence_length"]``: a shorter padded prompt)."""
+        length = self.spec.contract.get("max_sequence_length")
+        return {} if length is None else {"max_sequence_length": length}
+
     def cfg_scale(self, on: bool) -> float:
         return self.spec.cfg_threshold + 3.0 if on else self.spec.cfg_threshold
 
@@ -172,6 +177,7 @@ def _in_tree(case: Case, prompts, *, steps, cfg, adapters, seeds, n=1) -> list[t
         num_images_per_prompt=n,
         output_type="latent",
         extra_args=case.inputs(),
+        **case.call_kwargs(),
     )
     sets = [
         RequestAdapters() if s is None else RequestAdapters((RequestAdapter(case.lora, s),)) for s in adapters
@@ -203,6 +209,7 @@ def _diffusers(case: Case, prompt, *, steps, cfg, scale, seed, n=1) -> torch.Ten
         kwargs["callback_on_step_end"] = step_end
     if cfg:
         kwargs["negative_prompt"] = NEG
+    kwargs.update(case.call_kwargs())
     kwargs[case.spec.guidance_argument] = case.cfg_scale(cfg)
     per_prompt = (
         "num_images_per_prompt" if "num_images_per_prompt" in _parameters(ref) else "num_videos_per_prompt"
