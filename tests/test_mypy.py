@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Modules in the baseline when it was set; lower it as modules leave it, never raise it.
-BASELINE_MAX = 37
+BASELINE_MAX = 34
 
 
 def _baseline() -> list[str]:

@@ -129,7 +129,7 @@ def run_server(
                 port=settings.port,
                 log_level=settings.uvicorn_log_level,
                 access_log=not settings.disable_uvicorn_access_log,
-                timeout_graceful_shutdown=settings.shutdown_timeout,
+                timeout_graceful_shutdown=settings.shutdown_timeout,  # type: ignore[arg-type]  # uvicorn waits a float
             )
         )
         # uvicorn handles the signals while it serves, then raises the one it received again

@@ -69,7 +69,7 @@ def refuse_audio(req: ChatCompletionRequest, why: str) -> None:
 def _pcm_samples(raw: bytes, width: int, channels: int) -> np.ndarray:
     if width == 3:  # 24-bit little-endian: widen to 32 bits
         b = np.frombuffer(raw[: len(raw) // 3 * 3], dtype=np.uint8).reshape(-1, 3)
-        wide = np.zeros((len(b), 4), dtype=np.uint8)
+        wide: np.ndarray = np.zeros((len(b), 4), dtype=np.uint8)
         wide[:, 1:] = b
         samples = wide.view("<i4").reshape(-1).astype(np.float32) / 2.0**31
     else:

@@ -105,7 +105,7 @@ def _printable(text: str | None) -> str | None:
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
     """The OpenAI-style error body; any message (even one quoting invalid text) renders."""
-    message, param = _printable(message), _printable(param)
+    message, param = _printable(message) or message, _printable(param)
     body = {
         "error": {
             "message": message,

@@ -101,7 +101,7 @@ def encode_video(frames: list[Any], fps: int, fmt: str | None = None) -> tuple[s
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "video.mp4")
             w, h = pil[0].size
-            writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+            writer = cv2.VideoWriter(path, cv2.VideoWriter.fourcc(*"mp4v"), fps, (w, h))
             if writer.isOpened():
                 for frame in pil:
                     writer.write(cv2.cvtColor(np.asarray(frame), cv2.COLOR_RGB2BGR))

@@ -80,7 +80,7 @@ class ChatMessage(BaseModel):
             if isinstance(part, InputAudioPart):
                 at = f"{where}.content[{j}]"
                 raise bad_request(f"{at}: this model takes no audio input", at)
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))  # the others were refused
 
 
 class StreamOptions(_Body):
