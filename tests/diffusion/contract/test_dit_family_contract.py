@@ -6,14 +6,13 @@ registry line, its spec's ``PUBLISHED`` list and a builder in ``tools/make_tiny_
 a family. Checkpoints whose behaviour-selecting records are identical (Qwen-Image and Qwen-Image-2512) share
 one folder. Per checkpoint one in-tree worker and one diffusers pipeline serve every variant:
 
-* ``mixed``: two prompts of different lengths in one batch, a negative prompt, CFG on, two outputs per
-  prompt, per-prompt seeds, a non-square size; one row with an adapter (scale 0.8) next to one without.
-  The adapter row == diffusers with the adapter, the other == diffusers without, and equals bit for bit the
-  same batch run with no adapter at all.
+* ``mixed``: three prompts of different lengths in one batch, a negative prompt, CFG on, two outputs per
+  prompt, per-prompt seeds, a non-square size; one row with an adapter (scale 0.8) next to one without and
+  one with a per-step schedule ``[1.0, 0.3]`` (on Wan2.2 A14B the two steps run on the two experts).
+  Each row == diffusers with the same adapter setting; the adapter-free row equals bit for bit the same
+  batch run with no adapter at all.
 * ``one_step``: CFG off, one step (refused, naming the field, where the published scheduler's
   ``shift_terminal`` makes one step 0/0), scale 0 next to a negative scale in one batch.
-* ``schedule``: a per-step scale schedule ``[1.0, 0.3]``, CFG on (on Wan2.2 A14B the two steps run on the two
-  experts).
 
 Float32, tolerance 1e-4 on the final latents (diffusers' ``output_type="latent"`` layout).
 """
@@ -240,15 +239,20 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def test_mixed_batch_cfg_two_outputs_adapter_row_beside_base_row(case):
-    n = case.outputs_per_prompt
-    got = _in_tree(case, PROMPTS, steps=2, cfg=True, adapters=[0.8, None], seeds=SEEDS, n=n)
-    base = _in_tree(case, PROMPTS, steps=2, cfg=True, adapters=[None, None], seeds=SEEDS, n=n)
+def test_mixed_batch_cfg_two_outputs_adapter_row_beside_base_row_and_a_schedule(case):
+    from vllm_omni.lora.schedule import LoRAScaleSchedule
+
+    n, prompts, seeds = case.outputs_per_prompt, [*PROMPTS, "a green ball on the grass"], [*SEEDS, 13]
+    schedule = LoRAScaleSchedule.parse([1.0, 0.3])
+    got = _in_tree(case, prompts, steps=2, cfg=True, adapters=[0.8, None, schedule], seeds=seeds, n=n)
+    base = _in_tree(case, prompts, steps=2, cfg=True, adapters=[None, None, None], seeds=seeds, n=n)
     assert torch.equal(got[1], base[1])  # the row without an adapter is the base, exactly
-    with_adapter = _diffusers(case, PROMPTS[0], steps=2, cfg=True, scale=0.8, seed=SEEDS[0], n=n)
-    without = _diffusers(case, PROMPTS[1], steps=2, cfg=True, scale=None, seed=SEEDS[1], n=n)
+    with_adapter = _diffusers(case, prompts[0], steps=2, cfg=True, scale=0.8, seed=seeds[0], n=n)
+    without = _diffusers(case, prompts[1], steps=2, cfg=True, scale=None, seed=seeds[1], n=n)
+    scheduled = _diffusers(case, prompts[2], steps=2, cfg=True, scale=[1.0, 0.3], seed=seeds[2], n=n)
     assert _err(got[0], with_adapter) <= TOL
     assert _err(got[1], without) <= TOL
+    assert _err(got[2], scheduled) <= TOL
     assert _err(base[0], with_adapter) > 10 * TOL  # the adapter matters
 
 
@@ -265,15 +269,6 @@ def test_one_step_cfg_off_scale_zero_beside_negative_scale(case):
     assert (
         _err(got[1], _diffusers(case, PROMPTS[1], steps=steps, cfg=False, scale=-0.7, seed=SEEDS[1])) <= TOL
     )
-
-
-def test_per_step_schedule(case):
-    from vllm_omni.lora.schedule import LoRAScaleSchedule
-
-    schedule = LoRAScaleSchedule.parse([1.0, 0.3])
-    [got] = _in_tree(case, PROMPTS[:1], steps=2, cfg=True, adapters=[schedule], seeds=SEEDS[:1])
-    want = _diffusers(case, PROMPTS[0], steps=2, cfg=True, scale=[1.0, 0.3], seed=SEEDS[0])
-    assert _err(got, want) <= TOL
 
 
 VARIANT_CASES = [
