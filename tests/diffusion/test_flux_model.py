@@ -21,8 +21,7 @@ from vllm_omni.errors import ConfigError
 
 @pytest.fixture(scope="module")
 def folders():
-    from conftest import _assets_root
-
+    from tests.conftest import test_assets_root as _assets_root
     from tools.make_tiny_flux import ensure_tiny_flux
 
     init_diffusion_parallel_state(1, 0)

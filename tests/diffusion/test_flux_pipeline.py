@@ -57,8 +57,7 @@ def diffusers_latents(pipe, prompt=PROMPT, **kw):
 
 @pytest.fixture(scope="module")
 def flux_dirs():
-    from conftest import _assets_root
-
+    from tests.conftest import test_assets_root as _assets_root
     from tools.make_tiny_flux import ensure_tiny_flux, ensure_tiny_flux_loras
 
     root = _assets_root()
