@@ -232,8 +232,9 @@ def test_metrics_name_adapters_as_clients_do_across_in_place_updates(served, tin
     """Issue 35 items 6 and 7 over HTTP. After ``load_inplace`` of rewritten files, ``/metrics`` still
     shows the adapter loaded (the old version's unload used to zero the name's ``lora_loaded``), and no
     series, ours or vLLM's ``vllm:lora_requests_info``, names a version (``m@<id>``). With the stage's one
-    cache entry pinned, the next ``load_inplace`` is a 400 naming the adapter while the old version keeps
-    serving and stays pinned in ``/metrics``."""
+    cache entry pinned, the next ``load_inplace`` is swapped into the old version's pinned place (it was
+    a 400 before 014cfbe): the new version serves, and ``/metrics`` still names ``m`` loaded and pinned,
+    never a version."""
     omni, app, root = served
     path = copy_adapter(tiny_llm_assets.adapter_a, root / "m")
     body = {"lora_name": "m", "lora_path": str(path)}
@@ -268,14 +269,17 @@ def test_metrics_name_adapters_as_clients_do_across_in_place_updates(served, tin
     assert "m" in listed and not [n for n in listed if re.search(r"@\d+$", n)], listed
 
     assert asyncio.run(omni.pin_lora(record.int_id))  # the stage's one cache entry (max_cpu_loras 1)
+    v2_engine_id = record.engine.lora_int_id
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         shutil.copyfile(tiny_llm_assets.adapter_a / name, path / name)
-    refused = post("/v1/load_lora_adapter", body | {"load_inplace": True})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora_path"
-    assert (
-        "'m'" in refused.json()["error"]["message"] and "keeps serving" in refused.json()["error"]["message"]
-    )
-    assert omni.adapter_registry.get("m").version == 2
+    # no free slot: the new version takes the old one's pinned place
+    assert post("/v1/load_lora_adapter", body | {"load_inplace": True}).status_code == 200
+    swapped = omni.adapter_registry.get("m")
+    assert swapped.version == 3 and swapped.engine.lora_int_id != v2_engine_id
     assert post("/v1/images/generations", image).status_code == 200
-    pinned = _metrics(app)[("vllm_omni:lora_pinned", (("adapter", "m"), ("stage", "0")))]
-    assert pinned == 1 and post("/v1/unload_lora_adapter", {"lora_name": "m"}).status_code == 200
+    samples = _metrics(app)
+    assert samples[("vllm_omni:lora_pinned", (("adapter", "m"), ("stage", "0")))] == 1
+    assert samples[("vllm_omni:lora_loaded", (("adapter", "m"), ("stage", "0")))] == 1
+    labelled = {dict(k[1])["adapter"] for k in samples if "adapter" in dict(k[1])}
+    assert "m" in labelled and not [n for n in labelled if re.search(r"@\d+$", n)], labelled
+    assert post("/v1/unload_lora_adapter", {"lora_name": "m"}).status_code == 200

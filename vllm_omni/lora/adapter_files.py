@@ -368,7 +368,8 @@ def safetensors_from_bytes(data: bytes, source: str) -> tuple[dict[str, torch.Te
         with warnings.catch_warnings():  # the views over the immutable bytes are copied right below
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             views = safetensors.torch.load(data)
-        return {key: view.clone() for key, view in views.items()}, metadata
+        # sorted, as safe_open's keys() were: load()'s order is a hash map's, different per call
+        return {key: views[key].clone() for key in sorted(views)}, metadata
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise LoRAFormatError(f"{source}: not a readable safetensors file: {exc}") from exc
 
