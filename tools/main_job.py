@@ -272,6 +272,10 @@ def main(argv=None) -> int:
         print(f"[main job] no real model ({exc}); the tiny random Qwen2 instead")
         run_tiny_llm(args)
     else:
+        from tools.make_tiny_llm import ensure_tiny_llm_assets
+
+        # README's "Use" block runs on the tiny Qwen2 (fast); write it here too, as before
+        ensure_tiny_llm_assets(args.assets)
         answers = run_real_llm(args, model, adapters, questions)
         if not args.no_serve:
             serve_real_llm(args, model, adapters, questions, answers)
